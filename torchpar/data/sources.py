@@ -1,0 +1,162 @@
+"""Document sources: indexable lists of texts. Every problem is reported when the source is
+built (before any process group exists), never in the middle of training."""
+
+from __future__ import annotations
+
+import glob
+import json
+import random
+import sysconfig
+import zlib
+from pathlib import Path
+
+from torchpar.config import ConfigError
+
+VALIDATION_PERCENT = 3  # stdlib files whose path hashes into this bucket form the held-out split
+
+
+class DocumentSource:
+    """``len(source)`` documents, ``source[i]`` -> text; ``skipped`` counts what was left out and why."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.skipped: dict[str, int] = {}
+
+    def _skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+
+class StdlibSource(DocumentSource):
+    """The running interpreter's standard-library ``.py`` files (every Python ships them).
+
+    Order: sorted relative paths, then a fixed shuffle by ``seed``; ``split`` 'validation' holds
+    the ~3% of files whose path CRC falls in a fixed bucket, 'train' the rest. Files that are not
+    valid UTF-8 (a few test fixtures are deliberately broken) are skipped and counted. The
+    corpus differs slightly between Python versions; within one interpreter it is fixed.
+    """
+
+    def __init__(self, split: str, seed: int, root: str | None = None):
+        super().__init__(f"stdlib:{split}")
+        if split not in ("train", "validation"):
+            raise ConfigError(f"data.split = {split!r}: the stdlib corpus has 'train' and 'validation'")
+        root_path = Path(root or sysconfig.get_paths()["stdlib"])
+        rel = sorted(
+            p.relative_to(root_path).as_posix()
+            for p in root_path.rglob("*.py")
+            if "site-packages" not in p.parts and "dist-packages" not in p.parts
+        )
+        held_out = [r for r in rel if zlib.crc32(r.encode()) % 100 < VALIDATION_PERCENT]
+        chosen = held_out if split == "validation" else [r for r in rel if r not in set(held_out)]
+        random.Random(seed).shuffle(chosen)
+        self.root, self.files = root_path, chosen
+        if not chosen:
+            raise ConfigError(f"no standard-library sources found under {root_path}")
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> str:
+        try:
+            text = (self.root / self.files[i]).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            self._skip("not UTF-8")
+            return ""
+        if not text.strip():
+            self._skip("empty")
+        return text
+
+
+class FileSource(DocumentSource):
+    """Local ``.txt`` files (one document each) and ``.jsonl`` files (one document per line, text
+    under ``text_field``). Paths and globs are comma-separated. Everything is read once up front so
+    a bad file fails here: bad UTF-8, a line that is not JSON or lacks the field -> error naming the
+    file and line; empty files and empty texts are skipped and counted."""
+
+    def __init__(self, paths: str, text_field: str):
+        super().__init__("files")
+        files: list[Path] = []
+        for pattern in (p.strip() for p in paths.split(",") if p.strip()):
+            matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+            if not matches:
+                raise ConfigError(f"data.path: {pattern!r} matches no file")
+            files += [Path(m) for m in matches if Path(m).is_file()]
+        self.docs: list[str] = []
+        for f in files:
+            raw = f.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{f}: not valid UTF-8 at byte {e.start}; convert the file or remove it from data.path") from None
+            if f.suffix == ".jsonl":
+                for lineno, line in enumerate(text.splitlines(), 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{f}:{lineno}: not a JSON object ({e.msg})") from None
+                    if not isinstance(record, dict) or text_field not in record:
+                        keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
+                        raise ConfigError(f"{f}:{lineno}: no field '{text_field}' (has {keys}); set data.text_field")
+                    self._add(str(record[text_field]))
+            else:
+                self._add(text)
+        if not self.docs:
+            raise ConfigError(f"data.path {paths!r}: no non-empty documents (skipped: {self.skipped})")
+
+    def _add(self, text: str) -> None:
+        if text.strip():
+            self.docs.append(text)
+        else:
+            self._skip("empty")
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> str:
+        return self.docs[i]
+
+
+class HFSource(DocumentSource):
+    """A Hugging Face ``datasets`` dataset (optional dependency: ``pip install torchpar[hf]``).
+
+    ``path`` is a hub name or a local data file / folder; local ``.jsonl``/``.json``/``.txt``/``.parquet``
+    files load through the matching builder, so nothing is downloaded for them."""
+
+    BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+
+    def __init__(self, path: str, split: str, text_field: str):
+        super().__init__(f"hf:{path}")
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError("data.dataset = 'hf' needs the 'datasets' package: pip install 'torchpar[hf]'") from None
+        builder = self.BUILDERS.get(Path(path).suffix)
+        try:
+            if builder and Path(path).exists():
+                ds = datasets.load_dataset(builder, data_files=path, split="train")
+            else:
+                ds = datasets.load_dataset(path, split=split)
+        except Exception as e:  # datasets raises many types; the user needs the message
+            raise ConfigError(f"data.path {path!r}: could not load with datasets: {e}") from None
+        if text_field not in ds.column_names:
+            raise ConfigError(f"data.path {path!r}: no column '{text_field}' (columns: {ds.column_names}); set data.text_field")
+        self.dataset, self.text_field = ds, text_field
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> str:
+        text = self.dataset[i][self.text_field]
+        if not text:
+            self._skip("empty")
+        return text or ""
+
+
+def build_source(cfg, seed: int) -> DocumentSource:
+    """``cfg`` is the [data] section."""
+    if cfg.dataset == "stdlib":
+        return StdlibSource(cfg.split, seed)
+    if cfg.dataset == "files":
+        return FileSource(cfg.path, cfg.text_field)
+    return HFSource(cfg.path, cfg.split, cfg.text_field)

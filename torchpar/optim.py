@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule, each built from its own config section."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, cfg, device_type: str) -> torch.optim.Optimizer:
+    """AdamW over ``params``; ``cfg`` is the [optimizer] section."""
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        fused=impl == "fused", foreach=impl == "foreach",
+    )
+
+
+def lr_factor(step: int, cfg, total_steps: int) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based); ``cfg`` is [lr_scheduler].
+
+    Linear warmup from 1/(warmup+1) to 1, then linear or cosine decay to ``min_lr_ratio``.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if cfg.decay_type == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    decay = 1.0 - progress if cfg.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

@@ -1,0 +1,233 @@
+"""Data parallelism and the ZeRO stages.
+
+Stage 3 is FSDP2 (``fully_shard`` per block, then the root). Stages 0-2 are :class:`FlatZero`,
+a short engine over one flat fp32 buffer that the model's (local) parameters alias, written so
+the three stages differ only in which collectives run and how much of the buffer this rank's
+optimizer owns:
+
+==========  ===========================================  ===============================
+stage       gradients after backward                     optimizer updates
+==========  ===========================================  ===============================
+0 (DDP)     all-reduce over dp (full grads everywhere)    the whole buffer, on every rank
+1           all-reduce over dp                            its 1/N slice, then all-gather
+2           reduce-scatter over dp_shard (+ all-reduce    its 1/N slice, then all-gather
+            over dp_replicate); only the slice is kept
+3 (FSDP2)   reduce-scatter in backward, per block         its shard of every parameter
+==========  ===========================================  ===============================
+
+Both keep the gradient reduction an average over the dp ranks (the trainer scales the loss by
+the dp degree so the result is the gradient of the globally normalized loss), and both expose
+the same small interface to the trainer: ``set_sync``, ``reduce_gradients``, ``grad_pieces``,
+``scale_grads``, ``step``, ``zero_grad``, ``state_bytes``, ``optimizer``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else local(t).numel() * local(t).element_size()
+
+
+def unique_params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for m in model_parts:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """ZeRO-3: each block is one all-gather / reduce-scatter unit; the root takes the rest
+    (embedding, final norm, head). ``dp_mesh`` is 1-D (dp_shard) or 2-D (dp_replicate, dp_shard)
+    for HSDP, where FSDP2 shards inside dp_shard and all-reduces across dp_replicate."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    # The root's parameters are used last in forward and first in backward: keeping them
+    # gathered saves one all-gather per step.
+    fully_shard(model, reshard_after_forward=False, **kw)
+
+
+def replicas(t: torch.Tensor, tp: int) -> int:
+    """How many ranks of this tensor's mesh (and of tp) hold an identical copy of its local part."""
+    if not isinstance(t, DTensor):
+        return tp  # a plain parameter next to TP-sharded ones is replicated over tp
+    n = 1
+    for size, placement in zip(t.device_mesh.shape, t.placements):
+        if isinstance(placement, Replicate):
+            n *= size
+    # A parameter TP left alone (a norm without sequence parallel) is a copy on every tp rank.
+    return n if "tp" in (t.device_mesh.mesh_dim_names or ()) else n * tp
+
+
+class FSDPState:
+    """ZeRO-3 through FSDP2: gradients are already reduce-scattered when backward returns."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int):
+        self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
+        self.params = unique_params(model_parts)
+
+    def set_sync(self, enabled: bool) -> None:
+        for m in self.model_parts:
+            m.set_requires_gradient_sync(enabled)
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        # Every FSDP2 parameter is a DTensor over (dp..., tp) dims; its Replicate dims hold copies.
+        return [(local(p.grad), replicas(p.grad, self.tp)) for p in self.params if p.grad is not None]
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        torch._foreach_mul_([local(p.grad) for p in self.params if p.grad is not None], coef)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"param_bytes": sum(_nbytes(p) for p in self.params),
+                "grad_bytes": sum(_nbytes(p.grad) for p in self.params),
+                "optim_bytes": optimizer_state_bytes(self.optimizer)}
+
+
+class FlatZero:
+    """ZeRO stages 0, 1 and 2 over one flat fp32 buffer (see the module docstring)."""
+
+    def __init__(self, model_parts: list[nn.Module], dims, stage: int, build_optimizer):
+        self.stage, self.dims = stage, dims
+        self.params = unique_params(model_parts)
+        tensors = [local(p) for p in self.params]
+        dtypes = {t.dtype for t in tensors}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"zero stages 0-2 keep fp32 parameters; got {dtypes}")
+        self.shards = dims.dp_shard if stage in (1, 2) else 1
+        mesh = dims.mesh
+        self.dp_group = mesh["dp"].get_group()
+        self.shard_group = mesh["dp_shard"].get_group()
+        self.replicate_group = mesh["dp_replicate"].get_group()
+        self.shard_rank = mesh["dp_shard"].get_local_rank() if self.shards > 1 else 0
+        total = sum(t.numel() for t in tensors)
+        padded = math.ceil(total / self.shards) * self.shards
+        self.shard_size = padded // self.shards
+        device = tensors[0].device
+        self.flat = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.segments: list[tuple[int, int, int]] = []  # (start, end, tp copies) per parameter
+        offset = 0
+        with torch.no_grad():
+            for p, t in zip(self.params, tensors):
+                view = self.flat[offset: offset + t.numel()].view_as(t)
+                view.copy_(t)
+                # The parameter now lives in the flat buffer: updating the buffer updates the model.
+                if isinstance(p, DTensor):
+                    p._local_tensor = view
+                else:
+                    p.data = view
+                self.segments.append((offset, offset + t.numel(), replicas(p, dims.tp)))
+                offset += t.numel()
+        lo = self.shard_rank * self.shard_size
+        self.owned = (lo, lo + self.shard_size)
+        self.master = self.flat[lo: lo + self.shard_size]  # the slice this rank's optimizer updates
+        self.optimizer = build_optimizer([self.master])
+        self.grad: torch.Tensor | None = None  # reduced gradient: full (stages 0, 1) or the slice (2)
+
+    def set_sync(self, enabled: bool) -> None:
+        pass  # gradients are reduced once, in reduce_gradients, after the last micro-step
+
+    def reduce_gradients(self) -> None:
+        full = torch.zeros_like(self.flat)
+        for p, (start, end, _) in zip(self.params, self.segments):
+            if p.grad is not None:
+                full[start:end].copy_(local(p.grad).reshape(-1))
+            p.grad = None  # the flat copy replaces the per-parameter gradients
+        dp = self.dims.dp
+        if self.stage == 2 and self.shards > 1:
+            grad = torch.empty(self.shard_size, dtype=full.dtype, device=full.device)
+            dist.reduce_scatter_tensor(grad, full, group=self.shard_group)
+            del full
+            if self.dims.dp_replicate > 1:
+                dist.all_reduce(grad, group=self.replicate_group)
+        else:
+            grad = full
+            if dp > 1:
+                dist.all_reduce(grad, group=self.dp_group)
+        self.grad = grad.div_(dp)
+        # What this rank holds, and how many ranks hold the same reduced values.
+        if self.stage == 2 and self.shards > 1:
+            self.held, self.dp_copies = self.owned, self.dims.dp_replicate
+        else:
+            self.held, self.dp_copies = (0, self.flat.numel()), dp
+        lo, hi = self.owned
+        self.master.grad = grad if self.held == self.owned else grad[lo:hi]
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        (held_lo, held_hi), dp_copies = self.held, self.dp_copies
+        pieces = []
+        for start, end, tp_copies in self.segments:
+            a, b = max(start, held_lo), min(end, held_hi)
+            if a < b:
+                pieces.append((self.grad[a - held_lo: b - held_lo], tp_copies * dp_copies))
+        return pieces
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        self.grad.mul_(coef)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.shards > 1:
+            dist.all_gather_into_tensor(self.flat, self.master.clone(), group=self.shard_group)
+
+    def zero_grad(self) -> None:
+        self.grad = None
+        self.master.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"param_bytes": sum(_nbytes(p) for p in self.params),
+                "grad_bytes": _nbytes(self.grad),
+                "optim_bytes": optimizer_state_bytes(self.optimizer)}
+
+
+def clip_grad_norm(state, max_norm: float, world_group=None) -> torch.Tensor:
+    """The true global gradient norm over every mesh dimension, and clipping to ``max_norm``.
+
+    Each rank sums the squares of the gradient values it holds, divided by how many ranks hold
+    identical copies; one all-reduce over the whole world then counts every value exactly once
+    (TP shards, FSDP shards, pipeline stages and replicas alike).
+    """
+    pieces = state.grad_pieces()
+    device = pieces[0][0].device if pieces else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for t, copies in pieces:
+        total += t.float().pow(2).sum() / copies
+    if dist.get_world_size(world_group) > 1:
+        dist.all_reduce(total, group=world_group)
+    norm = total.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        state.scale_grads(coef)
+    return norm

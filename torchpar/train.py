@@ -1,0 +1,225 @@
+"""The trainer: check everything, build everything, then the loop.
+
+    python -m torchpar.train --config train_configs/debug_model.toml [--section.key value ...]
+    torchrun --nproc-per-node 4 -m torchpar.train --config ... (what run_train.sh does)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchpar import device as dev
+from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
+from torchpar.data import build_dataloader, build_source
+from torchpar.metrics import MetricsLogger
+from torchpar.models import flops_per_token, model_args, num_params
+from torchpar.optim import build_lr_scheduler, build_optimizer
+from torchpar.parallel import DTYPES, build_parallel_model, validate_layout
+from torchpar.parallel.data import clip_grad_norm
+from torchpar.parallel.dims import ParallelDims
+from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy; works on vocab-sharded DTensor logits under loss_parallel."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        tr = cfg.training
+        # 1. Everything a user can get wrong is checked here, before any collective.
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.args = model_args(cfg.model.flavor, cfg.model.n_layers)
+        try:
+            self.tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        except TokenizerError as e:
+            raise ConfigError(f"model.tokenizer_path: {e}") from None
+        if self.tokenizer.n_words > self.args.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
+                              f"has vocab_size {self.args.vocab_size}; use a matching tokenizer or flavour")
+        self.dims = ParallelDims.from_config(cfg.parallelism, world)
+        self.accum = validate_layout(cfg, self.dims, self.args)
+        source = build_source(cfg.data, tr.seed)
+
+        # 2. Process group, mesh, model, optimizer, data.
+        self.rank, _ = dev.init_distributed()
+        self.device = dev.local_device()
+        self.dims.build_mesh(dev.device_type())
+        torch.manual_seed(tr.seed)
+        self.model = build_parallel_model(
+            cfg, self.args, self.dims, self.device,
+            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()))
+        self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
+        self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,
+                                           self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers)
+        self.global_batch = tr.local_batch_size * self.accum * self.dims.dp
+        self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
+        self.step = 0
+        # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
+        self.holds_loss = (self.dims.pp_rank == self.dims.pp - 1) and self.dims.coordinate("tp") == 0
+        self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
+                                    run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
+        dtype = DTYPES[tr.mixed_precision_param]
+        self.peak_flops, self.peak_source = dev.peak_flops(dtype, self.args.dim)
+        self.flops_per_token = flops_per_token(self.args, tr.seq_len)
+
+    # ------------------------------------------------------------------ one step
+
+    def _loss_context(self):
+        if self.dims.tp > 1 and self.cfg.parallelism.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train_step(self, batches) -> tuple[float, float]:
+        state = self.model.state
+        # Gradients of the globally normalized loss: the dp average taken by the reduction
+        # undoes the factor dp here.
+        scale = self.dims.dp / self.global_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            batch = next(batches).to(self.device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            state.set_sync(micro == self.accum - 1)
+            with self._loss_context():
+                if self.model.pipeline is not None:
+                    loss_sum += self.model.pipeline.step(inputs, targets, scale)
+                else:
+                    loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
+                    (loss * scale).backward()
+                    loss_sum += full_value(loss.detach())
+        state.reduce_gradients()
+        grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
+        state.step()
+        self.lr_scheduler.step()
+        # One all-reduce over the world: each dp rank's loss counted once.
+        if not self.holds_loss:
+            loss_sum.zero_()
+        dist.all_reduce(loss_sum)
+        return loss_sum.item() / self.global_tokens, grad_norm.item()
+
+    # ------------------------------------------------------------------ the loop
+
+    def state_bytes_per_rank(self) -> list[dict]:
+        mine = self.model.state.state_bytes()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
+
+    def train(self) -> list[float]:
+        cfg, tr = self.cfg, self.cfg.training
+        if self.rank == 0:
+            n = num_params(self.args)
+            print(f"torchpar: {cfg.model.flavor} ({n / 1e6:.2f}M params), world {self.dims.world_size} = "
+                  f"pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x "
+                  f"tp {self.dims.tp}, zero {cfg.parallelism.zero_stage}, global batch {self.global_batch} "
+                  f"({self.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
+                  f"GFLOP/s per rank ({self.peak_source})", flush=True)
+            if self.model.pipeline is not None:
+                print(self.model.pipeline.describe(), flush=True)
+        losses: list[float] = []
+        batches = iter(self.dataloader)
+        t_start = t_last = time.perf_counter()
+        steps_since = 0
+        dev.reset_peak_memory()
+        while self.step < tr.steps:
+            self.step += 1
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(batches)
+            losses.append(loss)
+            steps_since += 1
+            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == tr.steps:
+                dev.synchronize()
+                now = time.perf_counter()
+                tps = self.global_tokens * steps_since / (now - t_last)
+                record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                          "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / self.dims.world_size,
+                          "mfu": self.flops_per_token * tps / (self.peak_flops * self.dims.world_size),
+                          "elapsed_s": now - t_start, **dev.memory_stats()}
+                if self.step == 1:
+                    per_rank = self.state_bytes_per_rank()
+                    record.update(per_rank[0])
+                    for key in per_rank[0]:
+                        record[f"{key}_per_rank"] = [r[key] for r in per_rank]
+                self.logger.log(record)
+                t_last, steps_since = now, 0
+            self.model.state.zero_grad()
+        self.logger.close()
+        return losses
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters as full tensors (collective over TP/FSDP), by canonical name."""
+        from torchpar.models.llama import canonical_name
+
+        out = {}
+        for part in self.model.parts:
+            for name, p in part.named_parameters():
+                out[canonical_name(name)] = full_value(p.detach()).float().cpu().clone()
+        return out
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
+    config, rest, print_config = None, [], False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(__doc__)
+            print(help_text())
+            raise SystemExit(0)
+        if a == "--print-config":
+            print_config = True
+        elif a == "--config" or a.startswith("--config="):
+            if a == "--config":
+                if i + 1 >= len(argv):
+                    raise ConfigError("--config needs a file path")
+                config = argv[i + 1]
+                i += 1
+            else:
+                config = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest, print_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config, overrides, print_config = parse_args(argv)
+        cfg = load_config(config, overrides)
+        if print_config:
+            print(to_toml(cfg))
+            return 0
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"torchpar: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
