@@ -63,6 +63,7 @@ class Data:
     path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path.")
     text_field: str = opt("text", "Key of the text in .jsonl records and HF rows.")
     split: str = opt("train", "'train' or the held-out 'validation' split of the stdlib corpus; HF split name for 'hf'.")
+    lanes: int = opt(64, "Documents are read through this many interleaved streams so a batch mixes files; 1 = one file after another.")
     num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process).")
 
 
@@ -292,6 +293,8 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"training.{name} must be positive, got {getattr(t, name)}")
     if t.global_batch_size < 0:
         raise ConfigError(f"training.global_batch_size must be >= 0 (0 = no accumulation), got {t.global_batch_size}")
+    if cfg.data.lanes <= 0 or cfg.data.num_workers < 0:
+        raise ConfigError(f"data.lanes must be positive and data.num_workers >= 0 (got {cfg.data.lanes}, {cfg.data.num_workers})")
     if cfg.metrics.log_freq <= 0:
         raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
     if cfg.lr_scheduler.warmup_steps < 0:

@@ -66,7 +66,7 @@ class Trainer:
             lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()))
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,
-                                           self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers)
+                                           self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
         self.global_batch = tr.local_batch_size * self.accum * self.dims.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.step = 0

@@ -1,14 +1,16 @@
 """Packing documents into training windows, sharded over data-parallel ranks, resumable.
 
-Every rank walks the same global stream: documents in source order (reshuffled each epoch),
-each tokenized as BOS + text + EOS, concatenated and cut into non-overlapping windows of
-``seq_len + 1`` tokens. Windows are dealt out in groups of ``local_batch_size x dp_degree``:
+Every rank walks the same global stream. Documents (in source order, reshuffled each epoch) are
+dealt to ``lanes`` interleaved readers; each lane tokenizes its documents as BOS + text + EOS,
+concatenates them and cuts non-overlapping windows of ``seq_len + 1`` tokens, and window i of
+the stream comes from lane i mod lanes — so a batch mixes many files instead of walking one
+long file for dozens of steps. Windows are dealt out in groups of ``local_batch_size x dp_degree``:
 rank r takes the r-th run of ``local_batch_size`` windows of each group. So a micro-step of the
 whole job always covers the same consecutive windows, whatever the layout, and no window is
 seen twice or skipped.
 
-The position is kept in global terms — windows consumed, and the (epoch, document, token
-offset) where the next window starts — identical on every rank, so it can be restored under
+The position is kept in global terms — windows consumed, and each lane's (epoch, document,
+token offset) where its next window starts — identical on every rank, so it can be restored under
 another data-parallel degree.
 """
 
@@ -26,31 +28,32 @@ from torchpar.tokenizer import Tokenizer
 
 class PackedWindows(IterableDataset):
     def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, seed: int):
+                 dp_rank: int, dp_degree: int, seed: int, lanes: int = 64):
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_degree - 1}")
         self.source, self.tokenizer = source, tokenizer
         self.window = seq_len + 1
         self.local_batch_size, self.dp_rank, self.dp_degree, self.seed = local_batch_size, dp_rank, dp_degree, seed
-        self.position = {"windows_consumed": 0, "epoch": 0, "doc": 0, "offset": 0}
+        self.lanes = lanes
+        self.position = {"windows_consumed": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
 
     # -- global stream ------------------------------------------------------------------
 
-    def _order(self, epoch: int) -> list[int]:
+    def _lane_docs(self, lane: int, epoch: int) -> list[int]:
+        """Lane ``lane`` reads every ``lanes``-th document of the epoch's order."""
         order = list(range(len(self.source)))
         if epoch:  # epoch 0 keeps the source's own (already seeded) order
             random.Random(self.seed * 7919 + epoch).shuffle(order)
-        return order
+        return order[lane::self.lanes] or order  # more lanes than documents: lanes share them
 
-    def _tokens(self, order: list[int], doc: int) -> list[int]:
-        text = self.source[order[doc]]
+    def _tokens(self, docs: list[int], i: int) -> list[int]:
+        text = self.source[docs[i]]
         return self.tokenizer.encode(text) if text.strip() else []
 
-    def _windows(self, pos: dict):
-        """Yield (window, position after it) forever from ``pos``."""
-        epoch, doc, offset, consumed = pos["epoch"], pos["doc"], pos["offset"], pos["windows_consumed"]
-        order = self._order(epoch)
-        tokens = self._tokens(order, doc)
+    def _lane_windows(self, lane: int, epoch: int, doc: int, offset: int):
+        """Yield (window, (epoch, doc, offset) after it) forever from one lane."""
+        docs = self._lane_docs(lane, epoch)
+        tokens = self._tokens(docs, doc)
         while True:
             out: list[int] = []
             while len(out) < self.window:
@@ -59,12 +62,22 @@ class PackedWindows(IterableDataset):
                 offset += len(take)
                 if offset >= len(tokens):
                     doc, offset = doc + 1, 0
-                    if doc == len(order):
+                    if doc == len(docs):
                         epoch, doc = epoch + 1, 0
-                        order = self._order(epoch)
-                    tokens = self._tokens(order, doc)
+                        docs = self._lane_docs(lane, epoch)
+                    tokens = self._tokens(docs, doc)
+            yield out, (epoch, doc, offset)
+
+    def _windows(self, pos: dict):
+        """The global stream: window i comes from lane i mod lanes. Yields (window, position after it)."""
+        lanes = [list(p) for p in pos["lanes"]]
+        consumed = pos["windows_consumed"]
+        streams = [self._lane_windows(j, *lanes[j]) for j in range(self.lanes)]
+        while True:
+            j = consumed % self.lanes
+            window, lanes[j] = next(streams[j])
             consumed += 1
-            yield out, {"windows_consumed": consumed, "epoch": epoch, "doc": doc, "offset": offset}
+            yield window, {"windows_consumed": consumed, "lanes": [list(p) for p in lanes]}
 
     # -- this rank's share --------------------------------------------------------------
 
@@ -91,11 +104,14 @@ class PackedWindows(IterableDataset):
         return dict(self.position)
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = {k: int(state[k]) for k in ("windows_consumed", "epoch", "doc", "offset")}
+        if len(state["lanes"]) != self.lanes:
+            raise ValueError(f"data state has {len(state['lanes'])} lanes, this loader {self.lanes}: keep data.lanes")
+        self.position = {"windows_consumed": int(state["windows_consumed"]),
+                         "lanes": [[int(x) for x in lane] for lane in state["lanes"]]}
 
 
 def build_dataloader(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int, dp_degree: int, seed: int, num_workers: int = 0) -> StatefulDataLoader:
-    ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed)
+                     dp_rank: int, dp_degree: int, seed: int, num_workers: int = 0, lanes: int = 64) -> StatefulDataLoader:
+    ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes)
     return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
                               persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

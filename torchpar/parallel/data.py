@@ -35,6 +35,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``p.grad``, laid out like the parameter (a TP gradient can come back
+    with another placement, e.g. replicated for a row-sharded embedding)."""
+    g = p.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.placements:
+            g = g.redistribute(placements=p.placements)
+        return g.to_local()
+    return g
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else local(t).numel() * local(t).element_size()
 
@@ -161,7 +172,7 @@ class FlatZero:
         full = torch.zeros_like(self.flat)
         for p, (start, end, _) in zip(self.params, self.segments):
             if p.grad is not None:
-                full[start:end].copy_(local(p.grad).reshape(-1))
+                full[start:end].copy_(local_grad(p).reshape(-1))
             p.grad = None  # the flat copy replaces the per-parameter gradients
         dp = self.dims.dp
         if self.stage == 2 and self.shards > 1:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Launch torchpar with torchrun.
+#   NGPU         processes (default: the visible GPUs, else 2 on CPU)
+#   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml)
+#   MAX_RESTARTS torchrun restarts after a failed rank (default 0)
+# Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
+fi
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+# Oversubscribed CPU ranks slow down badly with more than one thread each.
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+fi
+# Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+exec torchrun --standalone --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
+  --local-ranks-filter "${LOG_RANK:-0}" \
+  -m torchpar.train --config "$CONFIG_FILE" "$@"

@@ -1,0 +1,81 @@
+"""Run many layouts in one group of spawned gloo processes and compare them with one process.
+
+``run_layouts(world, {name: overrides})`` starts ``world`` processes once; each layout trains
+the tiny test config with its overrides, and rank 0 returns per-step losses, full parameters
+(gathered over TP, FSDP and pipeline stages) and the per-rank state bytes logged at step 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "tiny.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from torchpar.config import load_config
+    from torchpar.train import Trainer
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, overrides in layouts.items():
+            cfg = load_config(TINY, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
+            trainer = Trainer(cfg)
+            losses = trainer.train()
+            params = trainer.full_parameters()
+            gathered = [None] * world
+            dist.all_gather_object(gathered, params)
+            if rank == 0:
+                merged = {}
+                for p in gathered:
+                    merged.update(p)
+                step1 = json.loads(Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()[0])
+                results[name] = {"losses": losses, "params": merged, "step1": step1}
+            dist.barrier()
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        if rank == 0:
+            torch.save(results, f"{out}/results.pt")
+        dist.destroy_process_group()
+
+
+def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
+    out = tempfile.mkdtemp(prefix="torchpar_layouts_")
+    mp.start_processes(_worker, args=(world, free_port(), layouts, out), nprocs=world, start_method="spawn")
+    return torch.load(f"{out}/results.pt", weights_only=False)
+
+
+def reference(overrides: list[str] = ()) -> dict:
+    """The single-process run every layout is compared with."""
+    return run_layouts(1, {"ref": ["--parallelism.zero_stage", "0", *overrides]})["ref"]
+
+
+def assert_matches(run: dict, ref: dict, tol: float = 1e-5) -> None:
+    assert len(run["losses"]) == len(ref["losses"])
+    dl = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
+    assert dl <= tol, f"losses differ by {dl:.2e}: {run['losses']} vs {ref['losses']}"
+    assert run["params"].keys() == ref["params"].keys(), set(run["params"]) ^ set(ref["params"])
+    dp = max((run["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+    assert dp <= tol, f"final parameters differ by {dp:.2e}"

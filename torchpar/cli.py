@@ -1,0 +1,34 @@
+"""``torchpar <command>``: train, schedule (pipeline picture and bubble)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: torchpar <command> [args]
+
+commands:
+  train      train a model: torchpar train --config FILE [--section.key value ...]
+  schedule   draw a pipeline schedule and its bubble: torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from torchpar.train import main as train_main
+
+        return train_main(rest)
+    if command == "schedule":
+        from torchpar.parallel.bubble import main as schedule_main
+
+        return schedule_main(rest)
+    print(f"torchpar: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
