@@ -71,7 +71,8 @@ class Trainer:
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.step = 0
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
-        self.holds_loss = (self.dims.pp_rank == self.dims.pp - 1) and self.dims.coordinate("tp") == 0
+        pipeline = self.model.pipeline
+        self.holds_loss = (pipeline.has_last if pipeline else True) and self.dims.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
         dtype = DTYPES[tr.mixed_precision_param]
@@ -93,17 +94,20 @@ class Trainer:
         # undoes the factor dp here.
         scale = self.dims.dp / self.global_tokens
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
+        if self.model.pipeline is not None:
+            # With a pipeline, accumulation is just more microbatches in one schedule step.
+            batch = torch.cat([next(batches) for _ in range(self.accum)]).to(self.device)
+            state.set_sync(True)
+            with self._loss_context():
+                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
+        for micro in range(self.accum if self.model.pipeline is None else 0):
             batch = next(batches).to(self.device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             state.set_sync(micro == self.accum - 1)
             with self._loss_context():
-                if self.model.pipeline is not None:
-                    loss_sum += self.model.pipeline.step(inputs, targets, scale)
-                else:
-                    loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
-                    (loss * scale).backward()
-                    loss_sum += full_value(loss.detach())
+                loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
+                (loss * scale).backward()
+                loss_sum += full_value(loss.detach())
         state.reduce_gradients()
         grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
         state.step()

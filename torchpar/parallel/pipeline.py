@@ -1,0 +1,199 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``.
+
+The meta model is cut into ``pp x stages_per_rank`` stages of consecutive layers; the first
+stage keeps the embedding, the last the final norm and head. Each rank keeps only its own
+stages (loop placement: stage s on rank s mod pp; V placement for ZBVZeroBubble / DualPipeV:
+rank r holds stages r and 2pp-1-r). Each stage is then parallelized like a whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from torchpar.config import ConfigError, _did_you_mean
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+SINGLE_STAGE = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass
+class PipelineSpec:
+    stage_ids: list[int]  # the global stages this rank holds, in order
+    num_stages: int
+    layers_per_stage: list[int]
+
+
+def stages_per_rank(par) -> int:
+    if par.pipeline_parallel_stages_per_rank:
+        return par.pipeline_parallel_stages_per_rank
+    return 1 if par.pipeline_parallel_schedule in SINGLE_STAGE else 2
+
+
+def stage_ids_of_rank(rank: int, pp: int, v: int, schedule: str) -> list[int]:
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(v)]
+
+
+def balanced_split(args, num_stages: int) -> list[int]:
+    """Layers per stage minimizing the costliest stage, in units of one block's matmul FLOPs.
+
+    The embedding is a lookup (no matmul: cost 0); the output head costs vocab x dim over a
+    block's matmul weights. Exact search over contiguous splits (dynamic programming).
+    """
+    from torchpar.models import param_counts
+
+    c = param_counts(args)
+    block = c["layer"] - 2 * args.dim
+    head = args.vocab_size * args.dim / block
+    L = args.n_layers
+    INF = float("inf")
+    # best[s][l]: minimal max cost of putting the first l layers into the first s stages.
+    best = [[INF] * (L + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for l in range(s, L + 1):
+            for k in range(s - 1, l):  # the first k layers go to earlier stages
+                cost = (l - k) + (head if s == num_stages else 0.0)
+                value = max(best[s - 1][k], cost)
+                if value < best[s][l] - 1e-12:
+                    best[s][l], cut[s][l] = value, k
+    sizes, l = [], L
+    for s in range(num_stages, 0, -1):
+        k = cut[s][l]
+        sizes.append(l - k)
+        l = k
+    return sizes[::-1]
+
+
+def layers_per_stage(cfg, dims, args) -> list[int]:
+    par = cfg.parallelism
+    num_stages = dims.pp * stages_per_rank(par)
+    explicit = list(par.pipeline_parallel_layers_per_stage)
+    if explicit:
+        if len(explicit) != num_stages or any(not isinstance(n, int) or n < 1 for n in explicit) \
+                or sum(explicit) != args.n_layers:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_layers_per_stage = {explicit} must list {num_stages} positive layer "
+                f"counts (pp {dims.pp} x {stages_per_rank(par)} stages per rank) that cover all {args.n_layers} layers "
+                f"exactly once (sum {sum(n for n in explicit if isinstance(n, int))})")
+        return explicit
+    return balanced_split(args, num_stages)
+
+
+def validate_pipeline(cfg, dims, args) -> None:
+    par, tr = cfg.parallelism, cfg.training
+    name = par.pipeline_parallel_schedule
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{_did_you_mean(name, SCHEDULES)}")
+    v = stages_per_rank(par)
+    if name in SINGLE_STAGE and v != 1:
+        raise ConfigError(f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1")
+    if name in V_SCHEDULES and v != 2:
+        raise ConfigError(f"schedule {name} needs exactly 2 stages per rank (V shape); set pipeline_parallel_stages_per_rank = 2")
+    num_stages = dims.pp * v
+    if num_stages > args.n_layers:
+        raise ConfigError(f"{num_stages} pipeline stages (pp {dims.pp} x {v} per rank) but the model has only "
+                          f"{args.n_layers} layers; lower the degree or stages per rank")
+    if args.tie_embeddings:
+        raise ConfigError("tied embeddings put the same weight on the first and the last stage; "
+                          "pipeline parallelism needs an untied flavour")
+    layers_per_stage(cfg, dims, args)
+    accum = dims.grad_accum_steps(tr.local_batch_size, tr.global_batch_size)
+    mb = par.pipeline_parallel_microbatch_size
+    if mb < 1 or (tr.local_batch_size * accum) % mb:
+        raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
+                          f"and dp rank (local_batch_size x accumulation = {tr.local_batch_size * accum})")
+    n = tr.local_batch_size * accum // mb
+    if name == "1F1B" and n < dims.pp:
+        raise ConfigError(f"1F1B needs at least as many microbatches as stages: {n} < {dims.pp}; raise "
+                          "training.local_batch_size or lower pipeline_parallel_microbatch_size")
+    if name == "DualPipeV" and n < num_stages:
+        raise ConfigError(f"DualPipeV needs at least as many microbatches as stages: {n} < {num_stages}")
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n // dims.pp)
+        if n % rounds:
+            raise ConfigError(f"{name} needs the microbatch count ({n}) to be a multiple of its rounds "
+                              f"(max(1, {n} // pp {dims.pp}) = {rounds}); choose e.g. {rounds * dims.pp} microbatches")
+
+
+def split_model(model, cfg, dims) -> tuple[list, PipelineSpec]:
+    """This rank's stages, pruned from the meta model (cheap: nothing is allocated)."""
+    par = cfg.parallelism
+    v = stages_per_rank(par)
+    sizes = layers_per_stage(cfg, dims, model.args)
+    num_stages = dims.pp * v
+    ids = stage_ids_of_rank(dims.pp_rank, dims.pp, v, par.pipeline_parallel_schedule)
+    parts = []
+    for s in ids:
+        stage = copy.deepcopy(model)
+        first = sum(sizes[:s])
+        keep = {str(i) for i in range(first, first + sizes[s])}
+        for key in list(stage.layers.keys()):
+            if key not in keep:
+                del stage.layers[key]
+        if s != 0:
+            stage.tok_embeddings = None
+        if s != num_stages - 1:
+            stage.norm = None
+            stage.output = None
+        parts.append(stage)
+    return parts, PipelineSpec(ids, num_stages, sizes)
+
+
+class Pipeline:
+    """The schedule over this rank's stages; ``step`` returns the summed token loss it saw."""
+
+    def __init__(self, parts, spec: PipelineSpec, cfg, dims, device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        par, tr = cfg.parallelism, cfg.training
+        group = dims.mesh["pp"].get_group()
+        self.spec, self.name = spec, par.pipeline_parallel_schedule
+        self.stages = [PipelineStage(part, s, spec.num_stages, device, group=group) for part, s in zip(parts, spec.stage_ids)]
+        self.has_first = 0 in spec.stage_ids
+        self.has_last = spec.num_stages - 1 in spec.stage_ids
+        accum = dims.grad_accum_steps(tr.local_batch_size, tr.global_batch_size)
+        self.n_microbatches = tr.local_batch_size * accum // par.pipeline_parallel_microbatch_size
+        cls = get_schedule_class(self.name)
+        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
+        # scale_grads=False: the loss is already normalized by the global token count.
+        self.schedule = cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._scale, self._sums = 1.0, []
+
+    def _loss(self, output, target):
+        from torchpar.train import cross_entropy_sum, full_value
+
+        loss = cross_entropy_sum(output, target)
+        self._sums.append(full_value(loss.detach()))
+        return loss * self._scale
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        self._scale, self._sums = scale, []
+        target = targets if self.has_last else None
+        if self.has_first:
+            self.schedule.step(inputs, target=target)
+        else:
+            self.schedule.step(target=target)
+        # The first step may also call the loss once while torch infers stage shapes: keep the
+        # microbatches' own calls, the last n.
+        sums = self._sums[-self.n_microbatches:]
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=inputs.device)
+
+    def actions(self) -> dict[int, list]:
+        from torchpar.parallel.bubble import schedule_actions
+
+        pp = self.spec.num_stages // len(self.spec.stage_ids)
+        return schedule_actions(self.name, self.schedule.pipeline_order, pp, self.n_microbatches)
+
+    def describe(self) -> str:
+        from torchpar.parallel.bubble import bubble_report
+
+        return (f"pipeline: {self.name}, {self.spec.num_stages} stages with layers {self.spec.layers_per_stage}, "
+                f"{self.n_microbatches} microbatches; " + bubble_report(self.actions(), self.spec.num_stages))
