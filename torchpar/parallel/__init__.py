@@ -87,6 +87,7 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
                        reshard_after_forward=dims.pp == 1, cpu_offload=par.cpu_offload)
     for part in parts:
         part.to_empty(device="cpu" if par.cpu_offload else device)
+        part.tie_weights()  # to_empty makes new parameter objects for plain tensors
         part.init_weights(tr.seed, local_part=_local_part, buffer_device=device)
     if par.zero_stage == 3:
         state = FSDPState(parts, build_optimizer(unique_params(parts)), dims.tp)

@@ -58,5 +58,4 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel
         parallelize_module(block, tp_mesh, plan)
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
-    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight
+    model.tie_weights()

@@ -1,0 +1,67 @@
+import pytest
+
+from torchpar.config import ConfigError, help_text, load_config, to_toml
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_extends_chain_and_child_overrides(tmp_path):
+    write(tmp_path / "base.toml", '[training]\nsteps = 10\nseq_len = 64\n[optimizer]\nlr = 0.1\n')
+    write(tmp_path / "mid.toml", 'extends = "base.toml"\n[training]\nsteps = 20\n')
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "leaf.toml", 'extends = "../mid.toml"\n[optimizer]\nlr = 0.5\n')
+    cfg = load_config(tmp_path / "sub" / "leaf.toml")
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.optimizer.lr) == (20, 64, 0.5)
+
+
+def test_cycle_is_rejected_with_the_chain(tmp_path):
+    write(tmp_path / "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path / "b.toml", 'extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match=r"cycle: .*a\.toml -> .*b\.toml -> .*a\.toml"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_cli_overrides_both_forms_are_typed(tmp_path):
+    cfg = load_config(None, ["--training.steps", "7", "--optimizer.lr=0.25", "--metrics.enable_wandb", "true",
+                             "--metrics.wandb_tags", "a,b", "--parallelism.pipeline_parallel_layers_per_stage", "3,5"])
+    assert cfg.training.steps == 7 and cfg.optimizer.lr == 0.25 and cfg.metrics.enable_wandb is True
+    assert cfg.metrics.wandb_tags == ["a", "b"] and cfg.parallelism.pipeline_parallel_layers_per_stage == [3, 5]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainig.steps", "3"], "unknown section \\[trainig\\]. Did you mean 'training'"),
+    (["--training.stpes", "3"], "unknown key 'stpes' in \\[training\\]. Did you mean 'steps'"),
+    (["--training.steps", "ten"], "training.steps: got 'ten' \\(str\\), expected int"),
+    (["--parallelism.zero_stage", "4"], "zero_stage = 4 is not one of \\[0, 1, 2, 3\\]"),
+    (["--model.flavor", "debgu"], "Did you mean 'debug'"),
+    (["--training.steps"], "has no value"),
+    (["stray"], "unexpected argument"),
+])
+def test_user_mistakes_give_one_clear_error(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, args)
+
+
+def test_wrong_type_in_file_names_field_value_and_type(tmp_path):
+    write(tmp_path / "c.toml", '[training]\nseq_len = "long"\n')
+    with pytest.raises(ConfigError, match=r"training.seq_len: got 'long' \(str\), expected int"):
+        load_config(tmp_path / "c.toml")
+    write(tmp_path / "d.toml", '[optimiser]\nlr = 1.0\n')
+    with pytest.raises(ConfigError, match="Did you mean 'optimizer'"):
+        load_config(tmp_path / "d.toml")
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--training.steps", "11", "--metrics.wandb_tags", "x"])
+    write(tmp_path / "dump.toml", to_toml(cfg))
+    again = load_config(tmp_path / "dump.toml")
+    assert again == cfg
+
+
+def test_help_lists_every_field_with_its_docstring():
+    text = help_text()
+    assert "--training.global_batch_size (int, default 0): Sequences per optimizer step" in text
+    assert "--parallelism.zero_stage" in text and "--metrics.wandb_project" in text
