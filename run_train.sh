@@ -17,6 +17,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 # Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Check the config, data and layout once, so a mistake is one line, not one traceback per rank.
+WORLD_SIZE="$NGPU" python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
 exec torchrun --standalone --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m torchpar.train --config "$CONFIG_FILE" "$@"

@@ -153,8 +153,9 @@ def _sections() -> dict[str, type]:
 
 
 def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1)
-    return f" Did you mean '{close[0]}'?" if close else f" Known: {', '.join(sorted(options))}."
+    by_lower = {str(o).lower(): str(o) for o in options}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
+    return f" Did you mean '{by_lower[close[0]]}'?" if close else f" Known: {', '.join(sorted(map(str, options)))}."
 
 
 def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:

@@ -2,6 +2,9 @@
 
     python -m torchpar.train --config train_configs/debug_model.toml [--section.key value ...]
     torchrun --nproc-per-node 4 -m torchpar.train --config ... (what run_train.sh does)
+
+    --print-config  print the merged config as TOML and exit
+    --check         validate config, tokenizer, data and layout for WORLD_SIZE ranks, then exit
 """
 
 from __future__ import annotations
@@ -38,23 +41,29 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 
+def preflight(cfg: JobConfig, world: int):
+    """Every check that needs no process group: model, tokenizer, layout, data. Raises ConfigError."""
+    args = model_args(cfg.model.flavor, cfg.model.n_layers)
+    try:
+        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+    except TokenizerError as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
+    if tokenizer.n_words > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
+                          f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour")
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    accum = validate_layout(cfg, dims, args)
+    source = build_source(cfg.data, cfg.training.seed)
+    return args, tokenizer, dims, accum, source
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         tr = cfg.training
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        self.args = model_args(cfg.model.flavor, cfg.model.n_layers)
-        try:
-            self.tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
-        except TokenizerError as e:
-            raise ConfigError(f"model.tokenizer_path: {e}") from None
-        if self.tokenizer.n_words > self.args.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
-                              f"has vocab_size {self.args.vocab_size}; use a matching tokenizer or flavour")
-        self.dims = ParallelDims.from_config(cfg.parallelism, world)
-        self.accum = validate_layout(cfg, self.dims, self.args)
-        source = build_source(cfg.data, tr.seed)
+        self.args, self.tokenizer, self.dims, self.accum, source = preflight(cfg, world)
 
         # 2. Process group, mesh, model, optimizer, data.
         self.rank, _ = dev.init_distributed()
@@ -178,8 +187,8 @@ class Trainer:
         return out
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
-    config, rest, print_config = None, [], False
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
+    config, rest, print_config, check = None, [], False, False
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -189,6 +198,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
             raise SystemExit(0)
         if a == "--print-config":
             print_config = True
+        elif a == "--check":
+            check = True
         elif a == "--config" or a.startswith("--config="):
             if a == "--config":
                 if i + 1 >= len(argv):
@@ -200,16 +211,19 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
         else:
             rest.append(a)
         i += 1
-    return config, rest, print_config
+    return config, rest, print_config, check
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config, overrides, print_config = parse_args(argv)
+        config, overrides, print_config, check = parse_args(argv)
         cfg = load_config(config, overrides)
         if print_config:
             print(to_toml(cfg))
+            return 0
+        if check:  # run_train.sh calls this once before torchrun starts any rank
+            preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
             return 0
         trainer = Trainer(cfg)
     except ConfigError as e:
