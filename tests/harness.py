@@ -67,11 +67,6 @@ def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
     return torch.load(f"{out}/results.pt", weights_only=False)
 
 
-def reference(overrides: list[str] = ()) -> dict:
-    """The single-process run every layout is compared with."""
-    return run_layouts(1, {"ref": ["--parallelism.zero_stage", "0", *overrides]})["ref"]
-
-
 def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | None = None) -> None:
     param_tol = tol if param_tol is None else param_tol
     assert len(run["losses"]) == len(ref["losses"])

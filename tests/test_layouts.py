@@ -6,7 +6,7 @@ per-step losses, the full final parameters and the per-rank bytes of step 1.
 
 import pytest
 
-from harness import assert_matches, reference, run_layouts
+from harness import assert_matches, run_layouts
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 

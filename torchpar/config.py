@@ -13,7 +13,7 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,10 +149,10 @@ class JobConfig:
 
 
 def _sections() -> dict[str, type]:
-    return {f.name: f.type if isinstance(f.type, type) else get_type_hints(JobConfig)[f.name] for f in dataclasses.fields(JobConfig)}
+    return get_type_hints(JobConfig)
 
 
-def _did_you_mean(word: str, options) -> str:
+def did_you_mean(word: str, options) -> str:
     by_lower = {str(o).lower(): str(o) for o in options}
     close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
     return f" Did you mean '{by_lower[close[0]]}'?" if close else f" Known: {', '.join(sorted(map(str, options)))}."
@@ -238,15 +238,15 @@ def _read_toml(path: Path, chain: list[Path]) -> dict:
 def _apply(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, origin: str) -> None:
     sections = _sections()
     if section not in sections:
-        raise ConfigError(f"{origin}: unknown section [{section}].{_did_you_mean(section, sections)}")
+        raise ConfigError(f"{origin}: unknown section [{section}].{did_you_mean(section, sections)}")
     types = _field_types(sections[section])
     if key not in types:
-        raise ConfigError(f"{origin}: unknown key '{key}' in [{section}].{_did_you_mean(key, types)}")
+        raise ConfigError(f"{origin}: unknown key '{key}' in [{section}].{did_you_mean(key, types)}")
     where = f"{origin}: {section}.{key}"
     value = _coerce(where, value, types[key], from_cli)
     choices = next(f for f in dataclasses.fields(sections[section]) if f.name == key).metadata.get("choices")
     if choices and value not in choices:
-        raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}.{_did_you_mean(str(value), [str(c) for c in choices])}")
+        raise ConfigError(f"{where} = {value!r} is not one of {list(choices)}.{did_you_mean(str(value), [str(c) for c in choices])}")
     setattr(getattr(cfg, section), key, value)
 
 
@@ -276,7 +276,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         origin = str(path)
         for section, values in _read_toml(Path(path), []).items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{origin}: top-level key '{section}' must be a [section] table.{_did_you_mean(section, _sections())}")
+                raise ConfigError(f"{origin}: top-level key '{section}' must be a [section] table.{did_you_mean(section, _sections())}")
             for key, value in values.items():
                 _apply(cfg, section, key, value, from_cli=False, origin=origin)
     for dotted, value in parse_overrides(overrides or []):
@@ -303,7 +303,7 @@ def validate(cfg: JobConfig) -> None:
     from torchpar.models import FLAVORS
 
     if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown.{_did_you_mean(cfg.model.flavor, FLAVORS)}")
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown.{did_you_mean(cfg.model.flavor, FLAVORS)}")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavour's), got {cfg.model.n_layers}")
     if cfg.data.dataset != "stdlib" and not cfg.data.path:

@@ -17,28 +17,18 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from torchpar import device as dev
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchpar.data import build_dataloader, build_source
+from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger
 from torchpar.models import flops_per_token, model_args, num_params
 from torchpar.optim import build_lr_scheduler, build_optimizer
-from torchpar.parallel import DTYPES, build_parallel_model, validate_layout
-from torchpar.parallel.data import clip_grad_norm
+from torchpar.parallel import build_parallel_model, validate_layout
+from torchpar.parallel.data import clip_grad_norm, full_value
 from torchpar.parallel.dims import ParallelDims
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
-
-
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy; works on vocab-sharded DTensor logits under loss_parallel."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 
 def preflight(cfg: JobConfig, world: int):
@@ -72,7 +62,7 @@ class Trainer:
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
             cfg, self.args, self.dims, self.device,
-            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()))
+            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
@@ -84,8 +74,7 @@ class Trainer:
         self.holds_loss = (pipeline.has_last if pipeline else True) and self.dims.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
-        dtype = DTYPES[tr.mixed_precision_param]
-        self.peak_flops, self.peak_source = dev.peak_flops(dtype, self.args.dim)
+        self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param), self.args.dim)
         self.flops_per_token = flops_per_token(self.args, tr.seq_len)
 
     # ------------------------------------------------------------------ one step
@@ -109,14 +98,15 @@ class Trainer:
             state.set_sync(True)
             with self._loss_context():
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
-        for micro in range(self.accum if self.model.pipeline is None else 0):
-            batch = next(batches).to(self.device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            state.set_sync(micro == self.accum - 1)
-            with self._loss_context():
-                loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
-                (loss * scale).backward()
-                loss_sum += full_value(loss.detach())
+        else:
+            for micro in range(self.accum):
+                batch = next(batches).to(self.device)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                state.set_sync(micro == self.accum - 1)
+                with self._loss_context():
+                    loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
+                    (loss * scale).backward()
+                    loss_sum += full_value(loss.detach())
         state.reduce_gradients()
         grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
         state.step()

@@ -19,9 +19,6 @@ from torchpar.parallel.data import FlatZero, FSDPState, apply_fsdp, unique_param
 from torchpar.parallel.dims import ParallelDims
 from torchpar.parallel.tensor import apply_tensor_parallel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def validate_layout(cfg, dims: ParallelDims, args) -> int:
     """Every layout check that needs no process group; returns gradient-accumulation steps."""
     par, tr = cfg.parallelism, cfg.training
@@ -38,7 +35,7 @@ def validate_layout(cfg, dims: ParallelDims, args) -> int:
     if dims.pp > 1:
         from torchpar.parallel.pipeline import validate_pipeline
 
-        validate_pipeline(cfg, dims, args)
+        validate_pipeline(cfg, dims, args, accum)
     return accum
 
 
@@ -57,7 +54,8 @@ class ParallelModel:
     pipeline: object | None  # torchpar.parallel.pipeline.Pipeline when pp > 1
 
 
-def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, build_optimizer) -> ParallelModel:
+def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, build_optimizer,
+                         accum: int) -> ParallelModel:
     par, tr = cfg.parallelism, cfg.training
     with torch.device("meta"):
         model = MODELS[cfg.model.name](args)
@@ -83,7 +81,7 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
             dp_mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
             # With a pipeline every microbatch would re-gather the blocks; and zero-bubble schedules
             # give wrong gradients when blocks reshard between forward and backward (TORCH_NOTES).
-            apply_fsdp(part, dp_mesh, DTYPES[tr.mixed_precision_param], DTYPES[tr.mixed_precision_reduce],
+            apply_fsdp(part, dp_mesh, getattr(torch, tr.mixed_precision_param), getattr(torch, tr.mixed_precision_reduce),
                        reshard_after_forward=dims.pp == 1, cpu_offload=par.cpu_offload)
     for part in parts:
         part.to_empty(device="cpu" if par.cpu_offload else device)
@@ -96,5 +94,5 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
     if dims.pp > 1:
         from torchpar.parallel.pipeline import Pipeline
 
-        pipeline = Pipeline(parts, pipeline_spec, cfg, dims, device)
+        pipeline = Pipeline(parts, pipeline_spec, cfg, dims, device, accum)
     return ParallelModel(parts, state, pipeline)

@@ -214,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write a picture: FILE.svg or FILE.png")
     args = ap.parse_args(argv)
     if args.schedule not in SCHEDULES:
-        from torchpar.config import _did_you_mean
+        from torchpar.config import did_you_mean
 
-        print(f"torchpar schedule: unknown schedule {args.schedule!r}.{_did_you_mean(args.schedule, SCHEDULES)}", file=sys.stderr)
+        print(f"torchpar schedule: unknown schedule {args.schedule!r}.{did_you_mean(args.schedule, SCHEDULES)}", file=sys.stderr)
         return 2
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
     try:

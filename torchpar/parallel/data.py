@@ -35,6 +35,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered over its mesh if it is a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def local_grad(p: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``p.grad``, laid out like the parameter (a TP gradient can come back
     with another placement, e.g. replicated for a row-sharded embedding)."""
@@ -47,7 +52,10 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else local(t).numel() * local(t).element_size()
+    if t is None:
+        return 0
+    t = local(t)
+    return t.numel() * t.element_size()
 
 
 def unique_params(model_parts: list[nn.Module]) -> list[nn.Parameter]:

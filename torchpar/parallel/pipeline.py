@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchpar.config import ConfigError, _did_you_mean
+from torchpar.config import ConfigError, did_you_mean
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -86,11 +86,11 @@ def layers_per_stage(cfg, dims, args) -> list[int]:
     return balanced_split(args, num_stages)
 
 
-def validate_pipeline(cfg, dims, args) -> None:
+def validate_pipeline(cfg, dims, args, accum: int) -> None:
     par, tr = cfg.parallelism, cfg.training
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{_did_you_mean(name, SCHEDULES)}")
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}")
     v = stages_per_rank(par)
     if name in SINGLE_STAGE and v != 1:
         raise ConfigError(f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1")
@@ -104,7 +104,6 @@ def validate_pipeline(cfg, dims, args) -> None:
         raise ConfigError("tied embeddings put the same weight on the first and the last stage; "
                           "pipeline parallelism needs an untied flavour")
     layers_per_stage(cfg, dims, args)
-    accum = dims.grad_accum_steps(tr.local_batch_size, tr.global_batch_size)
     mb = par.pipeline_parallel_microbatch_size
     if mb < 1 or (tr.local_batch_size * accum) % mb:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
@@ -149,7 +148,7 @@ def split_model(model, cfg, dims) -> tuple[list, PipelineSpec]:
 class Pipeline:
     """The schedule over this rank's stages; ``step`` returns the summed token loss it saw."""
 
-    def __init__(self, parts, spec: PipelineSpec, cfg, dims, device):
+    def __init__(self, parts, spec: PipelineSpec, cfg, dims, device, accum: int):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -159,7 +158,6 @@ class Pipeline:
         self.stages = [PipelineStage(part, s, spec.num_stages, device, group=group) for part, s in zip(parts, spec.stage_ids)]
         self.has_first = 0 in spec.stage_ids
         self.has_last = spec.num_stages - 1 in spec.stage_ids
-        accum = dims.grad_accum_steps(tr.local_batch_size, tr.global_batch_size)
         self.n_microbatches = tr.local_batch_size * accum // par.pipeline_parallel_microbatch_size
         cls = get_schedule_class(self.name)
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
@@ -168,7 +166,8 @@ class Pipeline:
         self._scale, self._sums = 1.0, []
 
     def _loss(self, output, target):
-        from torchpar.train import cross_entropy_sum, full_value
+        from torchpar.loss import cross_entropy_sum
+        from torchpar.parallel.data import full_value
 
         loss = cross_entropy_sum(output, target)
         self._sums.append(full_value(loss.detach()))
