@@ -15,8 +15,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
-# Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES); without restarts the
+# shared store avoids a second port that another socket could grab between torchrun and rank 0.
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+fi
 # Check the config, data and layout once, so a mistake is one line, not one traceback per rank.
 WORLD_SIZE="$NGPU" python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
 exec torchrun --standalone --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \

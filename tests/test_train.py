@@ -58,8 +58,9 @@ def test_wandb_offline_writes_the_run(tmp_path):
 def test_run_train_sh_two_processes_end_to_end(tmp_path):
     out = tmp_path / "torchrun"
     r = run(["./run_train.sh", "--training.steps", "4", "--training.seq_len", "64", "--metrics.log_freq", "2",
-             "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(out)], tmp_path, NGPU="2")
-    assert r.returncode == 0, r.stderr[-3000:]
+             "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(out)], tmp_path, NGPU="2",
+            LOG_RANK="0,1")  # both ranks' output, so a failure shows the rank that failed
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 2, 4]
     assert len(recs[0]["param_bytes_per_rank"]) == 2
