@@ -2,7 +2,8 @@
 
 ``run_layouts(world, {name: overrides})`` starts ``world`` processes once; each layout trains
 the tiny test config with its overrides, and rank 0 returns per-step losses, full parameters
-(gathered over TP, FSDP and pipeline stages) and the per-rank state bytes logged at step 1.
+(gathered over TP, FSDP and pipeline stages), the per-rank state bytes logged at the first step
+and the windows each data-parallel rank trained on (CRC32 per window, in order).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import socket
 import tempfile
 import traceback
+import zlib
 from pathlib import Path
 
 import torch
@@ -33,24 +35,39 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from torchpar.config import load_config
+    from torchpar.data.loader import PackedWindows
     from torchpar.train import Trainer
 
+    seen: list[tuple[int, list[int]]] = []
+    plain_iter = PackedWindows.__iter__
+
+    def recording_iter(self):
+        for batch in plain_iter(self):
+            seen.append((self.dp_rank, [zlib.crc32(row.numpy().tobytes()) for row in batch]))
+            yield batch
+
+    PackedWindows.__iter__ = recording_iter
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
         for name, overrides in layouts.items():
             cfg = load_config(TINY, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
+            seen.clear()
             trainer = Trainer(cfg)
             losses = trainer.train()
             params = trainer.full_parameters()
             gathered = [None] * world
-            dist.all_gather_object(gathered, params)
+            dist.all_gather_object(gathered, (params, list(seen)))
             if rank == 0:
-                merged = {}
-                for p in gathered:
+                merged, windows = {}, {}
+                for p, w in gathered:
                     merged.update(p)
+                    batches = [batch for _, batch in w]
+                    for dp_rank in {d for d, _ in w}:
+                        # The TP / pipeline ranks of one data-parallel rank read the same windows.
+                        assert windows.setdefault(dp_rank, batches) == batches, f"dp rank {dp_rank} ranks disagree"
                 step1 = json.loads(Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()[0])
-                results[name] = {"losses": losses, "params": merged, "step1": step1}
+                results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows}
             dist.barrier()
     except Exception:
         traceback.print_exc()

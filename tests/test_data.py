@@ -51,15 +51,17 @@ def test_four_ranks_disjoint_and_union_is_everything(source):
         assert {w for s in shards for w in s[2 * step: 2 * step + 2]} == set(whole[8 * step: 8 * step + 8])
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_exact_resume(source, workers):
+@pytest.mark.parametrize("workers,resume_workers", [(0, 0), (2, 2), (2, 0), (0, 3)])
+def test_exact_resume(source, workers, resume_workers):
+    """The loader's state is the global position, whatever the worker count that saved or resumes."""
     ref = batches(build_dataloader(source, TOK, 32, 4, 1, 2, seed=0, num_workers=workers), 7)
     loader = build_dataloader(source, TOK, 32, 4, 1, 2, seed=0, num_workers=workers)
     it = iter(loader)
     for _ in range(3):
         next(it)
     state = loader.state_dict()
-    resumed = build_dataloader(source, TOK, 32, 4, 1, 2, seed=0, num_workers=workers)
+    assert state["windows_consumed"] == 3 * 4 * 2
+    resumed = build_dataloader(source, TOK, 32, 4, 1, 2, seed=0, num_workers=resume_workers)
     resumed.load_state_dict(state)
     rest = batches(resumed, 4)
     for a, b in zip(rest, ref[3:]):

@@ -137,6 +137,22 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save DCP checkpoints and resume from the latest complete one at start.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder (or absolute).")
+    interval: int = opt(500, "Save every N steps; the last step is always saved.")
+    keep_latest_k: int = opt(0, "Keep only the newest K complete checkpoints (0 = keep all); the newest is never deleted.")
+    async_mode: str = opt("off", "'async' = stage to memory, write in a background thread while training goes on.",
+                          ("off", "async"))
+    load_step: int = opt(-1, "Step to resume from; -1 = the latest complete checkpoint (if any); 0 = never resume.")
+    initial_load_path: str = opt(
+        "", "Model-only weights (a `torchpar export` file) to start from when no checkpoint exists yet.")
+    verify_checksums: bool = opt(
+        True, "Before loading, check every file's CRC32 against the manifest (reads the checkpoint once more); "
+        "sizes are always checked.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -146,6 +162,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 def _sections() -> dict[str, type]:
@@ -306,6 +323,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown.{did_you_mean(cfg.model.flavor, FLAVORS)}")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavour's), got {cfg.model.n_layers}")
+    ck = cfg.checkpoint
+    if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
+        raise ConfigError(f"checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
+                          f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
     if cfg.data.dataset != "stdlib" and not cfg.data.path:
         raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")
 

@@ -18,6 +18,23 @@ def build_optimizer(params, cfg, device_type: str) -> torch.optim.Optimizer:
     )
 
 
+def ensure_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's lazily made state now (a checkpoint is loaded into it before any step):
+    one step with zero gradients and lr 0, which leaves the parameters exactly as they are."""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None
+
+
 def lr_factor(step: int, cfg, total_steps: int) -> float:
     """Multiplier of the peak lr for optimizer step ``step`` (0-based); ``cfg`` is [lr_scheduler].
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
+from torchpar.checkpoint import Checkpointer, find_resume, load_weights
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchpar.data import build_dataloader, build_source
 from torchpar.loss import cross_entropy_sum
@@ -32,7 +33,8 @@ from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 
 
 def preflight(cfg: JobConfig, world: int):
-    """Every check that needs no process group: model, tokenizer, layout, data. Raises ConfigError."""
+    """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
+    resume from or the weights to start from. Raises ConfigError."""
     args = model_args(cfg.model.flavor, cfg.model.n_layers)
     try:
         tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
@@ -44,7 +46,11 @@ def preflight(cfg: JobConfig, world: int):
     dims = ParallelDims.from_config(cfg.parallelism, world)
     accum = validate_layout(cfg, dims, args)
     source = build_source(cfg.data, cfg.training.seed)
-    return args, tokenizer, dims, accum, source
+    resume = find_resume(cfg, args)
+    weights = None
+    if resume is None and cfg.checkpoint.initial_load_path:
+        weights, _ = load_weights(cfg.checkpoint.initial_load_path, cfg.model.flavor, args)
+    return args, tokenizer, dims, accum, source, resume, weights
 
 
 class Trainer:
@@ -53,7 +59,7 @@ class Trainer:
         tr = cfg.training
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        self.args, self.tokenizer, self.dims, self.accum, source = preflight(cfg, world)
+        self.args, self.tokenizer, self.dims, self.accum, source, resume, weights = preflight(cfg, world)
 
         # 2. Process group, mesh, model, optimizer, data.
         self.rank, _ = dev.init_distributed()
@@ -62,13 +68,15 @@ class Trainer:
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
             cfg, self.args, self.dims, self.device,
-            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum)
+            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum, weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
         self.global_batch = tr.local_batch_size * self.accum * self.dims.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.step = 0
+        self.tokens_seen = 0
+        self.config_toml = to_toml(cfg)
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
         self.holds_loss = (pipeline.has_last if pipeline else True) and self.dims.coordinate("tp") == 0
@@ -76,6 +84,8 @@ class Trainer:
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
         self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param), self.args.dim)
         self.flops_per_token = flops_per_token(self.args, tr.seq_len)
+        self.checkpointer = Checkpointer(self, resume)
+        self.checkpointer.load()
 
     # ------------------------------------------------------------------ one step
 
@@ -141,21 +151,23 @@ class Trainer:
         t_start = t_last = time.perf_counter()
         steps_since = 0
         dev.reset_peak_memory()
+        first = self.step + 1  # > 1 after a resume
         while self.step < tr.steps:
             self.step += 1
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(batches)
+            self.tokens_seen += self.global_tokens
             losses.append(loss)
             steps_since += 1
-            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == tr.steps:
+            if self.step == first or self.step % cfg.metrics.log_freq == 0 or self.step == tr.steps:
                 dev.synchronize()
                 now = time.perf_counter()
                 tps = self.global_tokens * steps_since / (now - t_last)
                 record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                           "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / self.dims.world_size,
                           "mfu": self.flops_per_token * tps / (self.peak_flops * self.dims.world_size),
-                          "elapsed_s": now - t_start, **dev.memory_stats()}
-                if self.step == 1:
+                          "elapsed_s": now - t_start, "tokens_seen": self.tokens_seen, **dev.memory_stats()}
+                if self.step == first:
                     per_rank = self.state_bytes_per_rank()
                     record.update(per_rank[0])
                     for key in per_rank[0]:
@@ -163,6 +175,8 @@ class Trainer:
                 self.logger.log(record)
                 t_last, steps_since = now, 0
             self.model.state.zero_grad()
+            self.checkpointer.maybe_save(force=self.step == tr.steps)
+        self.checkpointer.close()
         self.logger.close()
         return losses
 

@@ -11,7 +11,8 @@ seen twice or skipped.
 
 The position is kept in global terms — windows consumed, and each lane's (epoch, document,
 token offset) where its next window starts — identical on every rank, so it can be restored under
-another data-parallel degree.
+another data-parallel degree or another number of loader workers. :class:`WindowLoader`'s
+``state_dict`` is that position (not StatefulDataLoader's per-worker snapshot).
 """
 
 from __future__ import annotations
@@ -86,15 +87,16 @@ class PackedWindows(IterableDataset):
         n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
         group = self.local_batch_size * self.dp_degree
         lo = self.dp_rank * self.local_batch_size
+        start = self.position["windows_consumed"]
         mine: list[list[int]] = []
         for i, (window, pos) in enumerate(self._windows(dict(self.position))):
             k = i % group
             if lo <= k < lo + self.local_batch_size:
                 mine.append(window)
             if k == group - 1:
-                # Workers take whole groups in turn by the group's global index; the loader
-                # interleaves them back in order.
-                group_index = (pos["windows_consumed"] - group) // group
+                # Workers take whole groups in turn, counted from where this iteration started
+                # (the loader asks worker 0 first); it interleaves them back in order.
+                group_index = (pos["windows_consumed"] - start) // group - 1
                 self.position = pos
                 if group_index % n_workers == worker:
                     yield torch.tensor(mine, dtype=torch.long)  # [local_batch, seq_len + 1]
@@ -110,8 +112,25 @@ class PackedWindows(IterableDataset):
                          "lanes": [[int(x) for x in lane] for lane in state["lanes"]]}
 
 
+class WindowLoader(StatefulDataLoader):
+    """A StatefulDataLoader whose state is the global stream position after the last batch it
+    yielded; ``load_state_dict`` takes effect at the next ``iter()``."""
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if "_snapshot" in sd:  # worker processes: each reports where its own last group ended
+            states = [w["dataset_state"] for w in sd["_snapshot"]["_worker_snapshots"].values()]
+        else:
+            states = [sd.get("dataset_state")]
+        states = [st for st in states if st] or [self.dataset.state_dict()]
+        return dict(max(states, key=lambda st: st["windows_consumed"]))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+
 def build_dataloader(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int, dp_degree: int, seed: int, num_workers: int = 0, lanes: int = 64) -> StatefulDataLoader:
+                     dp_rank: int, dp_degree: int, seed: int, num_workers: int = 0, lanes: int = 64) -> WindowLoader:
     ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes)
-    return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers,
-                              persistent_workers=False, multiprocessing_context="fork" if num_workers else None)
+    return WindowLoader(ds, batch_size=None, num_workers=num_workers,
+                        persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

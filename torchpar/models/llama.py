@@ -243,14 +243,17 @@ class Transformer(nn.Module):
         return torch.randn(shape, generator=gen).mul_(std)
 
     @torch.no_grad()
-    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None) -> None:
+    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
+                     values: dict[str, torch.Tensor] | None = None) -> None:
         """Fill every parameter deterministically and recompute the RoPE tables.
 
         ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
         piece of a sharded parameter that this process holds; by default the whole tensor.
+        ``values`` (full tensors by canonical name, e.g. exported weights) replaces the random init.
         """
         for name, p in self.named_parameters():
-            full = self.initial_value(canonical_name(name), tuple(p.shape), seed)
+            name = canonical_name(name)
+            full = values[name] if values is not None else self.initial_value(name, tuple(p.shape), seed)
             dst, src = local_part(p, full) if local_part is not None else (p, full)
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)

@@ -55,7 +55,8 @@ class ParallelModel:
 
 
 def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, build_optimizer,
-                         accum: int) -> ParallelModel:
+                         accum: int, initial_weights: dict[str, torch.Tensor] | None = None) -> ParallelModel:
+    """``initial_weights``: full tensors by canonical name to start from instead of the seeded init."""
     par, tr = cfg.parallelism, cfg.training
     with torch.device("meta"):
         model = MODELS[cfg.model.name](args)
@@ -86,7 +87,7 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
     for part in parts:
         part.to_empty(device="cpu" if par.cpu_offload else device)
         part.tie_weights()  # to_empty makes new parameter objects for plain tensors
-        part.init_weights(tr.seed, local_part=_local_part, buffer_device=device)
+        part.init_weights(tr.seed, local_part=_local_part, buffer_device=device, values=initial_weights)
     if par.zero_stage == 3:
         state = FSDPState(parts, build_optimizer(unique_params(parts)), dims.tp)
     else:

@@ -18,7 +18,10 @@ stage       gradients after backward                     optimizer updates
 Both keep the gradient reduction an average over the dp ranks (the trainer scales the loss by
 the dp degree so the result is the gradient of the globally normalized loss), and both expose
 the same small interface to the trainer: ``set_sync``, ``reduce_gradients``, ``grad_pieces``,
-``scale_grads``, ``step``, ``zero_grad``, ``state_bytes``, ``optimizer``.
+``scale_grads``, ``step``, ``zero_grad``, ``state_bytes``, ``optimizer``, and for checkpoints
+``optimizer_state_dict`` / ``load_optimizer_state_dict``. Both write the optimizer state in one
+format, keyed by parameter name (``state.<name>.exp_avg`` ...) with each tensor laid out like its
+parameter, so a checkpoint saved by one stage loads into the other under any layout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+
+from torchpar.optim import ensure_state
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,35 @@ def unique_params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+def param_names(model_parts: list[nn.Module]) -> list[str]:
+    """Canonical names in :func:`unique_params` order (a tied weight under its first name)."""
+    from torchpar.models.llama import canonical_name
+
+    seen, out = set(), []
+    for m in model_parts:
+        for name, p in m.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(canonical_name(name))
+    return out
+
+
+def merged_view(model_parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameter names are the unsplit model's, over a rank's pipeline stages
+    (the state-dict helpers map an optimizer's parameters to names through one module)."""
+    if len(model_parts) == 1:
+        return model_parts[0]
+    view = nn.Module()
+    view.layers = nn.ModuleDict()
+    for part in model_parts:
+        for name, child in part.named_children():
+            if name == "layers":
+                view.layers.update(child)  # keyed by global layer index: no clashes
+            elif child is not None:
+                setattr(view, name, child)
+    return view
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -132,6 +166,26 @@ class FSDPState:
                 "grad_bytes": sum(_nbytes(p.grad) for p in self.params),
                 "optim_bytes": optimizer_state_bytes(self.optimizer)}
 
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        sd = get_optimizer_state_dict(merged_view(self.model_parts), self.optimizer, options=self._options())
+        # Hyperparameters come from the config and the lr from the scheduler, not the checkpoint.
+        return {k: v for k, v in sd.items() if k.startswith("state.")}
+
+    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        view = merged_view(self.model_parts)
+        full = get_optimizer_state_dict(view, self.optimizer, options=self._options())
+        full.update(loaded)
+        set_optimizer_state_dict(view, self.optimizer, full, options=self._options())
+
 
 class FlatZero:
     """ZeRO stages 0, 1 and 2 over one flat fp32 buffer (see the module docstring)."""
@@ -139,6 +193,7 @@ class FlatZero:
     def __init__(self, model_parts: list[nn.Module], dims, stage: int, build_optimizer):
         self.stage, self.dims = stage, dims
         self.params = unique_params(model_parts)
+        self.names = param_names(model_parts)
         tensors = [local(p) for p in self.params]
         dtypes = {t.dtype for t in tensors}
         if dtypes != {torch.float32}:
@@ -229,6 +284,44 @@ class FlatZero:
         return {"param_bytes": sum(_nbytes(p) for p in self.params),
                 "grad_bytes": _nbytes(self.grad),
                 "optim_bytes": optimizer_state_bytes(self.optimizer)}
+
+    # Checkpoints: the flat slice's Adam moments, cut back into per-parameter tensors. Stages 1-2
+    # gather the moments over dp_shard for this (a transient full copy: the price of a format
+    # that any layout can load).
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        ensure_state(self.optimizer)
+        state = self.optimizer.state[self.master]
+        out = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat = state[key]
+            if self.shards > 1:
+                flat = torch.empty_like(self.flat)
+                dist.all_gather_into_tensor(flat, state[key].contiguous(), group=self.shard_group)
+            for name, p, (start, end, _) in zip(self.names, self.params, self.segments):
+                out[f"state.{name}.{key}"] = _shaped_like(p, flat[start:end])
+        for name in self.names:
+            out[f"state.{name}.step"] = state["step"]
+        return out
+
+    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
+        ensure_state(self.optimizer)
+        state = self.optimizer.state[self.master]
+        lo, hi = self.owned
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat = torch.zeros_like(self.flat)
+            for name, (start, end, _) in zip(self.names, self.segments):
+                flat[start:end].copy_(local(loaded[f"state.{name}.{key}"]).reshape(-1))
+            state[key].copy_(flat[lo:hi])
+        state["step"].copy_(loaded[f"state.{self.names[0]}.step"])
+
+
+def _shaped_like(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's piece of ``p``, flat) as a tensor laid out like ``p``."""
+    piece = values.view(local(p).shape)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return piece
 
 
 def clip_grad_norm(state, max_norm: float, world_group=None) -> torch.Tensor:
