@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -309,3 +310,73 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {path}: {name} is {tuple(saved.size)} there but {tuple(value.shape)} "
                                   "in this model; use the config it was saved with")
 
+
+
+# ---------------------------------------------------------------------- single-process use
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder as is; a checkpoint folder (or a job's dump folder) -> its latest complete step."""
+    p = Path(path)
+    if (p / MANIFEST).exists():
+        return p
+    found = complete_checkpoints(p) or complete_checkpoints(p / "checkpoint")
+    if not found:
+        raise ConfigError(f"no complete checkpoint in {p} (expected step-NNNNNNNN folders with {MANIFEST})")
+    return found[max(found)]
+
+
+def load_model(path: str | Path):
+    """A whole model on the CPU in fp32 from a checkpoint folder or an exported weights file,
+    with its metadata (model flavour and args, tokenizer path, step). No process group needed."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchpar.models import ModelArgs, Transformer
+
+    p = Path(path)
+    if p.is_file():
+        state, meta = load_weights(p)
+    else:
+        p = resolve_checkpoint(p)
+        meta = read_manifest(p)
+        verify_files(p, meta, checksums=True)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**meta["model_args"]))
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    if p.is_file():
+        model.init_weights(0, values=state)
+    else:
+        sd = {"model": model.state_dict()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore")
+            dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # reads every shard into full tensors
+        model.init_weights(0, values=sd["model"])
+    model.eval()
+    return model, meta
+
+
+def export_main(argv: list[str]) -> int:
+    """torchpar export --checkpoint DIR --out FILE [--dtype bf16|fp32]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
+                                 "weights file (torch.save, loadable with weights_only=True) + FILE.json.")
+    ap.add_argument("--checkpoint", required=True, help="step folder, checkpoint folder or dump folder (latest step)")
+    ap.add_argument("--out", required=True, help="output file, e.g. model.pt")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    a = ap.parse_args(argv)
+    try:
+        model, meta = load_model(a.checkpoint)
+    except ConfigError as e:
+        print(f"torchpar: error: {e}", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    keys = ("model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
+    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
+                **{k: meta[k] for k in keys if k in meta}}
+    save_weights(state, out_meta, Path(a.out))
+    n = sum(v.numel() for k, v in state.items() if not (k == "output.weight" and model.args.tie_embeddings))
+    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and {a.out}.json")
+    return 0

@@ -1,4 +1,4 @@
-"""``torchpar <command>``: train, schedule (pipeline picture and bubble)."""
+"""``torchpar <command>``: train, schedule, export, generate."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ USAGE = """usage: torchpar <command> [args]
 commands:
   train      train a model: torchpar train --config FILE [--section.key value ...]
   schedule   draw a pipeline schedule and its bubble: torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
+  export     consolidate a checkpoint into one weights file: torchpar export --checkpoint DIR --out FILE [--dtype bf16]
+  generate   sample text: torchpar generate --checkpoint DIR|FILE --prompt TEXT [--max-new-tokens N]
 """
 
 
@@ -26,6 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         from torchpar.parallel.bubble import main as schedule_main
 
         return schedule_main(rest)
+    if command == "export":
+        from torchpar.checkpoint import export_main
+
+        return export_main(rest)
+    if command == "generate":
+        from torchpar.generate import main as generate_main
+
+        return generate_main(rest)
     print(f"torchpar: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,187 @@
+"""Checkpoint files end to end (issue 5): atomic saves, keep_latest_k, async mode, interrupted
+saves, bad checkpoints, export / initial_load_path, generate, and surviving a killed rank."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, TINY
+from test_train import env, run
+
+TRAIN = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.seq_len", "32"]
+
+
+def train(tmp_path, folder, *more):
+    return run([*TRAIN, "--job.dump_folder", str(folder), "--checkpoint.enable", "true", *more], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """6 steps, a checkpoint every 2 (async), keep the newest 2."""
+    tmp = tmp_path_factory.mktemp("trained")
+    r = train(tmp, tmp / "run", "--training.steps", "6", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", "async")
+    assert r.returncode == 0, r.stderr
+    return tmp / "run"
+
+
+def copy_run(trained, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(trained, dst)
+    return dst
+
+
+def test_saves_are_complete_and_pruned(trained):
+    ck = trained / "checkpoint"
+    assert sorted(d.name for d in ck.iterdir()) == ["step-00000004", "step-00000006"]
+    manifest = json.loads((ck / "step-00000006" / "torchpar.json").read_text())
+    assert manifest["step"] == 6 and manifest["tokens_seen"] == 6 * 8 * 32
+    assert manifest["model_flavor"] == "debug" and "[checkpoint]" in manifest["config"]
+    for name, (size, _) in manifest["files"].items():
+        assert (ck / "step-00000006" / name).stat().st_size == size
+    assert ".metadata" in manifest["files"]
+
+
+def test_interrupted_save_is_ignored_with_a_warning(trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path)
+    partial = run_dir / "checkpoint" / "step-00000008.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    no_manifest = run_dir / "checkpoint" / "step-00000010"  # renamed by hand, never finished
+    shutil.copytree(run_dir / "checkpoint" / "step-00000006", no_manifest)
+    (no_manifest / "torchpar.json").unlink()
+    r = train(tmp_path, run_dir, "--training.steps", "7")
+    assert r.returncode == 0, r.stderr
+    assert "ignoring incomplete checkpoint" in r.stderr and "step-00000008.partial" in r.stderr
+    assert "resumed from" in r.stdout and "step-00000006 at step 6" in r.stdout
+    assert "step     7  loss" in r.stdout
+    assert not partial.exists()
+
+
+def expect_error(r, *fragments):
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("torchpar: error: "), r.stderr
+    for f in fragments:
+        assert f in line, line
+
+
+def test_load_step_that_does_not_exist(trained, tmp_path):
+    expect_error(train(tmp_path, trained, "--checkpoint.load_step", "5"),
+                 "checkpoint.load_step = 5", "complete steps there: 4, 6")
+
+
+def test_truncated_file(trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path)
+    f = run_dir / "checkpoint" / "step-00000006" / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+    expect_error(train(tmp_path, run_dir), "is damaged", "__0_0.distcp has 1000 bytes", "truncated")
+
+
+def test_corrupted_file(trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path)
+    f = run_dir / "checkpoint" / "step-00000006" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    expect_error(train(tmp_path, run_dir), "is damaged", "CRC32")
+
+
+def test_another_model_shape(trained, tmp_path):
+    expect_error(train(tmp_path, trained, "--model.n_layers", "4"), "another shape", "n_layers: saved 8 vs config 4")
+
+
+def test_another_flavor(trained, tmp_path):
+    expect_error(train(tmp_path, trained, "--model.flavor", "debug-tied"),
+                 "holds model flavor 'debug' but model.flavor = 'debug-tied'")
+
+
+def test_export_then_train_from_it_and_generate(trained, tmp_path):
+    out = tmp_path / "model.pt"
+    r = run(["torchpar", "export", "--checkpoint", str(trained), "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    weights = torch.load(out, weights_only=True)
+    meta = json.loads(out.with_name("model.pt.json").read_text())
+    assert meta["step"] == 6 and meta["model_flavor"] == "debug"
+    bf16 = tmp_path / "model_bf16.pt"
+    assert run(["torchpar", "export", "--checkpoint", str(trained / "checkpoint" / "step-00000006"), "--out", str(bf16),
+                "--dtype", "bf16"], tmp_path).returncode == 0
+    small = torch.load(bf16, weights_only=True)
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, weights[k].bfloat16()) for k, v in small.items())
+    # Start a new run from the exported weights; with lr 0 its final checkpoint holds them unchanged.
+    fresh = tmp_path / "fresh"
+    r = train(tmp_path, fresh, "--checkpoint.initial_load_path", str(out), "--training.steps", "1",
+              "--optimizer.lr", "0", "--optimizer.weight_decay", "0")
+    assert r.returncode == 0, r.stderr
+    again = tmp_path / "again.pt"
+    assert run(["torchpar", "export", "--checkpoint", str(fresh), "--out", str(again)], tmp_path).returncode == 0
+    reloaded = torch.load(again, weights_only=True)
+    assert reloaded.keys() == weights.keys()
+    assert all(torch.equal(reloaded[k], weights[k]) for k in weights)
+    first_loss = json.loads((fresh / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert first_loss < 8.5  # trained weights, not a fresh init (which starts at ~8.8 = ln 4096 + noise)
+    # A weights file of another shape is refused before training.
+    expect_error(train(tmp_path, tmp_path / "bad", "--checkpoint.initial_load_path", str(out), "--model.n_layers", "4"),
+                 "weights file", "another shape")
+    # Sampling: greedy is deterministic and the same from the checkpoint and the fp32 export.
+    cmd = ["torchpar", "generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--temperature", "0"]
+    a = run([*cmd, "--checkpoint", str(trained)], tmp_path)
+    b = run([*cmd, "--checkpoint", str(out)], tmp_path)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith("import os\n") and len(a.stdout) > len("import os\n")
+
+
+def _rank_pids(local_rank: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            environ = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torchpar.train" in cmd and b"torchrun" not in cmd and f"LOCAL_RANK={local_rank}".encode() in environ:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
+    """SIGKILL one rank after a checkpoint; torchrun restarts the group, which resumes from the
+    latest complete checkpoint and ends with the weights of an uninterrupted run."""
+    steps = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "5",
+             "--checkpoint.async_mode", "async",
+             "--metrics.log_freq", "5"]
+    ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    folder = tmp_path / "killed"
+    proc = subprocess.Popen(["./run_train.sh", *steps, "--job.dump_folder", str(folder)], cwd=ROOT,
+                            env=env(tmp_path, NGPU="2", MAX_RESTARTS="1", LOG_RANK="0,1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = False
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if not killed and (folder / "checkpoint" / "step-00000010").exists():
+            for pid in _rank_pids(1):
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        time.sleep(0.02)
+    out, err = proc.communicate(timeout=300)
+    assert killed, "the run finished before a rank could be killed"
+    assert proc.returncode == 0, (out + err)[-4000:]
+    assert "resumed from" in out
+    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")], tmp_path)
+    b = run(["torchpar", "export", "--checkpoint", str(folder), "--out", str(tmp_path / "b.pt")], tmp_path)
+    assert a.returncode == b.returncode == 0
+    wa, wb = torch.load(tmp_path / "a.pt", weights_only=True), torch.load(tmp_path / "b.pt", weights_only=True)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
