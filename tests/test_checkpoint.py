@@ -21,7 +21,10 @@ STEPS = ["--training.steps", "6"]
 
 
 def save(folder, *layout):
-    return [*STEPS, *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--checkpoint.folder", str(folder)]
+    # Synchronous saves: async staging in DCP fails when several trainers run in one process
+    # (this harness); async mode is tested in real runs in test_checkpoint_files.py.
+    return [*STEPS, *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--checkpoint.folder", str(folder),
+            "--checkpoint.async_mode", "off"]
 
 
 def resume(folder, *layout):
