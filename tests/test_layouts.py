@@ -147,3 +147,20 @@ def test_pipeline_stages_hold_their_layers(world2, refs):
     per_rank = bytes_of(world2["pp2_uneven_6_2"], "param")
     assert sum(per_rank) == refs["ref"]["step1"]["param_bytes"]
     assert per_rank[0] > per_rank[1]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world8, request):
+    """torchpar.plan's per-rank parameter / gradient / optimizer bytes equal what each rank of the
+    real trainer held at step 1, for every layout of the table (TP, FSDP, ZeRO 0-2, HSDP, PP)."""
+    from harness import TINY
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, rank_coords, state_bytes
+
+    table, runs = {2: (WORLD2, world2), 4: (WORLD4, world4), 8: (WORLD8, world8)}[world]
+    for name, overrides in table.items():
+        lay, args = layout_from_config(load_config(TINY, overrides), world)
+        for rank in range(world):
+            predicted = state_bytes(args, lay, rank_coords(lay, rank))
+            for key in ("param", "grad", "optim"):
+                assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)

@@ -10,6 +10,7 @@ commands:
   train      train a model: torchpar train --config FILE [--section.key value ...]
   schedule   draw a pipeline schedule and its bubble: torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
   export     consolidate a checkpoint into one weights file: torchpar export --checkpoint DIR --out FILE [--dtype bf16]
+  plan       memory, communication, bubble and step time of layouts: torchpar plan --model 8B --gpu H100-80GB
   generate   sample text: torchpar generate --checkpoint DIR|FILE --prompt TEXT [--max-new-tokens N]
 """
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchpar.checkpoint import export_main
 
         return export_main(rest)
+    if command == "plan":
+        from torchpar.plan import main as plan_main
+
+        return plan_main(rest)
     if command == "generate":
         from torchpar.generate import main as generate_main
 

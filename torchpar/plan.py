@@ -1,0 +1,469 @@
+"""The planner: per-rank memory, communication, bubble and step time of a layout, by arithmetic.
+
+    torchpar plan --model 70B --nodes 4 --gpus-per-node 8 --gpu H100-80GB --global-batch-size 512 --seq-len 4096
+    torchpar plan --config train_configs/debug_model.toml --nproc 2      # one exact config
+    torchpar plan --seeds                                                 # the tutorials' worked examples
+
+Byte convention (torchpar's, which the trainer's measurements are checked against): parameters,
+gradients and both Adam moments are fp32 — 4 + 4 + 8 = 16 bytes per parameter — with bf16 only
+as compute copies (FSDP2's MixedPrecisionPolicy). DeepSpeed and Megatron count the same 16
+bytes differently under mixed precision: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master +
+two moments), and their ZeRO-1 shards the 12, ZeRO-2 also the 2 of gradients, ZeRO-3 also the 2
+of parameters. :func:`deepspeed_bytes` gives that convention for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from torchpar.config import ConfigError, JobConfig, load_config
+from torchpar.models import flops_per_token, model_args, num_params
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    memory: float  # bytes per device
+    peak_flops: float  # dense bf16 FLOP/s per device
+    intra_bw: float  # bytes/s per direction per device inside a node
+    inter_bw: float  # bytes/s per direction per device across nodes
+    nodes: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# Datasheet figures. NVLink is quoted as the total of both directions (A100: 600 GB/s); a ring
+# moves data one way, so the planner uses half of it. Inter-node: one NIC per GPU.
+PRESETS = {
+    "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9),  # NVLink3 600 GB/s, HDR 200 Gb/s
+    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9),  # NVLink4 900 GB/s, NDR 400 Gb/s
+    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9),
+    "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8),  # PCIe 4.0 x16; 100 GbE per node
+}
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when torch.chunk / DTensor Shard split ``n`` into ``parts``."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - index * size))
+
+
+def stage_params(args, first: bool, last: bool, layers: int) -> list[tuple[str, tuple[int, int], int | None]]:
+    """(name, 2-D shape, TP-sharded dim or None) of one pipeline stage's parameters — the model
+    file's modules and torchpar's TP plan (parallel/tensor.py)."""
+    d, kv, hid = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    out = []
+    if first:
+        out.append(("tok_embeddings", (args.vocab_size, d), 0))  # row-wise: vocab rows
+    block = [("wq", (d, d), 0), ("wk", (kv, d), 0), ("wv", (kv, d), 0), ("wo", (d, d), 1),
+             ("w1", (hid, d), 0), ("w3", (hid, d), 0), ("w2", (d, hid), 1),
+             ("attention_norm", (d, 1), None), ("ffn_norm", (d, 1), None)]
+    out += block * layers
+    if last:
+        out.append(("norm", (d, 1), None))
+        if not (args.tie_embeddings and first):
+            out.append(("output", (args.vocab_size, d), 0))  # column-wise: vocab rows
+    return out
+
+
+@dataclass
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    zero_stage: int = 0
+    local_batch_size: int = 1  # sequences per dp rank per micro-step
+    accum: int = 1
+    microbatch_size: int = 1  # pipeline microbatch
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    activation_checkpoint: str = "none"  # none | selective | full (selective: planner only)
+    sequence_parallel: bool = True
+    param_dtype_bytes: int = 4  # compute copy dtype: 4 fp32, 2 bf16
+    layers_per_stage: tuple = ()
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object]:
+    """The exact layout a config gives on ``world`` ranks (validated like the trainer does)."""
+    from torchpar.parallel import validate_layout
+    from torchpar.parallel.dims import ParallelDims
+
+    args = model_args(cfg.model.flavor, cfg.model.n_layers)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    accum = validate_layout(cfg, dims, args)
+    par, tr = cfg.parallelism, cfg.training
+    split = ()
+    v = 1
+    if dims.pp > 1:
+        from torchpar.parallel.pipeline import layers_per_stage, stages_per_rank
+
+        v = stages_per_rank(par)
+        split = tuple(layers_per_stage(cfg, dims, args))
+    zero = par.zero_stage if (par.zero_stage in (0, 3) or dims.dp_shard > 1) else 0
+    return Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, zero, tr.local_batch_size, accum,
+                  par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule, v,
+                  tr.activation_checkpoint, par.sequence_parallel and dims.tp > 1,
+                  2 if tr.mixed_precision_param == "bfloat16" else 4, split), args
+
+
+def _split(args, lay: Layout) -> list[int]:
+    if lay.pp == 1:
+        return [args.n_layers]
+    if lay.layers_per_stage:
+        return list(lay.layers_per_stage)
+    from torchpar.parallel.pipeline import balanced_split
+
+    return balanced_split(args, lay.pp * lay.stages_per_rank)
+
+
+def _stage_ids(lay: Layout, pp_rank: int) -> list[int]:
+    from torchpar.parallel.pipeline import stage_ids_of_rank
+
+    return stage_ids_of_rank(pp_rank, lay.pp, lay.stages_per_rank, lay.schedule) if lay.pp > 1 else [0]
+
+
+def state_bytes(args, lay: Layout, coords: dict[str, int]) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes of the rank at ``coords`` (pp, dp_shard,
+    tp), as torchpar lays them out: exact, including uneven shards and ZeRO 1-2 padding."""
+    split = _split(args, lay)
+    n_stages = len(split)
+    params = []
+    for s in _stage_ids(lay, coords.get("pp", 0)):
+        params += stage_params(args, s == 0, s == n_stages - 1, split[s])
+    tp_i, dp_i = coords.get("tp", 0), coords.get("dp_shard", 0)
+
+    def tp_local(shape, tp_dim):
+        rows, cols = shape
+        if lay.tp > 1 and tp_dim == 0:
+            rows = chunk(rows, lay.tp, tp_i)
+        elif lay.tp > 1 and tp_dim == 1:
+            cols = chunk(cols, lay.tp, tp_i)
+        return rows, cols
+
+    if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard
+        n = sum(chunk(r, lay.dp_shard, dp_i) * c for r, c in (tp_local(shape, t) for _, shape, t in params))
+        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": 8 * n}
+    total = sum(r * c for r, c in (tp_local(shape, t) for _, shape, t in params))
+    shards = lay.dp_shard if lay.zero_stage in (1, 2) else 1
+    shard = math.ceil(total / shards)
+    grads = shard if lay.zero_stage == 2 and shards > 1 else shard * shards
+    return {"param_bytes": 4 * total, "grad_bytes": 4 * grads, "optim_bytes": 8 * shard}
+
+
+def rank_coords(lay: Layout, rank: int) -> dict[str, int]:
+    """Mesh coordinates of a global rank: dims (pp, dp_replicate, dp_shard, tp), tp fastest."""
+    out = {}
+    for name, size in reversed((("pp", lay.pp), ("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard),
+                                ("tp", lay.tp))):
+        out[name] = rank % size
+        rank //= size
+    return out
+
+
+def deepspeed_bytes(n_params: int, zero_stage: int, dp: int) -> dict[str, float]:
+    """Mixed-precision bytes per rank in DeepSpeed's / Megatron's convention (see module doc)."""
+    return {"param_bytes": 2 * n_params / (dp if zero_stage >= 3 else 1),
+            "grad_bytes": 2 * n_params / (dp if zero_stage >= 2 else 1),
+            "optim_bytes": 12 * n_params / (dp if zero_stage >= 1 else 1)}
+
+
+# ------------------------------------------------------------------ activations
+
+
+def layer_activation_bytes(args, seq: int, batch: int, lay: Layout, act_bytes: int) -> float:
+    """Activations one transformer layer keeps for backward, per microbatch (Korthikanti et al.
+    2022, eqs. 1-6; their constants assume 2-byte activations, scaled here by ``act_bytes`` / 2).
+    The 5as/h term is the attention score matrix: absent with fused attention (SDPA), and
+    what selective recomputation removes."""
+    s, b, h, a, t = seq, batch, args.dim, args.n_heads, lay.tp
+    scores = 5 * a * s / h
+    if lay.activation_checkpoint == "full":
+        per = 2 / (t if lay.sequence_parallel else 1)  # only the layer input
+    elif lay.sequence_parallel:
+        per = (34 + (0 if lay.activation_checkpoint == "selective" else scores)) / t
+    else:
+        per = 10 + 24 / t + (0 if lay.activation_checkpoint == "selective" else scores / t)
+    return s * b * h * per * act_bytes / 2
+
+
+@functools.lru_cache(maxsize=None)
+def _actions(schedule: str, pp: int, n_micro: int, v: int):
+    from torchpar.parallel.bubble import schedule_actions, schedule_order
+
+    order, num_stages = schedule_order(schedule, pp, n_micro, v)
+    return schedule_actions(schedule, order, pp, n_micro), num_stages
+
+
+def in_flight(lay: Layout, n_micro: int, pp_rank: int) -> float:
+    """The most microbatch-stages whose activations a rank holds at once, weighted by the
+    stage's share of the rank's layers — read off the schedule's own action order."""
+    if lay.pp == 1:
+        return 1.0
+    acts, _ = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)
+    held, peak = {}, 0
+    for kind, stage, _mb in acts[pp_rank]:
+        if kind == "F":
+            held[stage] = held.get(stage, 0) + 1
+        elif kind in ("B", "I"):
+            held[stage] -= 1
+        peak = max(peak, sum(held.values()))
+    return float(peak) / len(_stage_ids(lay, pp_rank))
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Plan:
+    layout: dict
+    memory: dict  # per-rank bytes by part (the heaviest pipeline rank)
+    communication: dict  # per mesh dimension: bytes sent per rank per step, seconds, link
+    bubble: float
+    compute_s: float
+    step_s: float
+    tokens_per_sec: float
+    mfu: float
+    fits: bool
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9) -> Plan:
+    act_bytes = lay.param_dtype_bytes
+    n_micro = lay.local_batch_size * lay.accum // lay.microbatch_size if lay.pp > 1 else lay.accum
+    micro_batch = lay.microbatch_size if lay.pp > 1 else lay.local_batch_size
+    split = _split(args, lay)
+
+    # Memory of each pipeline rank (coordinate 0 elsewhere: the largest shards); keep the heaviest.
+    best = None
+    for pp_rank in range(lay.pp):
+        coords = {"pp": pp_rank, "dp_shard": 0, "tp": 0}
+        mem = dict(state_bytes(args, lay, coords))
+        stages = _stage_ids(lay, pp_rank)
+        layers = sum(split[s] for s in stages)
+        per_layer = layer_activation_bytes(args, seq, micro_batch, lay, act_bytes)
+        mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank)
+        has_head = (len(split) - 1) in stages
+        # Transients: fp32 logits and their gradient on the head's rank; FSDP2's gathered block
+        # (and the next one, prefetched) in the compute dtype.
+        mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
+        block = sum(r * c for _, (r, c), _ in stage_params(args, False, False, 1)) / lay.tp
+        mem["gathered_bytes"] = 2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+        mem["total_bytes"] = sum(mem.values())
+        if best is None or mem["total_bytes"] > best["total_bytes"]:
+            best = mem
+    comm = communication(args, lay, cluster, seq, micro_batch, n_micro)
+    tokens = lay.dp * lay.local_batch_size * lay.accum * seq
+    flops = flops_per_token(args, seq) * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
+    compute = flops / lay.world / (cluster.peak_flops * efficiency)
+    bubble = pipeline_bubble(lay, n_micro)
+    # torchpar reduces ZeRO 0-2 gradients after backward (exposed); FSDP2 overlaps with compute;
+    # TP collectives sit on the critical path; pipeline sends are mostly hidden (counted fully).
+    dp_s = comm.get("dp", {}).get("seconds", 0.0)
+    exposed = comm.get("tp", {}).get("seconds", 0.0) + comm.get("pp", {}).get("seconds", 0.0)
+    exposed += max(0.0, dp_s - compute) if lay.zero_stage == 3 else dp_s
+    step = compute / (1 - bubble) + exposed
+    tps = tokens / step
+    mfu = flops_per_token(args, seq) * tps / (cluster.peak_flops * lay.world)
+    return Plan(dataclasses.asdict(lay), best, comm, bubble, compute, step, tps, mfu,
+                best["total_bytes"] <= headroom * cluster.memory)
+
+
+def pipeline_bubble(lay: Layout, n_micro: int) -> float:
+    """Bubble fraction from the schedule's action order (the same as `torchpar schedule`)."""
+    if lay.pp == 1:
+        return 0.0
+    from torchpar.parallel.bubble import simulate
+
+    acts, num_stages = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)
+    return simulate(acts, num_stages)["bubble"]
+
+
+def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
+    """A mesh dimension spans ``stride * size`` consecutive ranks: inside a node if they fit."""
+    return ("intra-node", cluster.intra_bw) if stride * size <= cluster.gpus_per_node else ("inter-node", cluster.inter_bw)
+
+
+def communication(args, lay: Layout, cluster: Cluster, seq: int, micro_batch: int, n_micro: int) -> dict:
+    """Bytes each rank sends per step through each mesh dimension (ring algorithms), and time."""
+    out = {}
+    split = _split(args, lay)
+    layers = max(sum(split[s] for s in _stage_ids(lay, r)) for r in range(lay.pp))
+    hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes  # one activation tensor
+    if lay.tp > 1:
+        # Per layer and microbatch: forward 2 all-reduces (or all-gather + reduce-scatter pairs
+        # with sequence parallel: the same bytes), backward the same. An all-reduce sends
+        # 2(t-1)/t of the tensor.
+        t = lay.tp
+        per_mb = layers * 4 * 2 * (t - 1) / t * hidden
+        name, bw = _link(cluster, 1, t)
+        out["tp"] = {"bytes": per_mb * n_micro, "seconds": per_mb * n_micro / bw, "link": name}
+    if lay.dp > 1:
+        st = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
+        full = st["param_bytes"] * (lay.dp_shard if lay.zero_stage == 3 else 1)  # fp32 bytes of the rank's params
+        n, r = lay.dp_shard, lay.dp_replicate
+        frac = (n - 1) / n
+        if lay.zero_stage in (0, 1):
+            sent = 2 * (lay.dp - 1) / lay.dp * full + (frac * full if lay.zero_stage == 1 else 0)
+        elif lay.zero_stage == 2:
+            sent = 2 * frac * full + 2 * (r - 1) / r * full / n
+        else:  # FSDP2: all-gather in forward and (resharded) backward per micro-step, reduce-scatter once
+            gathers = 2 * lay.accum if lay.pp == 1 else 1
+            compute_copy = full * lay.param_dtype_bytes / 4
+            sent = gathers * frac * compute_copy + frac * full + 2 * (r - 1) / r * full / n
+        name, bw = _link(cluster, lay.tp, lay.dp)
+        out["dp"] = {"bytes": sent, "seconds": sent / bw, "link": name}
+    if lay.pp > 1:
+        # Each microbatch crosses every stage boundary once forward (activations) and once back
+        # (their gradients); a rank sends for the boundaries after its stages.
+        sends = len(_stage_ids(lay, 0)) * 2 * n_micro * hidden
+        name, bw = _link(cluster, lay.dp * lay.tp, lay.pp)
+        out["pp"] = {"bytes": sends, "seconds": sends / bw, "link": name}
+    return out
+
+
+# ------------------------------------------------------------------ search and the command
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_bytes: int = 2) -> list[Plan]:
+    """Every layout that divides the world and the model, ranked by estimated tokens/s."""
+    from torchpar.parallel.pipeline import balanced_split
+
+    plans = []
+    world = cluster.world
+    for tp in _divisors(cluster.gpus_per_node):
+        if args.n_heads % tp or args.n_kv_heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > args.n_layers or (pp > 1 and args.tie_embeddings):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            for zero in (0, 1, 2, 3):
+                if zero in (1, 2) and dp == 1:
+                    continue
+                for ac in ("none", "full"):
+                    for mbs in (1, 2, 4):
+                        if per_dp % mbs:
+                            continue
+                        if pp > 1:
+                            n_micro = per_dp // mbs
+                            if n_micro < pp:
+                                continue
+                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, "1F1B", 1, ac, tp > 1,
+                                         param_dtype_bytes, tuple(balanced_split(args, pp)))
+                        else:
+                            lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1,
+                                         param_dtype_bytes)
+                        plans.append(plan(args, lay, cluster, seq))
+    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def describe_layout(lay: dict) -> str:
+    return (f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero {lay['zero_stage']}, "
+            f"recompute {lay['activation_checkpoint']}, micro-batch {lay['microbatch_size'] if lay['pp'] > 1 else lay['local_batch_size']}"
+            + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}"))
+
+
+def explain(args, p: Plan, cluster: Cluster) -> str:
+    """The seeds' order of reasoning: does DP + ZeRO fit? else TP inside a node, then PP."""
+    n = num_params(args)
+    lines = [f"model: {n / 1e9:.2f}B parameters; 16 bytes each for fp32 weights, gradients and Adam = "
+             f"{_gb(16 * n)} in all; a device has {_gb(cluster.memory)}."]
+    lay = p.layout
+    lines.append(f"best: {describe_layout(lay)}")
+    m = p.memory
+    lines.append("per-rank memory: " + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items() if k != "total_bytes")
+                 + f" = {_gb(m['total_bytes'])}")
+    if lay["tp"] == 1 and lay["pp"] == 1:
+        lines.append("data parallelism + ZeRO alone fits: no tensor or pipeline communication needed.")
+    else:
+        if lay["tp"] > 1:
+            lines.append(f"tp {lay['tp']}: splits every layer inside a node (tp traffic needs NVLink).")
+        if lay["pp"] > 1:
+            lines.append(f"pp {lay['pp']}: splits the layers across ranks; bubble {100 * p.bubble:.1f}% of the step.")
+    for dim, c in p.communication.items():
+        lines.append(f"{dim}: {_gb(c['bytes'])} sent per rank per step over {c['link']} links, {1e3 * c['seconds']:.1f} ms")
+    lines.append(f"step {p.step_s:.3f} s (compute {p.compute_s:.3f} s), {p.tokens_per_sec:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="torchpar plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model flavour (search over layouts)")
+    ap.add_argument("--config", help="a training config: the prediction for exactly that layout")
+    ap.add_argument("--nproc", type=int, default=0, help="ranks for --config")
+    ap.add_argument("--gpu", default="H100-80GB", choices=sorted(PRESETS))
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=0)
+    ap.add_argument("--memory-gb", type=float, default=0)
+    ap.add_argument("--peak-tflops", type=float, default=0)
+    ap.add_argument("--intra-gbps", type=float, default=0, help="GB/s per direction inside a node")
+    ap.add_argument("--inter-gbps", type=float, default=0, help="GB/s per direction across nodes")
+    ap.add_argument("--global-batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    c = PRESETS[a.gpu]
+    cluster = Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
+                      a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
+                      a.inter_gbps * 1e9 or c.inter_bw, a.nodes)
+    try:
+        if a.config:
+            cfg = load_config(a.config, [])
+            lay, args = layout_from_config(cfg, a.nproc or cluster.world)
+            plans = [plan(args, lay, cluster, cfg.training.seq_len)]
+        elif a.model:
+            args = model_args(a.model)
+            plans = search(args, cluster, a.global_batch_size, a.seq_len)
+        else:
+            raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
+    except ConfigError as e:
+        print(f"torchpar: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps([p.to_json() for p in plans[: a.top]], indent=1))
+        return 0
+    if not plans:
+        print("no layout divides this world and model")
+        return 1
+    print(f"{'layout':<72} {'mem/rank':>10} {'fits':>5} {'bubble':>7} {'tok/s':>12} {'MFU':>6}")
+    for p in plans[: a.top]:
+        print(f"{describe_layout(p.layout):<72} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
+              f"{100 * p.bubble:>6.1f}% {p.tokens_per_sec:>12,.0f} {100 * p.mfu:>5.1f}%")
+    print()
+    print(explain(args, plans[0], cluster))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
