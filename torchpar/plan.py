@@ -88,6 +88,7 @@ class Layout:
     stages_per_rank: int = 1
     activation_checkpoint: str = "none"  # none | selective | full (selective: planner only)
     sequence_parallel: bool = True
+    loss_parallel: bool = True
     param_dtype_bytes: int = 4  # compute copy dtype: 4 fp32, 2 bf16
     layers_per_stage: tuple = ()
 
@@ -120,7 +121,7 @@ def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object]:
     return Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, zero, tr.local_batch_size, accum,
                   par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule, v,
                   tr.activation_checkpoint, par.sequence_parallel and dims.tp > 1,
-                  2 if tr.mixed_precision_param == "bfloat16" else 4, split), args
+                  par.loss_parallel and dims.tp > 1, 2 if tr.mixed_precision_param == "bfloat16" else 4, split), args
 
 
 def _split(args, lay: Layout) -> list[int]:
@@ -277,8 +278,8 @@ def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5,
     bubble = pipeline_bubble(lay, n_micro)
     # torchpar reduces ZeRO 0-2 gradients after backward (exposed); FSDP2 overlaps with compute;
     # TP collectives sit on the critical path; pipeline sends are mostly hidden (counted fully).
-    dp_s = comm.get("dp", {}).get("seconds", 0.0)
-    exposed = comm.get("tp", {}).get("seconds", 0.0) + comm.get("pp", {}).get("seconds", 0.0)
+    dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate"))
+    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "pp", "world"))
     exposed += max(0.0, dp_s - compute) if lay.zero_stage == 3 else dp_s
     step = compute / (1 - bubble) + exposed
     tps = tokens / step
@@ -302,41 +303,104 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
     return ("intra-node", cluster.intra_bw) if stride * size <= cluster.gpus_per_node else ("inter-node", cluster.inter_bw)
 
 
-def communication(args, lay: Layout, cluster: Cluster, seq: int, micro_batch: int, n_micro: int) -> dict:
-    """Bytes each rank sends per step through each mesh dimension (ring algorithms), and time."""
-    out = {}
+def _ring(kind: str, n: int) -> float:
+    """Share of the payload a ring sends per rank (the ledger uses the same factors)."""
+    from torchpar.parallel.ledger import FACTOR
+
+    return FACTOR[kind](n) if n > 1 else 0.0
+
+
+def communication(args, lay: Layout, cluster: Cluster, seq: int, micro_batch: int, n_micro: int,
+                  pp_rank: int = 0) -> dict:
+    """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
+    dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
+    collective by collective as torchpar issues them (checked by tests/test_plan.py against a
+    ledger of a real run)."""
     split = _split(args, lay)
-    layers = max(sum(split[s] for s in _stage_ids(lay, r)) for r in range(lay.pp))
-    hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes  # one activation tensor
-    if lay.tp > 1:
-        # Per layer and microbatch: forward 2 all-reduces (or all-gather + reduce-scatter pairs
-        # with sequence parallel: the same bytes), backward the same. An all-reduce sends
-        # 2(t-1)/t of the tensor.
-        t = lay.tp
-        per_mb = layers * 4 * 2 * (t - 1) / t * hidden
-        name, bw = _link(cluster, 1, t)
-        out["tp"] = {"bytes": per_mb * n_micro, "seconds": per_mb * n_micro / bw, "link": name}
+    stages = _stage_ids(lay, pp_rank)
+    layers = sum(split[s] for s in stages)
+    first, last = 0 in stages, len(split) - 1 in stages
+    params = [p for s in stages for p in stage_params(args, s == 0, s == len(split) - 1, split[s])]
+    act = lay.param_dtype_bytes
+    hidden = micro_batch * seq * args.dim * act  # one [b, s, d] activation
+    sent: dict[str, float] = {}
+
+    def add(dim: str, kind: str, payload: float, n: int, times: float = 1) -> None:
+        if n > 1:
+            sent[dim] = sent.get(dim, 0.0) + times * _ring(kind, n) * payload
+
+    # The trainer's own: the loss and the global gradient norm, one fp32 scalar each, over all ranks.
+    add("world", "all_reduce", 4, lay.world, times=2)
+    t = lay.tp
+    if t > 1:
+        # Per layer and micro-step, forward and backward: with sequence parallel 4 all-gathers + 4
+        # reduce-scatters of the activation; without, 4 all-reduces (same bytes). The embedding
+        # and the head add one pair each.
+        pairs = 4 * layers + first + last
+        if lay.sequence_parallel:
+            add("tp", "all_gather", hidden, t, pairs * n_micro)
+            add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
+            norms = 2 * layers + last  # replicated norm weights: partial gradients all-reduced once
+            add("tp", "all_reduce", 4 * args.dim, t, norms)
+        else:
+            add("tp", "all_reduce", hidden, t, pairs * n_micro)
+        if last:
+            if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
+                add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
+            else:
+                add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
+    n, r = lay.dp_shard, lay.dp_replicate
     if lay.dp > 1:
-        st = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
-        full = st["param_bytes"] * (lay.dp_shard if lay.zero_stage == 3 else 1)  # fp32 bytes of the rank's params
-        n, r = lay.dp_shard, lay.dp_replicate
-        frac = (n - 1) / n
-        if lay.zero_stage in (0, 1):
-            sent = 2 * (lay.dp - 1) / lay.dp * full + (frac * full if lay.zero_stage == 1 else 0)
-        elif lay.zero_stage == 2:
-            sent = 2 * frac * full + 2 * (r - 1) / r * full / n
-        else:  # FSDP2: all-gather in forward and (resharded) backward per micro-step, reduce-scatter once
-            gathers = 2 * lay.accum if lay.pp == 1 else 1
-            compute_copy = full * lay.param_dtype_bytes / 4
-            sent = gathers * frac * compute_copy + frac * full + 2 * (r - 1) / r * full / n
-        name, bw = _link(cluster, lay.tp, lay.dp)
-        out["dp"] = {"bytes": sent, "seconds": sent / bw, "link": name}
+        local = []  # (rows, cols) of the rank's TP-local parameters
+        for _, (rows, cols), tp_dim in params:
+            if t > 1 and tp_dim == 0:
+                rows = chunk(rows, t, 0)
+            elif t > 1 and tp_dim == 1:
+                cols = chunk(cols, t, 0)
+            local.append((rows, cols))
+        total = sum(a * b for a, b in local)
+        if lay.zero_stage in (0, 1, 2):
+            shards = n if lay.zero_stage in (1, 2) else 1
+            flat = 4 * math.ceil(total / shards) * shards  # the padded fp32 buffer
+            if lay.zero_stage == 2 and shards > 1:
+                add("dp_shard", "reduce_scatter", flat, n)
+                add("dp_replicate", "all_reduce", flat / n, r)
+            else:
+                add("dp", "all_reduce", flat, lay.dp)
+            if shards > 1:
+                add("dp_shard", "all_gather", flat, n)
+        else:
+            # FSDP2 units: each block, and the root (embedding, final norm, head). A unit's
+            # collectives carry every parameter padded to a multiple of dp_shard rows.
+            def unit_bytes(shapes, dtype_bytes):
+                return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
+
+            per_block = len(stage_params(args, False, False, 1))
+            blocks = [local[i:i + per_block] for i in range(int(first), int(first) + layers * per_block, per_block)]
+            root = local[:int(first)] + local[int(first) + layers * per_block:]
+            micro = lay.accum if lay.pp == 1 else 1
+            block_gathers = 2 * micro if lay.pp == 1 else 1  # forward, and again for backward
+            for unit in blocks:
+                add("dp_shard", "all_gather", unit_bytes(unit, act), n, block_gathers)
+                add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n)
+            if root:
+                add("dp_shard", "all_gather", unit_bytes(root, act), n, micro)
+                add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n)
+            for unit in blocks + ([root] if root else []):
+                add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r)
     if lay.pp > 1:
-        # Each microbatch crosses every stage boundary once forward (activations) and once back
-        # (their gradients); a rank sends for the boundaries after its stages.
-        sends = len(_stage_ids(lay, 0)) * 2 * n_micro * hidden
-        name, bw = _link(cluster, lay.dp * lay.tp, lay.pp)
-        out["pp"] = {"bytes": sends, "seconds": sends / bw, "link": name}
+        # Each microbatch crosses every stage boundary forward (activations) and back (their
+        # gradients); a rank sends from each of its stages that has a neighbour.
+        sends = sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro * hidden
+        sent["pp"] = sends
+    # Links: mesh dims (pp, dp_replicate, dp_shard, tp), tp innermost; a dim is intra-node when
+    # all the ranks it spans fit in one node.
+    stride = {"tp": (1, t), "dp_shard": (t, n), "dp_replicate": (t * n, r), "dp": (t, lay.dp),
+              "pp": (t * lay.dp, lay.pp), "world": (1, lay.world)}
+    out = {}
+    for dim, b in sent.items():
+        link, bw = _link(cluster, *stride[dim])
+        out[dim] = {"bytes": b, "seconds": b / bw, "link": link}
     return out
 
 
@@ -374,10 +438,10 @@ def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_byte
                             n_micro = per_dp // mbs
                             if n_micro < pp:
                                 continue
-                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, "1F1B", 1, ac, tp > 1,
+                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
                                          param_dtype_bytes, tuple(balanced_split(args, pp)))
                         else:
-                            lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1,
+                            lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
                                          param_dtype_bytes)
                         plans.append(plan(args, lay, cluster, seq))
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))

@@ -46,15 +46,15 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            # One conversion per block input (Megatron's f operator): with sequence parallel an
+            # all-gather forward / reduce-scatter backward; without it no forward collective and one
+            # backward all-reduce of the summed wq/wk/wv (w1/w3) input gradients instead of one each.
+            "attention": PrepareModuleInput(input_layouts=(between, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
         }
         if sequence_parallel:
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, tp_mesh, plan)
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
