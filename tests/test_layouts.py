@@ -164,3 +164,5 @@ def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world
             predicted = state_bytes(args, lay, rank_coords(lay, rank))
             for key in ("param", "grad", "optim"):
                 assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)
+                # ...and the trainer logged the same prediction itself at its first step.
+                assert runs[name]["step1"][f"predicted_{key}_bytes_per_rank"][rank] == predicted[f"{key}_bytes"]

@@ -75,3 +75,195 @@ def test_planner_communication_equals_the_ledger(ledgers, name):
     # ...and that the bytes went over the dimension the planner says.
     dims = set(predicted) - {"world"}
     assert dims == ({"tp"} if "tp2" in name else {"dp", "dp_shard"} & dims) and dims
+
+
+def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
+    """Build one rank of the real trainer's model and optimizer on a fake process group with
+    fake tensors (shapes, no storage), run a forward and backward through its hooks, create
+    the optimizer state, and read the bytes back as the trainer logs them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchpar.config import load_config
+    from torchpar.models import model_args
+    from torchpar.optim import build_optimizer, ensure_state
+    from torchpar.parallel import build_parallel_model, validate_layout
+    from torchpar.parallel.dims import ParallelDims
+
+    cfg = load_config(TINY, overrides)
+    args = model_args(cfg.model.flavor)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+        accum = validate_layout(cfg, dims, args)
+        dims.build_mesh("cpu")
+        model = build_parallel_model(cfg, args, dims, torch.device("meta"),
+                                     lambda p: build_optimizer(p, cfg.optimizer, "cpu"), accum)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for part in model.parts:
+                x = torch.zeros(1, 8, dtype=torch.long) if part.tok_embeddings is not None else torch.zeros(1, 8, args.dim)
+                part(x).float().sum().backward()
+            model.state.reduce_gradients()
+            grads = model.state.state_bytes()["grad_bytes"]
+            ensure_state(model.state.optimizer)
+            return {**model.state.state_bytes(), "grad_bytes": grads}
+    finally:
+        dist.destroy_process_group()
+
+
+def _pp(n):
+    return ["--parallelism.pipeline_parallel_degree", str(n)]
+
+
+def _tp(n):
+    return ["--parallelism.tensor_parallel_degree", str(n)]
+
+
+BIG = {  # name: (world, overrides, ranks to build)
+    "8B_dp8_tp8_zero3": (64, ["--model.flavor", "8B", *_tp(8), Z, "3"], [0, 9, 63]),
+    "8B_dp8_tp8_zero1": (64, ["--model.flavor", "8B", *_tp(8), Z, "1"], [0, 37]),
+    "70B_tp8_pp8_dp8": (512, ["--model.flavor", "70B", *_tp(8), *_pp(8), Z, "3"], [0, 64 * 3 + 9, 64 * 7 + 63]),
+    "405B_tp8_pp16_dp8": (1024, ["--model.flavor", "405B", *_tp(8), *_pp(16), Z, "3",
+                                 "--parallelism.pipeline_parallel_schedule", "GPipe"], [0, 64 * 8 + 5, 64 * 15 + 63]),
+}
+
+
+@pytest.mark.parametrize("name", list(BIG))
+def test_planner_bytes_equal_the_real_model_at_scale(name):
+    """8B on 64 ranks, 70B on 512 as tp8 x pp8 x dp8, 405B on 1,024: each sampled rank (first,
+    middle and last pipeline stages; varied tp and dp coordinates) holds exactly the bytes the
+    planner predicts."""
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, rank_coords, state_bytes
+
+    world, overrides, ranks = BIG[name]
+    overrides = [*overrides, "--training.seq_len", "8", "--training.local_batch_size", "8"]
+    lay, args = layout_from_config(load_config(TINY, overrides), world)
+    # A fresh process per rank: DTensor caches meshes of a destroyed process group.
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2, maxtasksperchild=1) as pool:
+        measured = pool.starmap(measured_state_bytes, [(overrides, world, rank) for rank in ranks])
+    for rank, got in zip(ranks, measured):
+        assert got == state_bytes(args, lay, rank_coords(lay, rank)), rank
+
+
+# ---------------------------------------------------------------- the seeds' worked examples
+
+
+@pytest.fixture(scope="module")
+def seeds():
+    from torchpar.plan import seed_examples
+
+    return {e["example"].split(" ")[0] + ("-qkv" if "QKV" in e["example"] else "") + ("-64" if "64 GPUs" in e["example"] else ""): e["exact"]
+            for e in seed_examples()}
+
+
+def test_seed_bert_large_data_parallel(seeds):
+    e = seeds["BERT-Large"]
+    n = 340e6
+    assert e["fp16_params_MB"] == e["fp16_grads_MB"] == 680  # what the seed says
+    assert e["adam_moments_GB"] == pytest.approx(2.72)  # "about 2.7 GB"
+    assert e["total_mixed_precision_GB"] == pytest.approx(16 * n / 1e9)  # the seed's ~4 GB omits fp32 master
+    assert e["allreduce_sent_per_gpu_MB"] == pytest.approx(2 * 7 / 8 * 680)  # ring, not 680 x 8
+    assert e["allreduce_ms"] == pytest.approx(2 * 7 / 8 * 680e6 / 300e9 * 1e3)
+    assert e["comm_share"] < 0.05  # the seed's conclusion holds
+
+
+def test_seed_gpt3_memory_and_qkv_shard(seeds):
+    d, L, V = 12288, 96, 50304
+    n = L * (12 * d * d + 2 * d) + 2 * V * d + d  # by hand: blocks, embedding + head, final norm
+    e = seeds["GPT-3"]
+    assert e["params"] == n and e["fp16_weights_GB"] == pytest.approx(2 * n / 1e9)  # ~350 GB
+    assert e["mixed_precision_adam_TB"] == pytest.approx(16 * n / 1e12) and e["mixed_precision_adam_TB"] > 1.2
+    q = seeds["GPT-3-qkv"]
+    assert q["qkv_fp16_MB"] == pytest.approx(12288 * 36864 * 2 / 1e6)
+    assert q["shard_cols"] == 4608 and q["shard_fp16_MB"] == pytest.approx(12288 * 4608 * 2 / 1e6)
+
+
+def test_seed_pipeline_bubble_and_3d_layout(seeds):
+    e = seeds["PP"]
+    assert e["bubble_GPipe"] == pytest.approx(3 / 19, abs=1e-12) and e["bubble_1F1B"] == pytest.approx(3 / 19, abs=1e-12)
+    assert e["microbatch_size"] == 128
+    g = seeds["175B-64"]
+    d = 12288
+    assert g["params_per_gpu_middle_stage"] == 24 * (12 * d * d // 8 + 2 * d)  # TP shards matmuls, norms stay whole
+    assert g["mixed_precision_GB_no_zero"] > 80 > g["mixed_precision_GB_zero1"]
+
+
+def test_seed_deepspeed_batch_arithmetic(seeds):
+    from torchpar.config import ConfigError
+    from torchpar.parallel.dims import ParallelDims
+
+    e = seeds["DeepSpeed"]
+    assert e["accumulation"] == 2 and e["global_batch"] == 32
+    with pytest.raises(ConfigError, match="not a multiple of 16"):
+        ParallelDims(1, 1, 4, 1, 2, 4).grad_accum_steps(4, 40)
+
+
+# ---------------------------------------------------------------- activations, search, command line
+
+
+def test_activation_prediction_against_a_measured_block():
+    """Saved-for-backward bytes of a real fp32 block vs Korthikanti's formula: torchpar's SwiGLU
+    (3 hidden-sized tensors), RoPE copies and GQA expansion keep ~20% more than GPT's 34·sbh."""
+    from torchpar.plan import activation_check
+
+    for flavor, b, s in (("debug", 8, 128), ("debug", 2, 512), ("125M", 1, 256)):
+        r = activation_check(flavor, b, s)
+        assert 1.0 < r["ratio"] < 1.4, r
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "torchpar.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plan_command_json_and_exact_config():
+    r = run_plan("--config", str(TINY), "--nproc", "2", "--gpu", "A100-80GB", "--json")
+    assert r.returncode == 0, r.stderr
+    (p,) = json.loads(r.stdout)
+    assert set(p) == {"layout", "memory", "communication", "bubble", "compute_s", "step_s", "tokens_per_sec", "mfu", "fits"}
+    assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
+    assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
+            "cpu_bytes", "total_bytes"} == set(p["memory"])
+    assert p["memory"]["param_bytes"] == 10494464 // 2  # the debug model's fp32 bytes, halved by ZeRO-3
+    r = run_plan("--model", "bogus")
+    assert r.returncode == 2 and "torchpar: error: --model 'bogus' is unknown" in r.stderr
+
+
+def test_search_follows_the_seeds_reasoning():
+    from torchpar.models import model_args
+    from torchpar.plan import PRESETS, Cluster, explain, search
+
+    a100 = PRESETS["A100-80GB"]
+    # 8B on one node of 8 x A100-80GB: data parallel + ZeRO alone fits, and wins.
+    args = model_args("8B")
+    plans = search(args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096)
+    best = plans[0]
+    assert best.fits and best.layout["tp"] == 1 and best.layout["pp"] == 1
+    assert "1. data parallel + ZeRO alone" in explain(args, plans, a100) and "-> fits" in explain(args, plans, a100)
+    # 70B on the same node: 16 bytes x 70.6B / 8 > 80 GB, so nothing without offload fits.
+    args = model_args("70B")
+    plans = search(args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096)
+    assert all(p.layout["cpu_offload"] for p in plans if p.fits) and plans[0].fits
+    text = explain(args, plans, a100)
+    assert "2. + tensor parallel inside a node" in text and "4. + CPU offload" in text
+    # Ranked by estimated throughput among those that fit.
+    fitting = [p for p in plans if p.fits]
+    assert all(x.tokens_per_sec >= y.tokens_per_sec for x, y in zip(fitting, fitting[1:]))
+
+
+def test_microbatches_in_flight_per_schedule():
+    """Activations held at once, in whole-stage microbatches, from each schedule's own order:
+    GPipe keeps all m; 1F1B up to p on the first stage, one fewer per stage after; interleaved
+    1F1B p(1 + (p-1)/(p v)) on the first (Narayanan et al. 2021); ZBV p on every rank."""
+    from torchpar.plan import Layout, in_flight
+
+    def held(schedule, v):
+        lay = Layout(pp=4, local_batch_size=16, schedule=schedule, stages_per_rank=v)
+        return [in_flight(lay, 16, r) for r in range(4)]
+
+    assert held("GPipe", 1) == [16] * 4
+    assert held("1F1B", 1) == [4, 3, 2, 1]
+    assert held("Interleaved1F1B", 2)[0] == 4 * (1 + 3 / (4 * 2))
+    assert held("ZBVZeroBubble", 2) == [4] * 4

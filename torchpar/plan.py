@@ -22,8 +22,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from torchpar.config import ConfigError, JobConfig, load_config
-from torchpar.models import flops_per_token, model_args, num_params
+from torchpar.config import ConfigError, JobConfig, did_you_mean, load_config
+from torchpar.models import FLAVORS, flops_per_token, model_args, num_params
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,10 @@ PRESETS = {
     "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9),
     "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8),  # PCIe 4.0 x16; 100 GbE per node
 }
+
+
+PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
+CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
 
 
 def chunk(n: int, parts: int, index: int) -> int:
@@ -91,6 +95,8 @@ class Layout:
     loss_parallel: bool = True
     param_dtype_bytes: int = 4  # compute copy dtype: 4 fp32, 2 bf16
     layers_per_stage: tuple = ()
+    cpu_offload: bool = False  # ZeRO-3: sharded parameters, gradients and Adam live on the CPU
+    fused_attention: bool = True  # SDPA keeps no s x s score matrix for backward
 
     @property
     def dp(self) -> int:
@@ -121,7 +127,8 @@ def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object]:
     return Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, zero, tr.local_batch_size, accum,
                   par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule, v,
                   tr.activation_checkpoint, par.sequence_parallel and dims.tp > 1,
-                  par.loss_parallel and dims.tp > 1, 2 if tr.mixed_precision_param == "bfloat16" else 4, split), args
+                  par.loss_parallel and dims.tp > 1, 2 if tr.mixed_precision_param == "bfloat16" else 4, split,
+                  par.cpu_offload), args
 
 
 def _split(args, lay: Layout) -> list[int]:
@@ -194,7 +201,7 @@ def layer_activation_bytes(args, seq: int, batch: int, lay: Layout, act_bytes: i
     The 5as/h term is the attention score matrix: absent with fused attention (SDPA), and
     what selective recomputation removes."""
     s, b, h, a, t = seq, batch, args.dim, args.n_heads, lay.tp
-    scores = 5 * a * s / h
+    scores = 0 if lay.fused_attention else 5 * a * s / h
     if lay.activation_checkpoint == "full":
         per = 2 / (t if lay.sequence_parallel else 1)  # only the layer input
     elif lay.sequence_parallel:
@@ -212,12 +219,13 @@ def _actions(schedule: str, pp: int, n_micro: int, v: int):
     return schedule_actions(schedule, order, pp, n_micro), num_stages
 
 
-def in_flight(lay: Layout, n_micro: int, pp_rank: int) -> float:
+def in_flight(lay: Layout, n_micro: int, pp_rank: int, actions: dict | None = None) -> float:
     """The most microbatch-stages whose activations a rank holds at once, weighted by the
-    stage's share of the rank's layers — read off the schedule's own action order."""
+    stage's share of the rank's layers — read off the schedule's own action order (``actions``:
+    a running pipeline's own, else built on a fake process group)."""
     if lay.pp == 1:
         return 1.0
-    acts, _ = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)
+    acts = actions or _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)[0]
     held, peak = {}, 0
     for kind, stage, _mb in acts[pp_rank]:
         if kind == "F":
@@ -247,7 +255,8 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9) -> Plan:
+def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9,
+         actions: dict | None = None) -> Plan:
     act_bytes = lay.param_dtype_bytes
     n_micro = lay.local_batch_size * lay.accum // lay.microbatch_size if lay.pp > 1 else lay.accum
     micro_batch = lay.microbatch_size if lay.pp > 1 else lay.local_batch_size
@@ -261,26 +270,36 @@ def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5,
         stages = _stage_ids(lay, pp_rank)
         layers = sum(split[s] for s in stages)
         per_layer = layer_activation_bytes(args, seq, micro_batch, lay, act_bytes)
-        mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank)
+        mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank, actions)
         has_head = (len(split) - 1) in stages
         # Transients: fp32 logits and their gradient on the head's rank; FSDP2's gathered block
         # (and the next one, prefetched) in the compute dtype.
         mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
         block = sum(r * c for _, (r, c), _ in stage_params(args, False, False, 1)) / lay.tp
         mem["gathered_bytes"] = 2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+        cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
         mem["total_bytes"] = sum(mem.values())
+        # What CPU offload moves off the device (not in the device total).
+        mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
         if best is None or mem["total_bytes"] > best["total_bytes"]:
             best = mem
     comm = communication(args, lay, cluster, seq, micro_batch, n_micro)
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     flops = flops_per_token(args, seq) * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
     compute = flops / lay.world / (cluster.peak_flops * efficiency)
-    bubble = pipeline_bubble(lay, n_micro)
+    bubble = pipeline_bubble(lay, n_micro, actions)
     # torchpar reduces ZeRO 0-2 gradients after backward (exposed); FSDP2 overlaps with compute;
     # TP collectives sit on the critical path; pipeline sends are mostly hidden (counted fully).
     dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate"))
     exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "pp", "world"))
     exposed += max(0.0, dp_s - compute) if lay.zero_stage == 3 else dp_s
+    if lay.cpu_offload:
+        # Sharded parameters cross PCIe to the device for every all-gather, gradients back once,
+        # and Adam runs on the CPU (counted as memory-bound: 16 bytes read + written per parameter).
+        host = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
+        moved = host["param_bytes"] * (2 * lay.accum if lay.pp == 1 else 1) + host["grad_bytes"]
+        comm["offload"] = {"bytes": moved, "seconds": moved / PCIE_BW, "link": "PCIe"}
+        exposed += moved / PCIE_BW + 2 * (host["param_bytes"] + host["optim_bytes"]) / CPU_MEMORY_BW
     step = compute / (1 - bubble) + exposed
     tps = tokens / step
     mfu = flops_per_token(args, seq) * tps / (cluster.peak_flops * lay.world)
@@ -288,13 +307,14 @@ def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5,
                 best["total_bytes"] <= headroom * cluster.memory)
 
 
-def pipeline_bubble(lay: Layout, n_micro: int) -> float:
+def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> float:
     """Bubble fraction from the schedule's action order (the same as `torchpar schedule`)."""
     if lay.pp == 1:
         return 0.0
     from torchpar.parallel.bubble import simulate
 
-    acts, num_stages = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)
+    acts, num_stages = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank) if actions is None \
+        else (actions, lay.pp * lay.stages_per_rank)
     return simulate(acts, num_stages)["bubble"]
 
 
@@ -404,6 +424,154 @@ def communication(args, lay: Layout, cluster: Cluster, seq: int, micro_batch: in
     return out
 
 
+# ------------------------------------------------------------------ checks against measurement
+
+
+def saved_activation_bytes(fn, *inputs, exclude=()) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn(*inputs)`` runs — the
+    activation memory held at the peak, just before backward. Storages in ``exclude``
+    (parameters, buffers) and inputs are not counted; a storage saved twice counts once."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in (*exclude, *inputs)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(seen.values())
+
+
+def activation_check(flavor: str = "debug", batch: int = 8, seq: int = 128) -> dict:
+    """One transformer block of the real model in fp32 on the CPU: measured saved bytes against
+    the Korthikanti prediction this planner uses."""
+    import torch
+
+    from torchpar.models import Transformer
+
+    args = model_args(flavor)
+    with torch.device("meta"):
+        model = Transformer(args)
+    block = model.layers["0"].to_empty(device="cpu")
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    from torchpar.models.llama import rope_tables
+
+    cos, sin = rope_tables(args.head_dim, seq, args.rope_theta)
+    h = torch.randn(batch, seq, args.dim, requires_grad=True)
+    measured = saved_activation_bytes(lambda x: block(x, cos, sin), h, exclude=[*block.parameters(), cos, sin])
+    predicted = layer_activation_bytes(args, seq, batch, Layout(), 4)
+    return {"flavor": flavor, "batch": batch, "seq": seq, "measured_layer_bytes": measured,
+            "predicted_layer_bytes": predicted, "ratio": measured / predicted}
+
+
+def predict_for_trainer(cfg: JobConfig, world: int, actions: dict | None = None) -> dict:
+    """What the trainer logs at its first step: each rank's predicted state bytes, the predicted
+    device peak (state + activations + transients) of the heaviest rank. ``actions``: the
+    running pipeline's schedule (no extra process group is made inside a running job)."""
+    lay, args = layout_from_config(cfg, world)
+    per_rank = [state_bytes(args, lay, rank_coords(lay, r)) for r in range(world)]
+    peak = plan(args, lay, PRESETS["H100-80GB"], cfg.training.seq_len, actions=actions).memory["total_bytes"]
+    return {"per_rank": per_rank, "peak_bytes": peak}
+
+
+# ------------------------------------------------------------------ the seeds' worked examples
+
+
+def seed_examples() -> list[dict]:
+    """Each worked example of the tutorials in shared/seeds, recomputed. Every item: what the
+    tutorial says, the exact figures, and a note where it rounds or slips."""
+    from torchpar.parallel.dims import ParallelDims
+
+    GB, MB = 1e9, 1e6
+    out = []
+    # 1. BERT-Large-sized data parallelism on 8 x A100-80GB.
+    n, gpus, a100 = 340e6, 8, PRESETS["A100-80GB"]
+    grad = 2 * n
+    ring = 2 * (gpus - 1) / gpus * grad  # bytes each GPU sends in a ring all-reduce
+    tokens = 256 * 512 // gpus  # global batch 256 sequences of 512 tokens
+    compute = 6 * n * tokens / (a100.peak_flops * 0.5)
+    out.append({
+        "example": "BERT-Large (340M) data parallel on 8 x A100-80GB",
+        "seed": "fp16 params 680 MB, grads 680 MB, Adam states 2.7 GB, ~4 GB total; all-reduce 680 MB x 8 = "
+                "5.44 GB, ~9 ms over NVLink 600 GB/s; compute ~200 ms",
+        "exact": {"fp16_params_MB": 2 * n / MB, "fp16_grads_MB": grad / MB, "adam_moments_GB": 8 * n / GB,
+                  "fp32_master_GB": 4 * n / GB, "total_mixed_precision_GB": 16 * n / GB,
+                  "allreduce_sent_per_gpu_MB": ring / MB, "allreduce_ms": 1e3 * ring / a100.intra_bw,
+                  "compute_ms_seq512_50pct": 1e3 * compute,
+                  "comm_share": ring / a100.intra_bw / (compute + ring / a100.intra_bw)},
+        "note": f"The ~4 GB leaves out the fp32 master copy ({4 * n / GB:.2f} GB): mixed-precision Adam holds 16 "
+                f"bytes per parameter, {16 * n / GB:.2f} GB. A ring all-reduce sends 2(N-1)/N x {grad / MB:.0f} MB = "
+                f"{ring / GB:.2f} GB per GPU, not {grad / MB:.0f} MB x 8; at {a100.intra_bw / GB:.0f} GB/s per direction "
+                f"(NVLink's 600 GB/s counts both) that is {1e3 * ring / a100.intra_bw:.2f} ms, "
+                f"{100 * ring / a100.intra_bw / compute:.1f}% of the {1e3 * compute:.0f} ms of compute.",
+    })
+    # 2. GPT-3 175B: weights and Adam.
+    args = model_args("gpt3-175B")
+    n = num_params(args)
+    out.append({
+        "example": "GPT-3 175B memory",
+        "seed": "fp16 weights ~350 GB; with Adam (2 extra fp32 copies) and gradients over 1.2 TB",
+        "exact": {"params": n, "fp16_weights_GB": 2 * n / GB, "seed_components_TB": 12 * n / 1e12,
+                  "mixed_precision_adam_TB": 16 * n / 1e12},
+        "note": f"torchpar's gpt3-175B has {n / 1e9:.2f}B parameters (untied {args.vocab_size}-token embedding and "
+                f"head). The seed's own parts (fp16 weights + fp16 grads + two fp32 moments = 12 bytes/param) give "
+                f"{12 * n / 1e12:.2f} TB, and the fp32 master copy makes 16 bytes/param = {16 * n / 1e12:.2f} TB: "
+                "'over 1.2 TB' is true but less than half of it.",
+    })
+    # 3. TP = 8 shard of the QKV projection.
+    d = args.dim
+    qkv = d * 3 * d
+    out.append({
+        "example": "GPT-3 175B QKV projection under TP = 8",
+        "seed": "12288 x 36864 ~ 1.8 GB (fp16); each of 8 shards 12288 x 4608 ~ 226 MB",
+        "exact": {"qkv_fp16_MB": 2 * qkv / MB, "qkv_fp32_MB": 4 * qkv / MB, "shard_cols": 3 * d // 8,
+                  "shard_fp16_MB": 2 * qkv / 8 / MB},
+        "note": f"1.8 GB and 226 MB are the fp32 sizes ({4 * qkv / MB:.0f} and {4 * qkv / 8 / MB:.0f} MB); in fp16 the "
+                f"matrix is {2 * qkv / MB:.0f} MB and a shard {2 * qkv / 8 / MB:.0f} MB.",
+    })
+    # 4. PP = 4 with 16 microbatches.
+    bubble = {s: pipeline_bubble(Layout(pp=4, local_batch_size=16, schedule=s), 16) for s in ("GPipe", "1F1B")}
+    out.append({
+        "example": "PP = 4, 16 microbatches (global batch 2048 -> microbatches of 128)",
+        "seed": "bubble (p-1)/(p-1+m) = 3/19 ~ 15.8%",
+        "exact": {"bubble_GPipe": bubble["GPipe"], "bubble_1F1B": bubble["1F1B"], "formula": 3 / 19,
+                  "microbatch_size": 2048 // 16},
+        "note": "Measured on torch's own schedules (the same simulation as `torchpar schedule`): exactly 3/19.",
+    })
+    # 5. 64 GPUs as DP 2 x TP 8 x PP 4.
+    lay = Layout(pp=4, dp_shard=2, tp=8, zero_stage=0, local_batch_size=16, layers_per_stage=(24, 24, 24, 24))
+    per_gpu = state_bytes(args, lay, {"pp": 1, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
+    first = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
+    ds0, ds1 = deepspeed_bytes(per_gpu, 0, 2), deepspeed_bytes(per_gpu, 1, 2)
+    out.append({
+        "example": "175B on 64 GPUs as DP 2 x TP 8 x PP 4",
+        "seed": "each GPU keeps 1/8 of the parameters (TP) of 1/4 of the layers (PP) and sees 1/2 of the data",
+        "exact": {"params_per_gpu_middle_stage": per_gpu, "params_per_gpu_first_stage": first,
+                  "mixed_precision_GB_no_zero": sum(ds0.values()) / GB,
+                  "mixed_precision_GB_zero1": sum(ds1.values()) / GB},
+        "note": f"A middle stage holds 24 layers / 8 = {per_gpu / 1e9:.2f}B parameters per GPU (the first also 1/8 "
+                f"of the embedding). With Adam that is {sum(ds0.values()) / GB:.0f} GB without ZeRO — more than an "
+                f"80 GB GPU — and {sum(ds1.values()) / GB:.0f} GB with ZeRO-1 over the 2 data-parallel replicas, "
+                "before activations.",
+    })
+    # 6. DeepSpeed's batch arithmetic.
+    dims = ParallelDims(1, 1, 4, 1, 2, 4)
+    out.append({
+        "example": "DeepSpeed batch arithmetic",
+        "seed": "micro-batch 4 x accumulation 2 x 4 GPUs = 32",
+        "exact": {"accumulation": dims.grad_accum_steps(4, 32), "global_batch": 4 * dims.grad_accum_steps(4, 32) * 4},
+        "note": "torchpar: training.local_batch_size = 4, training.global_batch_size = 32 on 4 ranks gives 2 "
+                "accumulation steps (checked: other values are refused with the formula).",
+    })
+    return out
+
+
 # ------------------------------------------------------------------ search and the command
 
 
@@ -411,7 +579,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_bytes: int = 2) -> list[Plan]:
+def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_bytes: int = 2,
+           efficiency: float = 0.5) -> list[Plan]:
     """Every layout that divides the world and the model, ranked by estimated tokens/s."""
     from torchpar.parallel.pipeline import balanced_split
 
@@ -427,7 +596,7 @@ def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_byte
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
-            for zero in (0, 1, 2, 3):
+            for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
                 if zero in (1, 2) and dp == 1:
                     continue
                 for ac in ("none", "full"):
@@ -439,11 +608,11 @@ def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_byte
                             if n_micro < pp:
                                 continue
                             lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
-                                         param_dtype_bytes, tuple(balanced_split(args, pp)))
+                                         param_dtype_bytes, tuple(balanced_split(args, pp)), offload)
                         else:
                             lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
-                                         param_dtype_bytes)
-                        plans.append(plan(args, lay, cluster, seq))
+                                         param_dtype_bytes, (), offload)
+                        plans.append(plan(args, lay, cluster, seq, efficiency))
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
 
 
@@ -452,31 +621,52 @@ def _gb(x: float) -> str:
 
 
 def describe_layout(lay: dict) -> str:
-    return (f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero {lay['zero_stage']}, "
-            f"recompute {lay['activation_checkpoint']}, micro-batch {lay['microbatch_size'] if lay['pp'] > 1 else lay['local_batch_size']}"
+    micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
+    return (f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero {lay['zero_stage']}"
+            + (" +offload" if lay["cpu_offload"] else "") + f", recompute {lay['activation_checkpoint']}, micro-batch {micro}"
             + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}"))
 
 
-def explain(args, p: Plan, cluster: Cluster) -> str:
-    """The seeds' order of reasoning: does DP + ZeRO fit? else TP inside a node, then PP."""
+def explain(args, plans: list[Plan], cluster: Cluster) -> str:
+    """The seeds' order of reasoning over the searched layouts: does DP + ZeRO fit? if not, TP
+    inside a node; then PP across nodes; offload last — and what each choice costs."""
     n = num_params(args)
-    lines = [f"model: {n / 1e9:.2f}B parameters; 16 bytes each for fp32 weights, gradients and Adam = "
-             f"{_gb(16 * n)} in all; a device has {_gb(cluster.memory)}."]
-    lay = p.layout
-    lines.append(f"best: {describe_layout(lay)}")
-    m = p.memory
-    lines.append("per-rank memory: " + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items() if k != "total_bytes")
-                 + f" = {_gb(m['total_bytes'])}")
-    if lay["tp"] == 1 and lay["pp"] == 1:
-        lines.append("data parallelism + ZeRO alone fits: no tensor or pipeline communication needed.")
-    else:
-        if lay["tp"] > 1:
-            lines.append(f"tp {lay['tp']}: splits every layer inside a node (tp traffic needs NVLink).")
-        if lay["pp"] > 1:
-            lines.append(f"pp {lay['pp']}: splits the layers across ranks; bubble {100 * p.bubble:.1f}% of the step.")
-    for dim, c in p.communication.items():
-        lines.append(f"{dim}: {_gb(c['bytes'])} sent per rank per step over {c['link']} links, {1e3 * c['seconds']:.1f} ms")
-    lines.append(f"step {p.step_s:.3f} s (compute {p.compute_s:.3f} s), {p.tokens_per_sec:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%")
+    lines = [f"model: {n / 1e9:.2f}B parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
+             f"{cluster.world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable)."]
+
+    def smallest(pred):
+        cands = [p for p in plans if pred(p.layout)]
+        return min(cands, key=lambda p: p.memory["total_bytes"]) if cands else None
+
+    steps = [("1. data parallel + ZeRO alone", lambda lay: lay["tp"] == 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
+             ("2. + tensor parallel inside a node", lambda lay: lay["tp"] > 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
+             ("3. + pipeline parallel", lambda lay: lay["pp"] > 1 and not lay["cpu_offload"]),
+             ("4. + CPU offload of the ZeRO-3 state", lambda lay: lay["cpu_offload"])]
+    for title, pred in steps:
+        p = smallest(pred)
+        if p is None:
+            continue
+        verdict = "fits" if p.fits else "does not fit"
+        lines.append(f"{title}: smallest is {describe_layout(p.layout)} at {_gb(p.memory['total_bytes'])} per device "
+                     f"-> {verdict}")
+        if p.fits:
+            break
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        lines.append("nothing fits: more devices, a shorter sequence or a smaller micro-batch.")
+        return "\n".join(lines)
+    best = fitting[0]
+    lines.append(f"fastest that fits: {describe_layout(best.layout)}")
+    m = best.memory
+    lines.append("  per device: " + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items()
+                                              if k != "total_bytes" and v) + f" = {_gb(m['total_bytes'])}")
+    if best.bubble:
+        lines.append(f"  pipeline bubble {100 * best.bubble:.1f}% of the step ({best.layout['schedule']})")
+    for dim, c in best.communication.items():
+        if c["bytes"] >= 1e6:
+            lines.append(f"  {dim}: {_gb(c['bytes'])} per device per step over {c['link']}, {1e3 * c['seconds']:.1f} ms")
+    lines.append(f"  step {best.step_s:.2f} s (compute {best.compute_s:.2f} s at the assumed efficiency), "
+                 f"{best.tokens_per_sec:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%")
     return "\n".join(lines)
 
 
@@ -495,20 +685,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--seeds", action="store_true", help="recompute the tutorials' worked examples")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     c = PRESETS[a.gpu]
     cluster = Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
                       a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
                       a.inter_gbps * 1e9 or c.inter_bw, a.nodes)
+    if a.seeds:
+        examples = seed_examples()
+        if a.json:
+            print(json.dumps(examples, indent=1))
+            return 0
+        for e in examples:
+            print(f"## {e['example']}\n  seed:  {e['seed']}")
+            for k, v in e["exact"].items():
+                print(f"  {k:<34} {v:,.4g}" if isinstance(v, float) else f"  {k:<34} {v:,}")
+            print(f"  note:  {e['note']}\n")
+        return 0
     try:
         if a.config:
             cfg = load_config(a.config, [])
             lay, args = layout_from_config(cfg, a.nproc or cluster.world)
-            plans = [plan(args, lay, cluster, cfg.training.seq_len)]
+            plans = [plan(args, lay, cluster, cfg.training.seq_len, a.efficiency)]
         elif a.model:
+            if a.model not in FLAVORS:
+                raise ConfigError(f"--model {a.model!r} is unknown.{did_you_mean(a.model, FLAVORS)}")
             args = model_args(a.model)
-            plans = search(args, cluster, a.global_batch_size, a.seq_len)
+            plans = search(args, cluster, a.global_batch_size, a.seq_len, efficiency=a.efficiency)
         else:
             raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
     except ConfigError as e:
@@ -525,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{describe_layout(p.layout):<72} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
               f"{100 * p.bubble:>6.1f}% {p.tokens_per_sec:>12,.0f} {100 * p.mfu:>5.1f}%")
     print()
-    print(explain(args, plans[0], cluster))
+    print(explain(args, plans, cluster))
     return 0
 
 

@@ -135,6 +135,22 @@ class Trainer:
         dist.all_gather_object(everyone, mine)
         return everyone
 
+    def predicted_bytes(self, measured: dict) -> dict:
+        """The planner's prediction for this exact job, logged next to the measured figures."""
+        from torchpar.plan import predict_for_trainer
+
+        pipeline = self.model.pipeline
+        pred = predict_for_trainer(self.cfg, self.dims.world_size, pipeline.actions() if pipeline else None)
+        out = {f"predicted_{k}_per_rank": [r[k] for r in pred["per_rank"]] for k in pred["per_rank"][0]}
+        out["predicted_peak_bytes"] = pred["peak_bytes"]
+        if self.rank == 0:
+            def mib(d):
+                return "/".join(f"{d[k] / 2**20:.2f}" for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+
+            print(f"planner: rank 0 params/grads/optimizer predicted {mib(pred['per_rank'][0])} MiB, measured "
+                  f"{mib(measured)} MiB; predicted device peak {pred['peak_bytes'] / 2**30:.3f} GiB", flush=True)
+        return out
+
     def train(self) -> list[float]:
         cfg, tr = self.cfg, self.cfg.training
         if self.rank == 0:
@@ -172,6 +188,7 @@ class Trainer:
                     record.update(per_rank[0])
                     for key in per_rank[0]:
                         record[f"{key}_per_rank"] = [r[key] for r in per_rank]
+                    record.update(self.predicted_bytes(per_rank[0]))
                 self.logger.log(record)
                 t_last, steps_since = now, 0
             self.model.state.zero_grad()

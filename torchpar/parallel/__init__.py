@@ -7,6 +7,7 @@ device with ``init_weights`` -> ZeRO 0-2 engine or optimizer.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -84,15 +85,23 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
             # give wrong gradients when blocks reshard between forward and backward (TORCH_NOTES).
             apply_fsdp(part, dp_mesh, getattr(torch, tr.mixed_precision_param), getattr(torch, tr.mixed_precision_reduce),
                        reshard_after_forward=dims.pp == 1, cpu_offload=par.cpu_offload)
-    for part in parts:
-        part.to_empty(device="cpu" if par.cpu_offload else device)
-        part.tie_weights()  # to_empty makes new parameter objects for plain tensors
-        part.init_weights(tr.seed, local_part=_local_part, buffer_device=device, values=initial_weights)
-    if par.zero_stage == 3:
-        state = FSDPState(parts, build_optimizer(unique_params(parts)), dims.tp)
-    else:
-        state = FlatZero(parts, dims, par.zero_stage, build_optimizer)
-    if dims.pp > 1:
+    # device "meta" = a shape-only build (the planner's check on fake process groups): parameters
+    # and state become fake CPU tensors that have shapes and no storage.
+    shapes_only = device.type == "meta"
+    if shapes_only:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        device = torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True) if shapes_only else contextlib.nullcontext():
+        for part in parts:
+            part.to_empty(device="cpu" if par.cpu_offload else device)
+            part.tie_weights()  # to_empty makes new parameter objects for plain tensors
+            part.init_weights(tr.seed, local_part=_local_part, buffer_device=device, values=initial_weights)
+        if par.zero_stage == 3:
+            state = FSDPState(parts, build_optimizer(unique_params(parts)), dims.tp)
+        else:
+            state = FlatZero(parts, dims, par.zero_stage, build_optimizer)
+    if dims.pp > 1 and not shapes_only:
         from torchpar.parallel.pipeline import Pipeline
 
         pipeline = Pipeline(parts, pipeline_spec, cfg, dims, device, accum)
