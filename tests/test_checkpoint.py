@@ -21,10 +21,8 @@ STEPS = ["--training.steps", "6"]
 
 
 def save(folder, *layout):
-    # Synchronous saves: async staging in DCP fails when several trainers run in one process
-    # (this harness); async mode is tested in real runs in test_checkpoint_files.py.
     return [*STEPS, *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--checkpoint.folder", str(folder),
-            "--checkpoint.async_mode", "off"]
+            "--checkpoint.async_mode", "async"]
 
 
 def resume(folder, *layout):

@@ -178,6 +178,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.pending = None  # (future, partial folder, final folder, step) of an async save
         self.async_group = None
+        self.executor = None
         if self.cfg.enable and self.cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
             self.async_group = dist.new_group(backend="gloo")
@@ -215,11 +216,23 @@ class Checkpointer:
         state, _ = self._state()
         state["config"] = self.trainer.config_toml
         if self.cfg.async_mode == "async":
-            future = self.dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            # Our own staging (CPU copies the next steps cannot touch), then DCP's ordinary save in a
+            # thread on its own process group. torch 2.13's async_save stager can mix up storages
+            # between tensors and fail ("invalid python storage"), so it is not used.
+            snapshot = _snapshot(state)
+            future = self._writer().submit(self.dcp.save, snapshot, checkpoint_id=str(partial),
+                                           process_group=self.async_group)
             self.pending = (future, partial, final, step)
         else:
             self.dcp.save(state, checkpoint_id=str(partial))
             self._finalize(partial, final, step)
+
+    def _writer(self):
+        if self.executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchpar-checkpoint")
+        return self.executor
 
     def _poll(self) -> None:
         if self.pending is not None and self.pending[0].done():
@@ -264,6 +277,9 @@ class Checkpointer:
         self.wait()
         if self.cfg.enable:
             dist.barrier()  # the last checkpoint is in place before any rank moves on
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
         if self.async_group is not None:
             dist.destroy_process_group(self.async_group)
             self.async_group = None
@@ -310,6 +326,23 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {path}: {name} is {tuple(saved.size)} there but {tuple(value.shape)} "
                                   "in this model; use the config it was saved with")
 
+
+
+def _snapshot(obj):
+    """A copy of a state dict whose tensors are fresh CPU copies (DTensors keep their layout)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return obj
 
 
 # ---------------------------------------------------------------------- single-process use

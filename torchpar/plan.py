@@ -448,26 +448,32 @@ def saved_activation_bytes(fn, *inputs, exclude=()) -> int:
 
 
 def activation_check(flavor: str = "debug", batch: int = 8, seq: int = 128) -> dict:
-    """One transformer block of the real model in fp32 on the CPU: measured saved bytes against
-    the Korthikanti prediction this planner uses."""
+    """The real model in fp32 on the CPU, one microbatch: bytes saved for backward by one block
+    and by the whole forward + loss, against this planner's predictions (Korthikanti et al. per
+    layer; activations + logits for the model)."""
     import torch
 
+    from torchpar.loss import cross_entropy_sum
     from torchpar.models import Transformer
 
     args = model_args(flavor)
     with torch.device("meta"):
         model = Transformer(args)
-    block = model.layers["0"].to_empty(device="cpu")
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    from torchpar.models.llama import rope_tables
-
-    cos, sin = rope_tables(args.head_dim, seq, args.rope_theta)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    cos, sin = model.rope_cos, model.rope_sin
+    params = [*model.parameters(), cos, sin]
     h = torch.randn(batch, seq, args.dim, requires_grad=True)
-    measured = saved_activation_bytes(lambda x: block(x, cos, sin), h, exclude=[*block.parameters(), cos, sin])
-    predicted = layer_activation_bytes(args, seq, batch, Layout(), 4)
-    return {"flavor": flavor, "batch": batch, "seq": seq, "measured_layer_bytes": measured,
-            "predicted_layer_bytes": predicted, "ratio": measured / predicted}
+    layer = saved_activation_bytes(lambda x: model.layers["0"](x, cos, sin), h, exclude=params)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
+    whole = saved_activation_bytes(lambda x: cross_entropy_sum(model(x[:, :-1]), x[:, 1:]), tokens, exclude=params)
+    lay = Layout(local_batch_size=batch)
+    predicted = plan(args, lay, PRESETS["H100-80GB"], seq).memory
+    per_layer = layer_activation_bytes(args, seq, batch, lay, 4)
+    return {"flavor": flavor, "batch": batch, "seq": seq, "measured_layer_bytes": layer,
+            "predicted_layer_bytes": per_layer, "ratio": layer / per_layer, "measured_model_bytes": whole,
+            "predicted_model_bytes": predicted["activation_bytes"] + predicted["logits_bytes"],
+            "model_ratio": whole / (predicted["activation_bytes"] + predicted["logits_bytes"])}
 
 
 def predict_for_trainer(cfg: JobConfig, world: int, actions: dict | None = None) -> dict:
@@ -597,8 +603,8 @@ def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_byte
                 continue
             per_dp = global_batch // dp
             for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
-                if zero in (1, 2) and dp == 1:
-                    continue
+                if zero in (1, 2, 3) and dp == 1 and not offload:
+                    continue  # nothing to shard: the same as zero 0
                 for ac in ("none", "full"):
                     for mbs in (1, 2, 4):
                         if per_dp % mbs:
@@ -631,8 +637,10 @@ def explain(args, plans: list[Plan], cluster: Cluster) -> str:
     """The seeds' order of reasoning over the searched layouts: does DP + ZeRO fit? if not, TP
     inside a node; then PP across nodes; offload last — and what each choice costs."""
     n = num_params(args)
-    lines = [f"model: {n / 1e9:.2f}B parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
-             f"{cluster.world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable)."]
+    world = plans[0].layout["pp"] * plans[0].layout["dp_replicate"] * plans[0].layout["dp_shard"] * plans[0].layout["tp"]
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    lines = [f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
+             f"{world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable)."]
 
     def smallest(pred):
         cands = [p for p in plans if pred(p.layout)]
@@ -675,15 +683,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model flavour (search over layouts)")
     ap.add_argument("--config", help="a training config: the prediction for exactly that layout")
     ap.add_argument("--nproc", type=int, default=0, help="ranks for --config")
-    ap.add_argument("--gpu", default="H100-80GB", choices=sorted(PRESETS))
+    ap.add_argument("--gpu", default="H100-80GB", choices=sorted(PRESETS), help="cluster preset (datasheet figures)")
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--gpus-per-node", type=int, default=0)
-    ap.add_argument("--memory-gb", type=float, default=0)
-    ap.add_argument("--peak-tflops", type=float, default=0)
+    ap.add_argument("--gpus-per-node", type=int, default=0, help="override the preset's 8")
+    ap.add_argument("--memory-gb", type=float, default=0, help="override device memory")
+    ap.add_argument("--peak-tflops", type=float, default=0, help="override dense bf16 peak")
     ap.add_argument("--intra-gbps", type=float, default=0, help="GB/s per direction inside a node")
     ap.add_argument("--inter-gbps", type=float, default=0, help="GB/s per direction across nodes")
     ap.add_argument("--global-batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="compute copy of the weights and activations (state stays fp32, AdamW)")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
@@ -713,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.model not in FLAVORS:
                 raise ConfigError(f"--model {a.model!r} is unknown.{did_you_mean(a.model, FLAVORS)}")
             args = model_args(a.model)
-            plans = search(args, cluster, a.global_batch_size, a.seq_len, efficiency=a.efficiency)
+            plans = search(args, cluster, a.global_batch_size, a.seq_len, 2 if a.param_dtype == "bf16" else 4, a.efficiency)
         else:
             raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
     except ConfigError as e:
