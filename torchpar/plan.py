@@ -255,11 +255,17 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+def micro_steps(lay: Layout) -> tuple[int, int]:
+    """(sequences per forward, forwards per step): pipeline microbatches, or accumulation steps."""
+    if lay.pp > 1:
+        return lay.microbatch_size, lay.local_batch_size * lay.accum // lay.microbatch_size
+    return lay.local_batch_size, lay.accum
+
+
 def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9,
          actions: dict | None = None) -> Plan:
     act_bytes = lay.param_dtype_bytes
-    n_micro = lay.local_batch_size * lay.accum // lay.microbatch_size if lay.pp > 1 else lay.accum
-    micro_batch = lay.microbatch_size if lay.pp > 1 else lay.local_batch_size
+    micro_batch, n_micro = micro_steps(lay)
     split = _split(args, lay)
 
     # Memory of each pipeline rank (coordinate 0 elsewhere: the largest shards); keep the heaviest.
@@ -283,7 +289,7 @@ def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5,
         mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
         if best is None or mem["total_bytes"] > best["total_bytes"]:
             best = mem
-    comm = communication(args, lay, cluster, seq, micro_batch, n_micro)
+    comm = communication(args, lay, cluster, seq)
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     flops = flops_per_token(args, seq) * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
     compute = flops / lay.world / (cluster.peak_flops * efficiency)
@@ -330,12 +336,12 @@ def _ring(kind: str, n: int) -> float:
     return FACTOR[kind](n) if n > 1 else 0.0
 
 
-def communication(args, lay: Layout, cluster: Cluster, seq: int, micro_batch: int, n_micro: int,
-                  pp_rank: int = 0) -> dict:
+def communication(args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
     """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
     dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
     collective by collective as torchpar issues them (checked by tests/test_plan.py against a
     ledger of a real run)."""
+    micro_batch, n_micro = micro_steps(lay)
     split = _split(args, lay)
     stages = _stage_ids(lay, pp_rank)
     layers = sum(split[s] for s in stages)

@@ -17,15 +17,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# op name -> (kind, where the payload tensor is among the args, payload = that tensor x world?)
-_C10D = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "send": "send", "broadcast_": "broadcast", "allgather_": "all_gather", "reduce_scatter_": "reduce_scatter",
+def _first(args, n):  # the (full) tensor or tensor list the op reduces, gathers into, or sends
+    return _nbytes(args[0])
+
+
+def _second(args, n):  # reduce-scatter's full input
+    return _nbytes(args[1])
+
+
+def _shard_times_n(args, n):  # functional all-gather: the input is this rank's shard
+    return _nbytes(args[0]) * n
+
+
+# op name (c10d and functional collectives) -> (kind, payload in bytes from (args, group size))
+OPS = {
+    "allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first), "all_reduce_": ("all_reduce", _first),
+    "all_reduce_coalesced": ("all_reduce", _first),
+    "_allgather_base_": ("all_gather", _first), "allgather_": ("all_gather", _first),
+    "allgather_into_tensor_coalesced_": ("all_gather", _first),
+    "all_gather_into_tensor": ("all_gather", _shard_times_n), "all_gather_into_tensor_out": ("all_gather", _shard_times_n),
+    "_reduce_scatter_base_": ("reduce_scatter", _second), "reduce_scatter_": ("reduce_scatter", _second),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
+    "reduce_scatter_tensor": ("reduce_scatter", _first),
+    "send": ("send", _first), "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first),
 }
+# Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
+IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_", "barrier"}
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
           "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "broadcast": lambda n: (n - 1) / n}
 
@@ -70,26 +87,14 @@ class CommLedger(TorchDispatchMode):
             # collectives first, which then come back here.
             return NotImplemented
         out = func(*args, **kwargs)
-        ns, op = func.namespace, func._opname
-        if ns.startswith(("c10d", "_c10d_functional")) and op not in _C10D and op not in ("wait_tensor", "_wrap_tensor_autograd"):
-            self.unknown.add(f"{ns}.{op}")
-        if ns.startswith(("c10d", "_c10d_functional")) and op in _C10D:
-            kind = _C10D[op]
-            dim, size = self._group(list(args) + list(kwargs.values()))
-            if kind == "all_gather":
-                payload = _nbytes(args[0]) if op.startswith("_allgather_base") or op.endswith("_out") else 0
-                if op == "all_gather_into_tensor":
-                    payload = _nbytes(args[0]) * size  # functional: input is this rank's shard
-                elif op.startswith("allgather_into_tensor_coalesced"):
-                    payload = _nbytes(args[0])
-                elif op == "allgather_":
-                    payload = _nbytes(args[1]) * size
-            elif kind == "reduce_scatter":
-                payload = _nbytes(args[1]) if op.startswith("_reduce_scatter_base") or op.endswith("coalesced_") \
-                    else _nbytes(args[0])
-            else:
-                payload = _nbytes(args[0])
-            self.records.append((dim, kind, payload, size))
+        if func.namespace.startswith(("c10d", "_c10d_functional")):
+            op = func._opname
+            if op in OPS:
+                kind, payload = OPS[op]
+                dim, size = self._group(list(args) + list(kwargs.values()))
+                self.records.append((dim, kind, payload(args, size), size))
+            elif op not in IGNORED:
+                self.unknown.add(f"{func.namespace}.{op}")
         return out
 
     def sent_bytes(self) -> dict[str, float]:
