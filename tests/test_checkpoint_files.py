@@ -48,6 +48,9 @@ def test_saves_are_complete_and_pruned(trained):
     for name, (size, _) in manifest["files"].items():
         assert (ck / "step-00000006" / name).stat().st_size == size
     assert ".metadata" in manifest["files"]
+    # An async save is finalized steps later; its manifest still describes the step it saved.
+    earlier = json.loads((ck / "step-00000004" / "torchpar.json").read_text())
+    assert earlier["step"] == 4 and earlier["tokens_seen"] == 4 * 8 * 32
 
 
 def test_interrupted_save_is_ignored_with_a_warning(trained, tmp_path):

@@ -176,7 +176,7 @@ class Checkpointer:
         self.root = checkpoint_root(trainer.cfg)
         self.resume_from = resume_from
         self.rank = dist.get_rank()
-        self.pending = None  # (future, partial folder, final folder, step) of an async save
+        self.pending = None  # (future, partial folder, final folder, step, tokens seen) of an async save
         self.async_group = None
         self.executor = None
         if self.cfg.enable and self.cfg.async_mode == "async":
@@ -222,10 +222,10 @@ class Checkpointer:
             snapshot = _snapshot(state)
             future = self._writer().submit(self.dcp.save, snapshot, checkpoint_id=str(partial),
                                            process_group=self.async_group)
-            self.pending = (future, partial, final, step)
+            self.pending = (future, partial, final, step, self.trainer.tokens_seen)
         else:
             self.dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(partial, final, step)
+            self._finalize(partial, final, step, self.trainer.tokens_seen)
 
     def _writer(self):
         if self.executor is None:
@@ -242,19 +242,19 @@ class Checkpointer:
         """Finish the save in flight (if any)."""
         if self.pending is None:
             return
-        future, partial, final, step = self.pending
+        future, *where = self.pending
         self.pending = None
         future.result()
-        self._finalize(partial, final, step)
+        self._finalize(*where)
 
-    def _finalize(self, partial: Path, final: Path, step: int) -> None:
+    def _finalize(self, partial: Path, final: Path, step: int, tokens_seen: int) -> None:
         # DCP returns on the coordinator only after every rank's files and the metadata are written.
         if self.rank != 0:
             return
         t = self.trainer
         files = {f.name: [f.stat().st_size, _file_crc32(f)] for f in sorted(partial.iterdir()) if f.is_file()}
         manifest = {
-            "step": step, "tokens_seen": t.tokens_seen, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "step": step, "tokens_seen": tokens_seen, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "model_flavor": t.cfg.model.flavor, "model_args": t.args.to_dict(),
             "tokenizer_path": t.cfg.model.tokenizer_path,
             "layout": {"world": t.dims.world_size, "pp": t.dims.pp, "dp_replicate": t.dims.dp_replicate,
