@@ -587,6 +587,19 @@ def seed_examples() -> list[dict]:
 # ------------------------------------------------------------------ search and the command
 
 
+# Pipeline schedules the search tries: (name, stages per rank).
+SEARCHED_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+
+
+def _schedule_fits(schedule: str, pp: int, v: int, n_micro: int, n_layers: int) -> bool:
+    """The trainer's own pipeline rules (parallel/pipeline.py validate_pipeline), for the search."""
+    if pp * v > n_layers or n_micro < pp:
+        return False
+    if schedule == "Interleaved1F1B":
+        return n_micro % max(1, n_micro // pp) == 0
+    return True
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -615,16 +628,18 @@ def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_byte
                     for mbs in (1, 2, 4):
                         if per_dp % mbs:
                             continue
-                        if pp > 1:
-                            n_micro = per_dp // mbs
-                            if n_micro < pp:
-                                continue
-                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
-                                         param_dtype_bytes, tuple(balanced_split(args, pp)), offload)
-                        else:
+                        if pp == 1:
                             lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
                                          param_dtype_bytes, (), offload)
-                        plans.append(plan(args, lay, cluster, seq, efficiency))
+                            plans.append(plan(args, lay, cluster, seq, efficiency))
+                            continue
+                        n_micro = per_dp // mbs
+                        for schedule, v in SEARCHED_SCHEDULES:
+                            if not _schedule_fits(schedule, pp, v, n_micro, args.n_layers):
+                                continue
+                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, schedule, v, ac, tp > 1, tp > 1,
+                                         param_dtype_bytes, tuple(balanced_split(args, pp * v)), offload)
+                            plans.append(plan(args, lay, cluster, seq, efficiency))
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
 
 
@@ -664,6 +679,11 @@ def explain(args, plans: list[Plan], cluster: Cluster) -> str:
         lines.append(f"{title}: smallest is {describe_layout(p.layout)} at {_gb(p.memory['total_bytes'])} per device "
                      f"-> {verdict}")
         if p.fits:
+            fastest = next(q for q in plans if q.fits and pred(q.layout))
+            exposed = fastest.step_s - fastest.compute_s / (1 - fastest.bubble)
+            lines.append(f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s = compute "
+                         f"{fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed communication "
+                         f"{exposed:.2f} s; {fastest.tokens_per_sec:,.0f} tokens/s")
             break
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -741,9 +761,9 @@ def main(argv: list[str] | None = None) -> int:
     if not plans:
         print("no layout divides this world and model")
         return 1
-    print(f"{'layout':<72} {'mem/rank':>10} {'fits':>5} {'bubble':>7} {'tok/s':>12} {'MFU':>6}")
+    print(f"{'layout':<84} {'mem/rank':>10} {'fits':>5} {'bubble':>7} {'tok/s':>12} {'MFU':>6}")
     for p in plans[: a.top]:
-        print(f"{describe_layout(p.layout):<72} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
+        print(f"{describe_layout(p.layout):<84} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
               f"{100 * p.bubble:>6.1f}% {p.tokens_per_sec:>12,.0f} {100 * p.mfu:>5.1f}%")
     print()
     print(explain(args, plans, cluster))
