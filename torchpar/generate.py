@@ -41,6 +41,7 @@ def sample(model, tokens: list[int], max_new_tokens: int, temperature: float, to
 
 def main(argv: list[str] | None = None) -> int:
     from torchpar.checkpoint import load_model
+    from torchpar.device import local_device
     from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 
     ap = argparse.ArgumentParser(prog="torchpar generate", description=__doc__.split("\n\n")[0])
@@ -58,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TokenizerError) as e:
         print(f"torchpar: error: {e}", file=sys.stderr)
         return 2
-    if torch.cuda.is_available():
-        model.cuda()
+    model.to(local_device())
     prompt = tokenizer.encode(a.prompt, bos=True, eos=False)
     new = sample(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tokenizer.eos_id,
                  torch.Generator().manual_seed(a.seed))
