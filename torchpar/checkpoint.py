@@ -368,7 +368,7 @@ def load_model(path: str | Path):
 
     p = Path(path)
     if p.is_file():
-        state, meta = load_weights(p)
+        values, meta = load_weights(p)
     else:
         p = resolve_checkpoint(p)
         meta = read_manifest(p)
@@ -377,14 +377,13 @@ def load_model(path: str | Path):
         model = Transformer(ModelArgs(**meta["model_args"]))
     model.to_empty(device="cpu")
     model.tie_weights()
-    if p.is_file():
-        model.init_weights(0, values=state)
-    else:
+    if not p.is_file():
         sd = {"model": model.state_dict()}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore")
             dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # reads every shard into full tensors
-        model.init_weights(0, values=sd["model"])
+        values = sd["model"]
+    model.init_weights(0, values=values)
     model.eval()
     return model, meta
 
