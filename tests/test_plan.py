@@ -153,7 +153,7 @@ def test_planner_bytes_equal_the_real_model_at_scale(name):
 
 @pytest.fixture(scope="module")
 def seeds():
-    from torchpar.plan import seed_examples
+    from torchpar.plan.checks import seed_examples
 
     return {e["example"].split(" ")[0] + ("-qkv" if "QKV" in e["example"] else "") + ("-64" if "64 GPUs" in e["example"] else ""): e["exact"]
             for e in seed_examples()}
@@ -207,7 +207,7 @@ def test_seed_deepspeed_batch_arithmetic(seeds):
 def test_activation_prediction_against_a_measured_block():
     """Saved-for-backward bytes of the real fp32 model vs the planner: per block, torchpar's SwiGLU
     (3 hidden-sized tensors), RoPE copies and GQA expansion keep ~20% more than Korthikanti's 34·sbh."""
-    from torchpar.plan import activation_check
+    from torchpar.plan.checks import activation_check
 
     for flavor, b, s in (("debug", 8, 128), ("125M", 1, 256)):
         r = activation_check(flavor, b, s)

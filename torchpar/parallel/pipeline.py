@@ -86,20 +86,41 @@ def layers_per_stage(cfg, dims, args) -> list[int]:
     return balanced_split(args, num_stages)
 
 
+def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | None = None) -> str | None:
+    """What stops schedule ``name`` with ``v`` stages per rank from running over ``pp`` ranks of
+    an ``n_layers`` model, and (if given) ``n_micro`` microbatches; None if nothing. The
+    trainer's validation and the planner's search share these rules."""
+    if name in SINGLE_STAGE and v != 1:
+        return f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1"
+    if name in V_SCHEDULES and v != 2:
+        return f"schedule {name} needs exactly 2 stages per rank (V shape); set pipeline_parallel_stages_per_rank = 2"
+    if pp * v > n_layers:
+        return (f"{pp * v} pipeline stages (pp {pp} x {v} per rank) but the model has only {n_layers} layers; "
+                "lower the degree or stages per rank")
+    if n_micro is None:
+        return None
+    if name == "1F1B" and n_micro < pp:
+        return (f"1F1B needs at least as many microbatches as stages: {n_micro} < {pp}; raise "
+                "training.local_batch_size or lower pipeline_parallel_microbatch_size")
+    if name == "DualPipeV" and n_micro < pp * v:
+        return f"DualPipeV needs at least as many microbatches as stages: {n_micro} < {pp * v}"
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_micro // pp)
+        if n_micro % rounds:
+            return (f"{name} needs the microbatch count ({n_micro}) to be a multiple of its rounds "
+                    f"(max(1, {n_micro} // pp {pp}) = {rounds}); choose e.g. {rounds * pp} microbatches")
+    return None
+
+
 def validate_pipeline(cfg, dims, args, accum: int) -> None:
     par, tr = cfg.parallelism, cfg.training
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}")
     v = stages_per_rank(par)
-    if name in SINGLE_STAGE and v != 1:
-        raise ConfigError(f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1")
-    if name in V_SCHEDULES and v != 2:
-        raise ConfigError(f"schedule {name} needs exactly 2 stages per rank (V shape); set pipeline_parallel_stages_per_rank = 2")
-    num_stages = dims.pp * v
-    if num_stages > args.n_layers:
-        raise ConfigError(f"{num_stages} pipeline stages (pp {dims.pp} x {v} per rank) but the model has only "
-                          f"{args.n_layers} layers; lower the degree or stages per rank")
+    problem = schedule_problem(name, dims.pp, v, args.n_layers)
+    if problem:
+        raise ConfigError(problem)
     if args.tie_embeddings:
         raise ConfigError("tied embeddings put the same weight on the first and the last stage; "
                           "pipeline parallelism needs an untied flavour")
@@ -108,17 +129,9 @@ def validate_pipeline(cfg, dims, args, accum: int) -> None:
     if mb < 1 or (tr.local_batch_size * accum) % mb:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
                           f"and dp rank (local_batch_size x accumulation = {tr.local_batch_size * accum})")
-    n = tr.local_batch_size * accum // mb
-    if name == "1F1B" and n < dims.pp:
-        raise ConfigError(f"1F1B needs at least as many microbatches as stages: {n} < {dims.pp}; raise "
-                          "training.local_batch_size or lower pipeline_parallel_microbatch_size")
-    if name == "DualPipeV" and n < num_stages:
-        raise ConfigError(f"DualPipeV needs at least as many microbatches as stages: {n} < {num_stages}")
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = max(1, n // dims.pp)
-        if n % rounds:
-            raise ConfigError(f"{name} needs the microbatch count ({n}) to be a multiple of its rounds "
-                              f"(max(1, {n} // pp {dims.pp}) = {rounds}); choose e.g. {rounds * dims.pp} microbatches")
+    problem = schedule_problem(name, dims.pp, v, args.n_layers, tr.local_batch_size * accum // mb)
+    if problem:
+        raise ConfigError(problem)
 
 
 def split_model(model, cfg, dims) -> tuple[list, PipelineSpec]:

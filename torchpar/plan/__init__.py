@@ -1,0 +1,27 @@
+"""The planner: per-rank memory, communication, bubble and step time of a layout, by arithmetic.
+
+    torchpar plan --model 70B --nodes 4 --gpus-per-node 8 --gpu H100-80GB --global-batch-size 512 --seq-len 4096
+    torchpar plan --config train_configs/debug_model.toml --nproc 2      # one exact config
+    torchpar plan --seeds                                                 # the tutorials' worked examples
+
+Byte convention (torchpar's, which the trainer's measurements are checked against): parameters,
+gradients and both Adam moments are fp32 — 4 + 4 + 8 = 16 bytes per parameter — with bf16 only
+as compute copies (FSDP2's MixedPrecisionPolicy). DeepSpeed and Megatron count the same 16
+bytes differently under mixed precision: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master +
+two moments), and their ZeRO-1 shards the 12, ZeRO-2 also the 2 of gradients, ZeRO-3 also the 2
+of parameters. :func:`deepspeed_bytes` gives that convention for comparison.
+
+Modules: ``layout`` (the cluster, a layout, what each rank holds), ``estimate`` (activations,
+communication, bubble, step time of one layout), ``search`` (every layout, the explanation, the
+command line), ``checks`` (the tutorials' worked examples, measured activations).
+"""
+
+from torchpar.plan.estimate import (Plan, communication, in_flight, layer_activation_bytes, micro_steps,
+                                    pipeline_bubble, plan, predict_for_trainer)
+from torchpar.plan.layout import (PRESETS, Cluster, Layout, deepspeed_bytes, layout_from_config, rank_coords,
+                                  rank_params, stage_params, state_bytes)
+from torchpar.plan.search import explain, main, search
+
+__all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",
+           "layer_activation_bytes", "layout_from_config", "main", "micro_steps", "pipeline_bubble", "plan",
+           "predict_for_trainer", "rank_coords", "rank_params", "search", "stage_params", "state_bytes"]
