@@ -2,7 +2,8 @@ from fractions import Fraction
 
 import pytest
 
-from torchpar.parallel.bubble import compute_actions, schedule_actions, schedule_order, simulate, text_gantt, write_svg
+from torchpar.parallel.bubble import (_shade, compute_actions, schedule_actions, schedule_order, simulate, text_gantt,
+                                      write_png, write_svg)
 
 
 def bubble(name, pp, m, v):
@@ -49,6 +50,23 @@ def test_picture_text_and_svg(tmp_path):
     write_svg(sim, tmp_path / "s.svg", "1F1B")
     svg = (tmp_path / "s.svg").read_text()
     assert svg.startswith("<svg") and svg.count('fill="#4C72B0"') == 8  # 2 ranks x 4 forwards
+    assert svg.count("bubble 20.0%") == 2
+
+
+def test_picture_png_and_virtual_stages(tmp_path):
+    sim = bubble("Interleaved1F1B", 2, 4, 2)
+    text = text_gantt(sim)
+    assert text.splitlines()[0].startswith("rank 0 |F0s0  F1s0")  # stage named: each microbatch runs twice per rank
+    write_svg(sim, tmp_path / "i.svg", "Interleaved1F1B")
+    svg = (tmp_path / "i.svg").read_text()
+    # a rank's second stage (2, 3) is drawn lighter than its first (0, 1): 2 ranks x 4 forwards each
+    assert svg.count('fill="#4C72B0"') == 8 and svg.count(f'fill="{_shade("#4C72B0", 1)}"') == 8
+    assert "F0s2" in svg and "F0s0" in svg
+    write_png(sim, tmp_path / "i.png", "Interleaved1F1B")
+    head = (tmp_path / "i.png").read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    assert width > 2 * height > 0  # a wide timeline, not an empty figure
 
 
 def test_cli(capsys):
@@ -57,3 +75,5 @@ def test_cli(capsys):
     assert main(["schedule", "--pp", "4", "--microbatches", "16", "--schedule", "1F1B"]) == 0
     assert "bubble 15.79%" in capsys.readouterr().out
     assert main(["schedule", "--pp", "4", "--microbatches", "16", "--schedule", "ZBV"]) == 2
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--out", "gantt.jpg"]) == 2
+    assert "written as .svg or .png" in capsys.readouterr().err
