@@ -6,13 +6,13 @@
 # Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 cd "$(dirname "$0")"
-if [ -z "${NGPU:-}" ]; then
-  NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
-fi
+# torchpar/device.py is the one place that knows the accelerator.
+read -r DEFAULT_NPROC DEVICE_TYPE < <(python -m torchpar.device)
+NGPU=${NGPU:-$DEFAULT_NPROC}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 # Oversubscribed CPU ranks slow down badly with more than one thread each.
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "$DEVICE_TYPE" = cpu ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
 # Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES); without restarts the

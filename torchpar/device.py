@@ -29,6 +29,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_nproc() -> int:
+    """Processes ``run_train.sh`` starts when NGPU is unset: one per visible GPU, else 2 CPU ranks."""
+    return torch.cuda.device_count() if device_type() == "cuda" else 2
+
+
 def backend() -> str:
     return "nccl" if device_type() == "cuda" else "gloo"
 
@@ -98,3 +103,8 @@ def peak_flops(dtype: torch.dtype, matmul_dim: int) -> tuple[float, str]:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * m * k * n / best, f"measured: best of 5 {m}x{k}x{n} {dtype} matmuls on {torch.get_num_threads()} thread(s)"
+
+
+if __name__ == "__main__":
+    # For run_train.sh, which must not ask torch.cuda itself: "<default processes> <device type>".
+    print(default_nproc(), device_type())
