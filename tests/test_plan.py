@@ -96,9 +96,9 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, world)
-        accum = validate_layout(cfg, dims, args)
+        accum = validate_layout(cfg.parallelism, cfg.training, dims, args)
         dims.build_mesh("cpu")
-        model = build_parallel_model(cfg, args, dims, torch.device("meta"),
+        model = build_parallel_model(cfg.model.name, cfg.parallelism, cfg.training, args, dims, torch.device("meta"),
                                      lambda p: build_optimizer(p, cfg.optimizer, "cpu"), accum)
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in model.parts:

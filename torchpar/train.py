@@ -44,7 +44,7 @@ def preflight(cfg: JobConfig, world: int):
         raise ConfigError(f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
                           f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour")
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    accum = validate_layout(cfg, dims, args)
+    accum = validate_layout(cfg.parallelism, cfg.training, dims, args)
     source = build_source(cfg.data, cfg.training.seed)
     resume = find_resume(cfg, args)
     weights = None
@@ -67,7 +67,7 @@ class Trainer:
         self.dims.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
-            cfg, self.args, self.dims, self.device,
+            cfg.model.name, cfg.parallelism, tr, self.args, self.dims, self.device,
             lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum, weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,

@@ -14,15 +14,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchpar.config import ConfigError
+from torchpar.config import ConfigError, Parallelism, Training
 from torchpar.models import MODELS
 from torchpar.parallel.data import FlatZero, FSDPState, apply_fsdp, unique_params
 from torchpar.parallel.dims import ParallelDims
 from torchpar.parallel.tensor import apply_tensor_parallel
 
-def validate_layout(cfg, dims: ParallelDims, args) -> int:
+def validate_layout(par: Parallelism, tr: Training, dims: ParallelDims, args) -> int:
     """Every layout check that needs no process group; returns gradient-accumulation steps."""
-    par, tr = cfg.parallelism, cfg.training
     dims.check_model(args, tr.seq_len, par.sequence_parallel)
     if tr.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {tr.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
@@ -36,7 +35,7 @@ def validate_layout(cfg, dims: ParallelDims, args) -> int:
     if dims.pp > 1:
         from torchpar.parallel.pipeline import validate_pipeline
 
-        validate_pipeline(cfg, dims, args, accum)
+        validate_pipeline(par, tr, dims, args, accum)
     return accum
 
 
@@ -55,17 +54,19 @@ class ParallelModel:
     pipeline: object | None  # torchpar.parallel.pipeline.Pipeline when pp > 1
 
 
-def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, build_optimizer,
-                         accum: int, initial_weights: dict[str, torch.Tensor] | None = None) -> ParallelModel:
-    """``initial_weights``: full tensors by canonical name to start from instead of the seeded init."""
-    par, tr = cfg.parallelism, cfg.training
+def build_parallel_model(model_name: str, par: Parallelism, tr: Training, args, dims: ParallelDims,
+                         device: torch.device, build_optimizer, accum: int,
+                         initial_weights: dict[str, torch.Tensor] | None = None) -> ParallelModel:
+    """The model ``model_name`` with ``args``, laid out by ``par``; ``tr`` gives the seed, the batch
+    (pipeline microbatches), precision, recomputation and compile. ``initial_weights``: full
+    tensors by canonical name to start from instead of the seeded init."""
     with torch.device("meta"):
-        model = MODELS[cfg.model.name](args)
+        model = MODELS[model_name](args)
     pipeline = None
     if dims.pp > 1:
         from torchpar.parallel.pipeline import split_model
 
-        parts, pipeline_spec = split_model(model, cfg, dims)
+        parts, pipeline_spec = split_model(model, par, dims)
     else:
         parts = [model]
     for part in parts:
@@ -104,5 +105,5 @@ def build_parallel_model(cfg, args, dims: ParallelDims, device: torch.device, bu
     if dims.pp > 1 and not shapes_only:
         from torchpar.parallel.pipeline import Pipeline
 
-        pipeline = Pipeline(parts, pipeline_spec, cfg, dims, device, accum)
+        pipeline = Pipeline(parts, pipeline_spec, par, tr, dims, device, accum)
     return ParallelModel(parts, state, pipeline)

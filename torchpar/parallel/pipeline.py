@@ -71,8 +71,7 @@ def balanced_split(args, num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def layers_per_stage(cfg, dims, args) -> list[int]:
-    par = cfg.parallelism
+def layers_per_stage(par, dims, args) -> list[int]:
     num_stages = dims.pp * stages_per_rank(par)
     explicit = list(par.pipeline_parallel_layers_per_stage)
     if explicit:
@@ -112,8 +111,7 @@ def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | N
     return None
 
 
-def validate_pipeline(cfg, dims, args, accum: int) -> None:
-    par, tr = cfg.parallelism, cfg.training
+def validate_pipeline(par, tr, dims, args, accum: int) -> None:
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}")
@@ -124,7 +122,7 @@ def validate_pipeline(cfg, dims, args, accum: int) -> None:
     if args.tie_embeddings:
         raise ConfigError("tied embeddings put the same weight on the first and the last stage; "
                           "pipeline parallelism needs an untied flavour")
-    layers_per_stage(cfg, dims, args)
+    layers_per_stage(par, dims, args)
     mb = par.pipeline_parallel_microbatch_size
     if mb < 1 or (tr.local_batch_size * accum) % mb:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
@@ -134,11 +132,10 @@ def validate_pipeline(cfg, dims, args, accum: int) -> None:
         raise ConfigError(problem)
 
 
-def split_model(model, cfg, dims) -> tuple[list, PipelineSpec]:
+def split_model(model, par, dims) -> tuple[list, PipelineSpec]:
     """This rank's stages, pruned from the meta model (cheap: nothing is allocated)."""
-    par = cfg.parallelism
     v = stages_per_rank(par)
-    sizes = layers_per_stage(cfg, dims, model.args)
+    sizes = layers_per_stage(par, dims, model.args)
     num_stages = dims.pp * v
     ids = stage_ids_of_rank(dims.pp_rank, dims.pp, v, par.pipeline_parallel_schedule)
     parts = []
@@ -161,11 +158,10 @@ def split_model(model, cfg, dims) -> tuple[list, PipelineSpec]:
 class Pipeline:
     """The schedule over this rank's stages; ``step`` returns the summed token loss it saw."""
 
-    def __init__(self, parts, spec: PipelineSpec, cfg, dims, device, accum: int):
+    def __init__(self, parts, spec: PipelineSpec, par, tr, dims, device, accum: int):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        par, tr = cfg.parallelism, cfg.training
         group = dims.mesh["pp"].get_group()
         self.spec, self.name = spec, par.pipeline_parallel_schedule
         self.stages = [PipelineStage(part, s, spec.num_stages, device, group=group) for part, s in zip(parts, spec.stage_ids)]

@@ -93,15 +93,15 @@ def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object]:
 
     args = model_args(cfg.model.flavor, cfg.model.n_layers)
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    accum = validate_layout(cfg, dims, args)
     par, tr = cfg.parallelism, cfg.training
+    accum = validate_layout(par, tr, dims, args)
     split = ()
     v = 1
     if dims.pp > 1:
         from torchpar.parallel.pipeline import layers_per_stage, stages_per_rank
 
         v = stages_per_rank(par)
-        split = tuple(layers_per_stage(cfg, dims, args))
+        split = tuple(layers_per_stage(par, dims, args))
     zero = par.zero_stage if (par.zero_stage in (0, 3) or dims.dp_shard > 1) else 0
     return Layout(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, zero, tr.local_batch_size, accum,
                   par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule, v,
