@@ -184,25 +184,16 @@ def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
         if from_cli and str(value).lower() in ("true", "false", "1", "0", "yes", "no"):
             return str(value).lower() in ("true", "1", "yes")
         raise bad
-    if typ is int:
+    if typ in (int, float):
+        # A TOML float where an int is expected is refused (no silent truncation); bool is an int
+        # subclass in Python but never a number here.
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, int):
-            return value
+        if isinstance(value, (int,) if typ is int else (int, float)):
+            return typ(value)
         if from_cli:
             try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if typ is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli:
-            try:
-                return float(value)
+                return typ(value)
             except ValueError:
                 raise bad from None
         raise bad
