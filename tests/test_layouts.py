@@ -30,6 +30,7 @@ WORLD2 = {
     "pp2_5layers": pp(2, "1F1B", "--model.n_layers", "5", Z, "0"),
     "dp2_bf16": [LB, "4", Z, "3", "--training.mixed_precision_param", "bfloat16"],
     "dp2_zero3_activation_checkpoint": [LB, "4", Z, "3", "--training.activation_checkpoint", "full"],
+    "dp2_zero3_cpu_offload": [LB, "4", Z, "3", "--parallelism.cpu_offload", "true"],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],

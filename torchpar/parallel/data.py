@@ -113,8 +113,11 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
     for HSDP, where FSDP2 shards inside dp_shard and all-reduces across dp_replicate."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    # Pinned host memory needs an accelerator; on a CPU-only run offload keeps the same code path
+    # (sharded states and the optimizer step on the host) without pinning.
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+              offload_policy=offload)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root's parameters are used last in forward and first in backward: keeping them
