@@ -18,6 +18,7 @@ def pp(degree, schedule, *more):
 Z = "--parallelism.zero_stage"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 LB = "--training.local_batch_size"
+C = "--training.compile=true"
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -31,6 +32,11 @@ WORLD2 = {
     "dp2_bf16": [LB, "4", Z, "3", "--training.mixed_precision_param", "bfloat16"],
     "dp2_zero3_activation_checkpoint": [LB, "4", Z, "3", "--training.activation_checkpoint", "full"],
     "dp2_zero3_cpu_offload": [LB, "4", Z, "3", "--parallelism.cpu_offload", "true"],
+    # torch.compile per block, after TP and before FSDP; under TP the embedding's output must be
+    # waited for before it enters a compiled block, or the embedding silently gets no gradient.
+    "tp2_zero3_compile": [*TP2, Z, "3", C],
+    "dp2_zero1_compile": [LB, "4", Z, "1", C],
+    "pp2_1F1B_compile": pp(2, "1F1B", Z, "0", C),
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],

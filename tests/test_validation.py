@@ -29,6 +29,8 @@ def build(world, monkeypatch, *overrides):
     (2, ["--training.global_batch_size", "12"], "not a multiple of 16"),
     (2, ["--training.mixed_precision_param", "bfloat16", "--parallelism.zero_stage", "1"], "needs parallelism.zero_stage = 3"),
     (2, ["--parallelism.cpu_offload", "true", "--parallelism.zero_stage", "2"], "cpu_offload needs"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.zero_stage", "1", "--training.compile", "true"],
+     "compile = true with tensor parallelism needs parallelism.zero_stage = 3"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1f1b"], "Did you mean '1F1B'"),
     (4, ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "2"], "1F1B needs at least as many microbatches as stages: 2 < 4"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",

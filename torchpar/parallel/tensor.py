@@ -12,6 +12,7 @@ cross-entropy is computed without gathering them.
 
 from __future__ import annotations
 
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -20,6 +21,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+
+def _wait_for_embedding_output(module, inputs, output):
+    """The row-wise embedding returns an AsyncCollectiveTensor (its reduction not yet waited
+    for). Fed as an input to a torch.compile'd block, that subclass gets a zero gradient in torch
+    2.13 — silently, the embedding stops learning. A clone waits for it and stays differentiable;
+    the next op needs the values at once anyway."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -37,6 +46,8 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel
             use_local_output=not loss_parallel,
         )
     parallelize_module(model, tp_mesh, top)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_wait_for_embedding_output)
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),
