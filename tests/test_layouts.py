@@ -19,6 +19,7 @@ Z = "--parallelism.zero_stage"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 LB = "--training.local_batch_size"
 C = "--training.compile=true"
+AC = "--training.activation_checkpoint=full"
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -37,6 +38,8 @@ WORLD2 = {
     "tp2_zero3_compile": [*TP2, Z, "3", C],
     "dp2_zero1_compile": [LB, "4", Z, "1", C],
     "pp2_1F1B_compile": pp(2, "1F1B", Z, "0", C),
+    "tp2_zero0_activation_checkpoint": [*TP2, Z, "0", AC],
+    "pp2_ZBVZeroBubble_activation_checkpoint": pp(2, "ZBVZeroBubble", Z, "0", AC),
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],

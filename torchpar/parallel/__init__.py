@@ -29,12 +29,16 @@ def validate_layout(par: Parallelism, tr: Training, dims: ParallelDims, args) ->
         raise ConfigError(
             f"training.mixed_precision_param/reduce = {tr.mixed_precision_param}/{tr.mixed_precision_reduce} needs "
             "parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in float32")
-    if tr.compile and dims.tp > 1 and par.zero_stage != 3:
-        # torch 2.13's compiler fails to trace DTensor parameters whose local parts alias one
-        # storage, which is how the flat ZeRO 0-2 engine holds them.
-        raise ConfigError("training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
-                          "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot trace); "
-                          "use zero_stage = 3 or compile = false")
+    if tr.compile and dims.tp > 1:
+        # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
+        # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
+        if par.zero_stage != 3:
+            raise ConfigError("training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
+                              "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot trace); "
+                              "use zero_stage = 3 or compile = false")
+        if tr.activation_checkpoint != "none":
+            raise ConfigError("training.compile = true with tensor parallelism and training.activation_checkpoint = "
+                              f"{tr.activation_checkpoint!r} fails inside torch.compile; drop one of the three")
     if par.cpu_offload and par.zero_stage != 3:
         raise ConfigError("parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy)")
     accum = dims.grad_accum_steps(tr.local_batch_size, tr.global_batch_size)
