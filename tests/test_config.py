@@ -39,6 +39,9 @@ def test_cli_overrides_both_forms_are_typed(tmp_path):
     (["--model.flavor", "debgu"], "Did you mean 'debug'"),
     (["--training.steps"], "has no value"),
     (["stray"], "unexpected argument"),
+    (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
+    (["--optimizer.beta2", "1"], "optimizer.beta2 must be in \\[0, 1\\), got 1.0"),
+    (["--lr_scheduler.min_lr_ratio", "2"], "min_lr_ratio must be in \\[0, 1\\]"),
 ])
 def test_user_mistakes_give_one_clear_error(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -308,6 +308,17 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
+    if not 0 <= cfg.lr_scheduler.min_lr_ratio <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {cfg.lr_scheduler.min_lr_ratio}")
+    if t.max_norm < 0:
+        raise ConfigError(f"training.max_norm must be >= 0 (0 = no clipping), got {t.max_norm}")
+    # Checked here so a bad value stops before launch instead of inside torch.optim on every rank.
+    o = cfg.optimizer
+    for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
+                           ("beta2", 0 <= o.beta2 < 1, "in [0, 1)"), ("eps", o.eps > 0, "> 0"),
+                           ("weight_decay", o.weight_decay >= 0, ">= 0")):
+        if not ok:
+            raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
     from torchpar.models import FLAVORS
 
     if cfg.model.flavor not in FLAVORS:
