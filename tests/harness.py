@@ -2,8 +2,9 @@
 
 ``run_layouts(world, {name: overrides})`` starts ``world`` processes once; each layout trains
 the tiny test config with its overrides, and rank 0 returns per-step losses, full parameters
-(gathered over TP, FSDP and pipeline stages), the per-rank state bytes logged at the first step
-and the windows each data-parallel rank trained on (CRC32 per window, in order).
+(gathered over TP, FSDP and pipeline stages), the per-rank state bytes logged at the first step,
+the windows each data-parallel rank trained on (CRC32 per window, in order) and the held-out
+losses when [validation] is enabled.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
     from torchpar.data.loader import PackedWindows
     from torchpar.train import Trainer
 
-    seen: list[tuple[int, list[int]]] = []
+    seen: list[tuple[int, int, list[int]]] = []  # (loader id, dp rank, window CRCs)
     plain_iter = PackedWindows.__iter__
 
     def recording_iter(self):
         for batch in plain_iter(self):
-            seen.append((self.dp_rank, [zlib.crc32(row.numpy().tobytes()) for row in batch]))
+            seen.append((id(self), self.dp_rank, [zlib.crc32(row.numpy().tobytes()) for row in batch]))
             yield batch
 
     PackedWindows.__iter__ = recording_iter
@@ -57,7 +58,8 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
             losses = trainer.train()
             params = trainer.full_parameters()
             gathered = [None] * world
-            dist.all_gather_object(gathered, (params, list(seen)))
+            trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]  # not evaluation's
+            dist.all_gather_object(gathered, (params, trained))
             if rank == 0:
                 merged, windows = {}, {}
                 for p, w in gathered:
@@ -67,7 +69,8 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
                         # The TP / pipeline ranks of one data-parallel rank read the same windows.
                         assert windows.setdefault(dp_rank, batches) == batches, f"dp rank {dp_rank} ranks disagree"
                 step1 = json.loads(Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()[0])
-                results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows}
+                results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows,
+                                 "val_losses": trainer.val_losses}
             dist.barrier()
     except Exception:
         traceback.print_exc()
@@ -92,3 +95,6 @@ def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | N
     assert run["params"].keys() == ref["params"].keys(), set(run["params"]) ^ set(ref["params"])
     dp = max((run["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
     assert dp <= param_tol, f"final parameters differ by {dp:.2e}"
+    assert [s for s, _ in run["val_losses"]] == [s for s, _ in ref["val_losses"]], "evaluated at other steps"
+    for (step, a), (_, b) in zip(run["val_losses"], ref["val_losses"]):
+        assert abs(a - b) <= tol, f"held-out loss at step {step} differs: {a} vs {b}"

@@ -42,6 +42,8 @@ def test_cli_overrides_both_forms_are_typed(tmp_path):
     (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
     (["--optimizer.beta2", "1"], "optimizer.beta2 must be in \\[0, 1\\), got 1.0"),
     (["--lr_scheduler.min_lr_ratio", "2"], "min_lr_ratio must be in \\[0, 1\\]"),
+    (["--validation.steps", "0"], "validation.freq and validation.steps must be positive"),
+    (["--validation.enable", "true", "--data.dataset", "files", "--data.path", "x.txt"], "validation.path is required"),
 ])
 def test_user_mistakes_give_one_clear_error(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,6 +5,7 @@ per-step losses, the full final parameters and the per-rank bytes of step 1.
 """
 
 import pytest
+import torch
 
 from harness import assert_matches, run_layouts
 
@@ -19,6 +20,7 @@ Z = "--parallelism.zero_stage"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 LB = "--training.local_batch_size"
 C = "--training.compile=true"
+VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=3"]
 AC = "--training.activation_checkpoint=full"
 
 WORLD2 = {
@@ -39,6 +41,10 @@ WORLD2 = {
     "dp2_zero1_compile": [LB, "4", Z, "1", C],
     "pp2_1F1B_compile": pp(2, "1F1B", Z, "0", C),
     "tp2_zero0_activation_checkpoint": [*TP2, Z, "0", AC],
+    # Held-out loss at steps 2, 4, 5: forward-only passes through every kind of layout.
+    "dp2_zero3_val": [LB, "4", Z, "3", *VAL],
+    "tp2_sp_lp_val": [*TP2, Z, "0", *VAL],
+    **{f"pp2_{s}_val": pp(2, s, Z, "3", *VAL) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")},
     "pp2_ZBVZeroBubble_activation_checkpoint": pp(2, "ZBVZeroBubble", Z, "0", AC),
 }
 WORLD4 = {
@@ -51,6 +57,7 @@ WORLD4 = {
     "pp4_Interleaved1F1B": pp(4, "Interleaved1F1B", Z, "0"),
     "pp2_dp2_zero3": pp(2, "1F1B", LB, "4", Z, "3"),
     "pp2_tp2": pp(2, "1F1B", *TP2, Z, "0"),
+    "pp2_tp2_ZBVZeroBubble_val": pp(2, "ZBVZeroBubble", *TP2, Z, "3", *VAL),  # sequence-sharded sends
 }
 WORLD8 = {
     "hsdp2x2_tp2": [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", *TP2, Z, "3"],
@@ -66,10 +73,13 @@ def refs():
         "ref_5layers": [Z, "0", "--model.n_layers", "5"],
         "accum4_of_1": [Z, "0", LB, "1", "--training.global_batch_size", "4"],
         "batch4": [Z, "0", LB, "4"],
+        "ref_val": [Z, "0", *VAL],
     })
 
 
 def ref_for(name, refs):
+    if "val" in name:
+        return refs["ref_val"]
     if "tied" in name:
         return refs["ref_tied"]
     if "5layers" in name:
@@ -96,6 +106,15 @@ def test_accumulation_equals_one_big_batch(refs):
     assert_matches(refs["accum4_of_1"], refs["batch4"], tol=1e-5)
 
 
+def test_evaluation_leaves_training_untouched(refs):
+    """Evaluating every 2 steps changes nothing in training, bit for bit, and the held-out loss
+    is measured at steps 2, 4 and the last, and falls."""
+    assert refs["ref_val"]["losses"] == refs["ref"]["losses"]
+    assert all(torch.equal(refs["ref_val"]["params"][k], p) for k, p in refs["ref"]["params"].items())
+    val = refs["ref_val"]["val_losses"]
+    assert [s for s, _ in val] == [2, 4, 5] and val[0][1] > val[-1][1] and not refs["ref"]["val_losses"]
+
+
 @pytest.mark.parametrize("name", [n for n in WORLD2 if n != "dp2_bf16"])
 def test_world2_matches_one_process(world2, refs, name):
     # A tied table gets its gradient from two TP paths (embedding and head) summed in another
@@ -106,7 +125,7 @@ def test_world2_matches_one_process(world2, refs, name):
 
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_matches_one_process(world4, refs, name):
-    assert_matches(world4[name], refs["ref"])
+    assert_matches(world4[name], ref_for(name, refs))
 
 
 @pytest.mark.parametrize("name", list(WORLD8))

@@ -21,17 +21,23 @@ def run(cmd, tmp_path, **extra):
     return subprocess.run(cmd, cwd=ROOT, env=env(tmp_path, **extra), capture_output=True, text=True, timeout=600)
 
 
-def records(folder):
-    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+def records(folder, kind="loss"):
+    """The training records (kind "loss") or the evaluations ("val_loss") of metrics.jsonl."""
+    lines = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if kind in x]
 
 
 def test_single_process_loss_falls_and_logs_everything(tmp_path):
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "40",
-             "--training.seq_len", "64", "--metrics.log_freq", "10", "--job.dump_folder", str(out)], tmp_path)
+             "--training.seq_len", "64", "--metrics.log_freq", "10", "--job.dump_folder", str(out),
+             "--validation.enable", "true", "--validation.freq", "25", "--validation.steps", "2"], tmp_path)
     assert r.returncode == 0, r.stderr
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 10, 20, 30, 40]
+    val = records(out, "val_loss")
+    assert [x["step"] for x in val] == [25, 40] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert "step    40  val_loss" in r.stdout
     for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "elapsed_s", "mem_rss_gib",
                 "param_bytes", "grad_bytes", "optim_bytes"):
         assert key in recs[0], key
@@ -43,13 +49,13 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
 def test_wandb_offline_writes_the_run(tmp_path):
     out = tmp_path / "wb"
     r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
-             "--metrics.enable_wandb", "true", "--metrics.wandb_run_name", "offline-test", "--job.dump_folder", str(out)],
-            tmp_path)
+             "--metrics.enable_wandb", "true", "--metrics.wandb_run_name", "offline-test", "--job.dump_folder", str(out),
+             "--validation.enable", "true"], tmp_path)
     assert r.returncode == 0, r.stderr
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     log = next(runs[0].glob("run-*.wandb")).read_bytes()  # the offline run's protobuf record log
-    for key in (b"offline-test", b"loss", b"grad_norm", b"tokens_per_sec", b"mfu", b"param_bytes"):
+    for key in (b"offline-test", b"loss", b"grad_norm", b"tokens_per_sec", b"mfu", b"param_bytes", b"val_loss"):
         assert key in log, key
     first = records(out)[0]
     assert repr(first["loss"]).encode() in log  # the logged value itself, not only its name
@@ -64,6 +70,7 @@ def test_run_train_sh_two_processes_end_to_end(tmp_path):
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 2, 4]
     assert len(recs[0]["param_bytes_per_rank"]) == 2
+    assert [x["step"] for x in records(out, "val_loss")] == [4]  # the default config evaluates after the last step
     assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 1 x tp 2" in r.stdout
 
 

@@ -153,6 +153,17 @@ class Checkpoint:
 
 
 @dataclass
+class Validation:
+    enable: bool = opt(False, "Measure the loss on held-out text every `freq` steps and after the last step.")
+    freq: int = opt(100, "Steps between evaluations.")
+    steps: int = opt(10, "Global batches per evaluation. Each evaluation reads the same windows from the start of "
+                         "the held-out stream, so successive values compare, and any layout gives the same number.")
+    split: str = opt("validation", "Held-out split: 'validation' for the stdlib corpus; a split name for 'hf'.")
+    path: str = opt("", "For data.dataset = 'files' (required there): held-out .txt/.jsonl files or globs; for 'hf' "
+                        "another dataset; empty = data.path.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -163,6 +174,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
 
 
 def _sections() -> dict[str, type]:
@@ -331,6 +343,11 @@ def validate(cfg: JobConfig) -> None:
                           f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
     if cfg.data.dataset != "stdlib" and not cfg.data.path:
         raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")
+    v = cfg.validation
+    if v.freq <= 0 or v.steps <= 0:
+        raise ConfigError(f"validation.freq and validation.steps must be positive (got {v.freq}, {v.steps})")
+    if v.enable and cfg.data.dataset == "files" and not v.path:
+        raise ConfigError("validation.path is required with data.dataset = 'files' (held-out files, not the training ones)")
 
 
 def to_toml(cfg: JobConfig) -> str:

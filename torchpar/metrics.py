@@ -1,4 +1,4 @@
-"""Where numbers go: the console (one line per logged step), ``metrics.jsonl`` and wandb.
+"""Where numbers go: the console (one line per logged step or evaluation), ``metrics.jsonl`` and wandb.
 
 Only the logging rank writes; every figure it writes is already global (all-reduced) or says
 which rank it belongs to.
@@ -44,6 +44,8 @@ class MetricsLogger:
                 f"mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s",
                 flush=True,
             )
+        if "val_loss" in record:
+            print(f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}", flush=True)
 
     def close(self) -> None:
         if not self.enabled:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
 import os
 import sys
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,24 @@ from torchpar.parallel.dims import ParallelDims
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 
 
-def preflight(cfg: JobConfig, world: int):
+class Preflight(NamedTuple):
+    args: object  # ModelArgs
+    tokenizer: Tokenizer
+    dims: ParallelDims
+    accum: int  # gradient-accumulation steps
+    source: object  # training documents
+    val_source: object | None  # held-out documents when [validation] is enabled
+    resume: Path | None  # checkpoint to resume from
+    weights: dict | None  # initial weights (checkpoint.initial_load_path)
+
+
+def held_out_data(cfg: JobConfig):
+    """The [data] section with [validation]'s split/path: where the held-out documents come from."""
+    v = cfg.validation
+    return dataclasses.replace(cfg.data, split=v.split, path=v.path or cfg.data.path)
+
+
+def preflight(cfg: JobConfig, world: int) -> Preflight:
     """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
     resume from or the weights to start from. Raises ConfigError."""
     args = model_args(cfg.model.flavor, cfg.model.n_layers)
@@ -46,11 +67,12 @@ def preflight(cfg: JobConfig, world: int):
     dims = ParallelDims.from_config(cfg.parallelism, world)
     accum = validate_layout(cfg.parallelism, cfg.training, dims, args)
     source = build_source(cfg.data, cfg.training.seed)
+    val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
     resume = find_resume(cfg, args)
     weights = None
     if resume is None and cfg.checkpoint.initial_load_path:
         weights, _ = load_weights(cfg.checkpoint.initial_load_path, cfg.model.flavor, args)
-    return args, tokenizer, dims, accum, source, resume, weights
+    return Preflight(args, tokenizer, dims, accum, source, val_source, resume, weights)
 
 
 class Trainer:
@@ -59,7 +81,9 @@ class Trainer:
         tr = cfg.training
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        self.args, self.tokenizer, self.dims, self.accum, source, resume, weights = preflight(cfg, world)
+        pre = preflight(cfg, world)
+        self.args, self.tokenizer, self.dims, self.accum, self.val_source = (
+            pre.args, pre.tokenizer, pre.dims, pre.accum, pre.val_source)
 
         # 2. Process group, mesh, model, optimizer, data.
         self.rank, _ = dev.init_distributed()
@@ -68,14 +92,15 @@ class Trainer:
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
             cfg.model.name, cfg.parallelism, tr, self.args, self.dims, self.device,
-            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum, weights)
+            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum, pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
-        self.dataloader = build_dataloader(source, self.tokenizer, tr.seq_len, tr.local_batch_size,
+        self.dataloader = build_dataloader(pre.source, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
         self.global_batch = tr.local_batch_size * self.accum * self.dims.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.step = 0
         self.tokens_seen = 0
+        self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         self.config_toml = to_toml(cfg)
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -84,7 +109,7 @@ class Trainer:
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
         self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param), self.args.dim)
         self.flops_per_token = flops_per_token(self.args, tr.seq_len)
-        self.checkpointer = Checkpointer(self, resume)
+        self.checkpointer = Checkpointer(self, pre.resume)
         self.checkpointer.load()
 
     # ------------------------------------------------------------------ one step
@@ -121,11 +146,32 @@ class Trainer:
         grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
         state.step()
         self.lr_scheduler.step()
+        return self._global_sum(loss_sum) / self.global_tokens, grad_norm.item()
+
+    def _global_sum(self, loss_sum: torch.Tensor) -> float:
         # One all-reduce over the world: each dp rank's loss counted once.
         if not self.holds_loss:
             loss_sum.zero_()
         dist.all_reduce(loss_sum)
-        return loss_sum.item() / self.global_tokens, grad_norm.item()
+        return loss_sum.item()
+
+    def evaluate(self) -> float:
+        """Mean loss per target token over the first ``validation.steps`` global batches of the
+        held-out stream: the same windows at every evaluation and under every layout."""
+        tr, steps = self.cfg.training, self.cfg.validation.steps
+        # A batch per dp rank of local_batch_size x accumulation rows: what one step trains on,
+        # which is also what a pipeline schedule splits into its fixed number of microbatches.
+        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len, tr.local_batch_size * self.accum,
+                                  self.dims.dp_rank, self.dims.dp, tr.seed, 0, self.cfg.data.lanes)
+        loss_sum = torch.zeros((), device=self.device)
+        with torch.no_grad(), self._loss_context():
+            for batch in itertools.islice(loader, steps):
+                inputs, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
+                if self.model.pipeline is not None:
+                    loss_sum += full_value(self.model.pipeline.forward_only(inputs, targets))
+                else:
+                    loss_sum += full_value(cross_entropy_sum(self.model.parts[0](inputs), targets))
+        return self._global_sum(loss_sum) / (steps * self.global_tokens)
 
     # ------------------------------------------------------------------ the loop
 
@@ -192,6 +238,12 @@ class Trainer:
                 self.logger.log(record)
                 t_last, steps_since = now, 0
             self.model.state.zero_grad()
+            if self.val_source is not None and (self.step % cfg.validation.freq == 0 or self.step == tr.steps):
+                t_eval = time.perf_counter()
+                val_loss = self.evaluate()
+                self.val_losses.append((self.step, val_loss))
+                self.logger.log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
             self.checkpointer.maybe_save(force=self.step == tr.steps)
         self.checkpointer.close()
         self.logger.close()

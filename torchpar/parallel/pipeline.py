@@ -12,6 +12,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from torchpar.config import ConfigError, did_you_mean
 
@@ -171,6 +172,10 @@ class Pipeline:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         group = dims.mesh["pp"].get_group()
+        self.group, self.pp_rank = group, dims.pp_rank
+        self.parts = dict(zip(spec.stage_ids, parts))  # global stage id -> this rank's module
+        v = len(spec.stage_ids)
+        self.holder = {s: r for r in range(dims.pp) for s in stage_ids_of_rank(r, dims.pp, v, par.pipeline_parallel_schedule)}
         self.spec, self.name = spec, par.pipeline_parallel_schedule
         self.stages = [PipelineStage(part, s, spec.num_stages, device, group=group) for part, s in zip(parts, spec.stage_ids)]
         self.has_first = 0 in spec.stage_ids
@@ -201,6 +206,31 @@ class Pipeline:
         # microbatches' own calls, the last n.
         sums = self._sums[-self.n_microbatches:]
         return torch.stack(sums).sum() if sums else torch.zeros((), device=inputs.device)
+
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Evaluation (call under no_grad): the whole batch through the stages in stage order, with
+        plain sends between ranks and no schedule — torch 2.13's ``schedule.eval`` fails for the
+        V-shaped schedules. Returns the summed token loss on the last stage's ranks, else 0."""
+        from torchpar.loss import cross_entropy_sum
+
+        loss = torch.zeros((), device=inputs.device)
+        x = inputs
+        for s in range(self.spec.num_stages):
+            if self.holder[s] != self.pp_rank:
+                continue
+            if s > 0 and self.holder[s - 1] != self.pp_rank:
+                # Shape first: it depends on the layout (sequence parallel sends the local shard).
+                shape = torch.empty(3, dtype=torch.long, device=inputs.device)
+                dist.recv(shape, group=self.group, group_src=self.holder[s - 1])
+                x = torch.empty(shape.tolist(), dtype=torch.float32, device=inputs.device)
+                dist.recv(x, group=self.group, group_src=self.holder[s - 1])
+            x = self.parts[s](x)
+            if s == self.spec.num_stages - 1:
+                loss = cross_entropy_sum(x, targets)
+            elif self.holder[s + 1] != self.pp_rank:
+                dist.send(torch.tensor(x.shape, dtype=torch.long, device=inputs.device), group=self.group, group_dst=self.holder[s + 1])
+                dist.send(x.float().contiguous(), group=self.group, group_dst=self.holder[s + 1])
+        return loss
 
     def actions(self) -> dict[int, list]:
         from torchpar.parallel.bubble import schedule_actions
