@@ -88,3 +88,25 @@ def test_print_config_and_help(tmp_path):
     assert r.returncode == 0 and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay." in r.stdout
     r = run([sys.executable, "-m", "torchpar.train", "--training.stepz", "3"], tmp_path)
     assert r.returncode == 2 and "Did you mean 'steps'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_validation_on_local_files(tmp_path):
+    """[validation] path: held-out files beside the training files, evaluated under the trainer."""
+    (tmp_path / "train.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": f"class C{i}:\n    pass\n"}) + "\n" for i in range(50)))
+    out = tmp_path / "files"
+    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3", "--training.seq_len", "32",
+             "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"), "--validation.enable", "true",
+             "--validation.path", str(tmp_path / "held.jsonl"), "--validation.freq", "2", "--job.dump_folder", str(out)],
+            tmp_path)
+    assert r.returncode == 0, r.stderr
+    val = records(out, "val_loss")
+    assert [x["step"] for x in val] == [2, 3] and all(0 < x["val_loss"] < 10 for x in val)
+    # Evaluating the training file instead gives other numbers: the held-out files were read.
+    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3", "--training.seq_len", "32",
+             "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"), "--validation.enable", "true",
+             "--validation.path", str(tmp_path / "train.txt"), "--validation.freq", "2", "--job.dump_folder", str(out / "same")],
+            tmp_path)
+    assert r.returncode == 0, r.stderr
+    same = records(out / "same", "val_loss")
+    assert abs(same[0]["val_loss"] - val[0]["val_loss"]) > 1e-3
