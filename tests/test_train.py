@@ -94,19 +94,17 @@ def test_validation_on_local_files(tmp_path):
     """[validation] path: held-out files beside the training files, evaluated under the trainer."""
     (tmp_path / "train.txt").write_text("def f(x):\n    return x + 1\n" * 200)
     (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": f"class C{i}:\n    pass\n"}) + "\n" for i in range(50)))
-    out = tmp_path / "files"
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3", "--training.seq_len", "32",
-             "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"), "--validation.enable", "true",
-             "--validation.path", str(tmp_path / "held.jsonl"), "--validation.freq", "2", "--job.dump_folder", str(out)],
-            tmp_path)
-    assert r.returncode == 0, r.stderr
-    val = records(out, "val_loss")
+
+    def held_out_losses(path, folder):
+        r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
+                 "--training.seq_len", "32", "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"),
+                 "--validation.enable", "true", "--validation.path", str(path), "--validation.freq", "2",
+                 "--job.dump_folder", str(tmp_path / folder)], tmp_path)
+        assert r.returncode == 0, r.stderr
+        return records(tmp_path / folder, "val_loss")
+
+    val = held_out_losses(tmp_path / "held.jsonl", "held")
     assert [x["step"] for x in val] == [2, 3] and all(0 < x["val_loss"] < 10 for x in val)
     # Evaluating the training file instead gives other numbers: the held-out files were read.
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3", "--training.seq_len", "32",
-             "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"), "--validation.enable", "true",
-             "--validation.path", str(tmp_path / "train.txt"), "--validation.freq", "2", "--job.dump_folder", str(out / "same")],
-            tmp_path)
-    assert r.returncode == 0, r.stderr
-    same = records(out / "same", "val_loss")
+    same = held_out_losses(tmp_path / "train.txt", "same")
     assert abs(same[0]["val_loss"] - val[0]["val_loss"]) > 1e-3
