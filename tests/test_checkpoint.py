@@ -86,7 +86,7 @@ def test_resume_is_bitwise_exact(runs, src, dst):
 @pytest.mark.parametrize("src,dst", RESHARD, ids=[f"{a}->{b}" for a, b in RESHARD])
 def test_resume_under_another_layout(runs, src, dst):
     full, resumed = runs[f"save:{dst}"], runs[f"{src}->{dst}"]
-    ref = {"losses": full["losses"][3:], "params": full["params"]}
+    ref = {"losses": full["losses"][3:], "params": full["params"], "val_losses": full["val_losses"]}
     assert_matches(resumed, ref, tol=1e-5, param_tol=1e-4)
     # The data continue from the same global position: steps 1-3 under the saving layout and
     # 4-6 under the new one cover the uninterrupted run's windows, none twice, none skipped.
