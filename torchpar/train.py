@@ -159,16 +159,19 @@ class Trainer:
         """Mean loss per target token over the first ``validation.steps`` global batches of the
         held-out stream: the same windows at every evaluation and under every layout."""
         tr, steps = self.cfg.training, self.cfg.validation.steps
-        # A batch per dp rank of local_batch_size x accumulation rows: what one step trains on,
-        # which is also what a pipeline schedule splits into its fixed number of microbatches.
+        # Per dp rank and step, local_batch_size x accumulation rows, as in training; run in
+        # the chunks training runs (micro-steps, or pipeline microbatches), so that evaluation
+        # needs no more memory than a training forward.
+        pipeline = self.model.pipeline
+        chunk = self.cfg.parallelism.pipeline_parallel_microbatch_size if pipeline else tr.local_batch_size
         loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len, tr.local_batch_size * self.accum,
                                   self.dims.dp_rank, self.dims.dp, tr.seed, 0, self.cfg.data.lanes)
         loss_sum = torch.zeros((), device=self.device)
         with torch.no_grad(), self._loss_context():
-            for batch in itertools.islice(loader, steps):
-                inputs, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
-                if self.model.pipeline is not None:
-                    loss_sum += full_value(self.model.pipeline.forward_only(inputs, targets))
+            for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
+                inputs, targets = rows[:, :-1].to(self.device), rows[:, 1:].to(self.device)
+                if pipeline is not None:
+                    loss_sum += full_value(pipeline.forward_only(inputs, targets))
                 else:
                     loss_sum += full_value(cross_entropy_sum(self.model.parts[0](inputs), targets))
         return self._global_sum(loss_sum) / (steps * self.global_tokens)

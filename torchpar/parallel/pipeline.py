@@ -208,7 +208,7 @@ class Pipeline:
         return torch.stack(sums).sum() if sums else torch.zeros((), device=inputs.device)
 
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Evaluation (call under no_grad): the whole batch through the stages in stage order, with
+        """Evaluation (call under no_grad): a batch through the stages in stage order, with
         plain sends between ranks and no schedule — torch 2.13's ``schedule.eval`` fails for the
         V-shaped schedules. Returns the summed token loss on the last stage's ranks, else 0."""
         from torchpar.loss import cross_entropy_sum
