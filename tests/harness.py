@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import traceback
@@ -25,6 +26,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "tiny.toml"
+NATIVE_ERROR = re.compile(r"terminate called|what\(\)|enforce fail|Fatal|SIGABRT|SIGSEGV")
 
 
 def free_port() -> int:
@@ -39,6 +41,7 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
     log = open(f"{out}/rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)  # a native crash logs every thread's stack
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -105,7 +108,8 @@ def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
 
 
 def _log_tails(out: str, world: int, failed: int) -> str:
-    """The failed rank's last 40 lines and every other rank's last 3 (warnings left out)."""
+    """The failed rank's first 10 native error lines (a C++ abort prints them before the stacks), its last 40
+    lines, and every other rank's last 3 lines; warnings left out."""
     parts = []
     for rank in [failed] + [r for r in range(world) if r != failed]:
         path = Path(f"{out}/rank{rank}.log")
@@ -114,7 +118,11 @@ def _log_tails(out: str, world: int, failed: int) -> str:
             if not skip and "Warning: " not in line:
                 lines.append(line)
             skip = "Warning: " in line  # a warning's second line is the source line
-        parts.append(f"--- rank {rank} ---\n" + "\n".join(lines[-(40 if rank == failed else 3):]))
+        if rank == failed:
+            native = [line for line in lines[:-40] if NATIVE_ERROR.search(line)][:10]
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + lines[-40:]))
+        else:
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(lines[-3:]))
     return "\n".join(parts)
 
 
