@@ -93,8 +93,9 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
 
 def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
     """Rank 0's results per layout. A Python error in any rank fails at once, with every rank's
-    last lines. A rank killed by a signal is rerun once, with a warning that keeps its log: CI saw
-    one gloo SIGABRT among 8 ranks on 2 cores that over 20 local runs of the 8-rank table did not reproduce."""
+    last lines. A rank killed by a signal is rerun once, with a warning that keeps its log: CI
+    saw one gloo SIGABRT among 8 ranks on 2 cores that 30 local runs of the 8-rank table did
+    not reproduce."""
     for attempt in (1, 2):
         out = tempfile.mkdtemp(prefix="torchpar_layouts_")
         try:
@@ -108,8 +109,8 @@ def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
 
 
 def _log_tails(out: str, world: int, failed: int) -> str:
-    """The failed rank's first 10 native error lines (a C++ abort prints them before the stacks), its last 40
-    lines, and every other rank's last 3 lines; warnings left out."""
+    """The failed rank's first 10 native error lines (a C++ abort prints them before the
+    stacks) and its last 40 lines, and every other rank's last 3 lines; warnings left out."""
     parts = []
     for rank in [failed] + [r for r in range(world) if r != failed]:
         path = Path(f"{out}/rank{rank}.log")
