@@ -5,6 +5,9 @@ the tiny test config with its overrides, and rank 0 returns per-step losses, ful
 (gathered over TP, FSDP and pipeline stages), the per-rank state bytes logged at the first step,
 the windows each data-parallel rank trained on (CRC32 per window, in order) and the held-out
 losses when [validation] is enabled.
+
+``spawn_ranks`` starts the processes for it and for other multi-rank fixtures: each rank logs to
+its own file, and a rank that dies shows its log in the error.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
+def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) -> None:
     # Each rank's output goes to its own file, at the descriptor level so that a C++ abort's
-    # message is kept too; run_layouts shows it when a rank dies.
+    # message is kept too; spawn_ranks shows it when a rank dies.
     log = open(f"{out}/rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -45,6 +48,29 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    target(rank, world, out, *args)
+
+
+def spawn_ranks(target, world: int, *args) -> str:
+    """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (env:// rendezvous
+    set up, one thread each) and return ``out``, the folder they wrote to. A Python error in any
+    rank fails at once, with every rank's last lines. A rank killed by a signal reruns all once,
+    with a warning that keeps its log: CI saw one gloo SIGABRT among 8 ranks on 2 cores that 30
+    local runs of the 8-rank table did not reproduce."""
+    for attempt in (1, 2):
+        out = tempfile.mkdtemp(prefix="torchpar_ranks_")
+        try:
+            mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
+                               start_method="spawn")
+            return out
+        except ProcessException as e:
+            report = f"{e}\n{_log_tails(out, world, e.error_index)}"
+            if attempt == 2 or not isinstance(e, ProcessExitedException) or e.signal_name is None:
+                raise RuntimeError(report) from None
+            warnings.warn(f"world {world}: a rank died from a signal; running the ranks again\n{report}")
+
+
+def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
     from torchpar.config import load_config
     from torchpar.data.loader import PackedWindows
     from torchpar.train import Trainer
@@ -92,20 +118,8 @@ def _worker(rank: int, world: int, port: int, layouts: dict, out: str) -> None:
 
 
 def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:
-    """Rank 0's results per layout. A Python error in any rank fails at once, with every rank's
-    last lines. A rank killed by a signal is rerun once, with a warning that keeps its log: CI
-    saw one gloo SIGABRT among 8 ranks on 2 cores that 30 local runs of the 8-rank table did
-    not reproduce."""
-    for attempt in (1, 2):
-        out = tempfile.mkdtemp(prefix="torchpar_layouts_")
-        try:
-            mp.start_processes(_worker, args=(world, free_port(), layouts, out), nprocs=world, start_method="spawn")
-            return torch.load(f"{out}/results.pt", weights_only=False)
-        except ProcessException as e:
-            report = f"{e}\n{_log_tails(out, world, e.error_index)}"
-            if attempt == 2 or not isinstance(e, ProcessExitedException) or e.signal_name is None:
-                raise RuntimeError(report) from None
-            warnings.warn(f"world {world}: a rank died from a signal; running the layouts again\n{report}")
+    """Rank 0's results per layout."""
+    return torch.load(f"{spawn_ranks(_worker, world, layouts)}/results.pt", weights_only=False)
 
 
 def _log_tails(out: str, world: int, failed: int) -> str:

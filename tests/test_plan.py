@@ -2,17 +2,15 @@
 worked examples, search and the command line."""
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness import ROOT, TINY, free_port
+from harness import ROOT, TINY, spawn_ranks
 
 Z = "--parallelism.zero_stage"
 LEDGER_LAYOUTS = {
@@ -27,10 +25,7 @@ LEDGER_LAYOUTS = {
 }
 
 
-def _ledger_worker(rank, world, port, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _ledger_worker(rank, world, out):
     from torchpar.config import load_config
     from torchpar.parallel.ledger import CommLedger
     from torchpar.train import Trainer
@@ -54,9 +49,7 @@ def _ledger_worker(rank, world, port, out):
 
 @pytest.fixture(scope="module")
 def ledgers():
-    out = tempfile.mkdtemp(prefix="torchpar_ledger_")
-    mp.start_processes(_ledger_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn")
-    return torch.load(f"{out}/ledger.pt", weights_only=False)
+    return torch.load(f"{spawn_ranks(_ledger_worker, 2)}/ledger.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("name", list(LEDGER_LAYOUTS))
