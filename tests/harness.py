@@ -17,7 +17,6 @@ import os
 import re
 import socket
 import tempfile
-import traceback
 import warnings
 import zlib
 from pathlib import Path
@@ -48,15 +47,19 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    target(rank, world, out, *args)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        target(rank, world, out, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn_ranks(target, world: int, *args) -> str:
-    """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (env:// rendezvous
-    set up, one thread each) and return ``out``, the folder they wrote to. A Python error in any
-    rank fails at once, with every rank's last lines. A rank killed by a signal reruns all once,
-    with a warning that keeps its log: CI saw one gloo SIGABRT among 8 ranks on 2 cores that 30
-    local runs of the 8-rank table did not reproduce."""
+    """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (one thread each,
+    in a gloo world process group) and return ``out``, the folder they wrote to. A Python error
+    in any rank fails at once, with every rank's last lines. A rank killed by a signal reruns all
+    once, with a warning that keeps its log: CI saw one gloo SIGABRT among 8 ranks on 2 cores
+    that 30 local runs of the 8-rank table did not reproduce."""
     for attempt in (1, 2):
         out = tempfile.mkdtemp(prefix="torchpar_ranks_")
         try:
@@ -84,7 +87,6 @@ def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
             yield batch
 
     PackedWindows.__iter__ = recording_iter
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
         for name, overrides in layouts.items():
@@ -108,13 +110,9 @@ def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
                 results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows,
                                  "val_losses": trainer.val_losses}
             dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        raise
     finally:
         if rank == 0:
             torch.save(results, f"{out}/results.pt")
-        dist.destroy_process_group()
 
 
 def run_layouts(world: int, layouts: dict[str, list[str]]) -> dict:

@@ -30,7 +30,6 @@ def _ledger_worker(rank, world, out):
     from torchpar.parallel.ledger import CommLedger
     from torchpar.train import Trainer
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     try:
         for name, overrides in LEDGER_LAYOUTS.items():
@@ -44,7 +43,6 @@ def _ledger_worker(rank, world, out):
     finally:
         if rank == 0:
             torch.save(results, f"{out}/ledger.pt")
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
