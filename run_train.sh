@@ -15,8 +15,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ "$DEVICE_TYPE" = cpu ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
-# Restarted attempts need a fresh rendezvous store (see shared TORCH_NOTES); without restarts the
-# shared store avoids a second port that another socket could grab between torchrun and rank 0.
+
+# A restarted attempt often fails to reconnect its gloo mesh ("connectFullMesh ... Connection
+# refused") when it reuses the first attempt's rendezvous store, so restarts get a fresh one. Without
+# restarts the shared store is kept: it avoids rank 0 binding a second port, which another socket could
+# take between torchrun and rank 0.
 if [ "$MAX_RESTARTS" -gt 0 ]; then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi

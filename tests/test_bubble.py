@@ -2,8 +2,8 @@ from fractions import Fraction
 
 import pytest
 
-from torchpar.parallel.bubble import (_shade, compute_actions, schedule_actions, schedule_order, simulate, text_gantt,
-                                      write_png, write_svg)
+from torchpar.parallel.bubble import compute_actions, schedule_actions, simulate
+from torchpar.tools.schedule import _shade, schedule_order, text_gantt, write_png, write_svg
 
 
 def bubble(name, pp, m, v):
@@ -21,7 +21,7 @@ def test_single_stage_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, pp, m):
         assert b == pytest.approx(float(expected), abs=1e-12)
 
 
-def test_seeds_case_is_3_over_19():
+def test_tutorial_case_is_3_over_19():
     assert bubble("1F1B", 4, 16, 1)["bubble"] == pytest.approx(3 / 19)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 5): exact resume, resharding across layouts, data position, bad checkpoints.
+"""Checkpoints: exact resume, resharding across layouts, data position, bad checkpoints.
 
 Every run trains the tiny config for 6 steps with a global batch of 8. "Save" runs checkpoint at
 step 3 (and 6); "resume" runs start from a step-3 checkpoint — possibly written under another

@@ -1,4 +1,4 @@
-"""Checkpoint files end to end (issue 5): atomic saves, keep_latest_k, async mode, interrupted
+"""Checkpoint files end to end: atomic saves, keep_latest_k, async mode, interrupted
 saves, bad checkpoints, export / initial_load_path, generate, and surviving a killed rank."""
 
 import json

@@ -1,7 +1,9 @@
-"""Every data/tensor/pipeline layout trains the same as one process (issues 3 and 4).
+"""Every data/tensor/pipeline layout trains the same as one process, for both model families.
 
-Each world size starts its processes once and runs a table of config overrides; rank 0 returns
-per-step losses, the full final parameters and the per-rank bytes of step 1.
+Each world size starts its processes once and runs a table of config overrides, once per model
+family (Llama and the GPT-2-style model, which the parallel code knows only through its
+adapter); rank 0 returns per-step losses, the full final parameters and the per-rank bytes of
+step 1.
 """
 
 import pytest
@@ -65,76 +67,102 @@ WORLD8 = {
 }
 
 
+FAMILIES = {"llama3": [], "gpt2": ["--model.name", "gpt2"]}
+
+
+def both_families(table: dict) -> dict:
+    """``family/name`` -> the layout's overrides for that family."""
+    return {f"{family}/{name}": [*extra, *overrides] for family, extra in FAMILIES.items()
+            for name, overrides in table.items()}
+
+
+def names(table: dict, skip=()) -> list[str]:
+    return [f"{family}/{name}" for family in FAMILIES for name in table if name not in skip]
+
+
 @pytest.fixture(scope="module")
 def refs():
-    return run_layouts(1, {
+    return run_layouts(1, both_families({
         "ref": [Z, "0"],
         "ref_tied": [Z, "0", "--model.flavor", "debug-tied"],
         "ref_5layers": [Z, "0", "--model.n_layers", "5"],
         "accum4_of_1": [Z, "0", LB, "1", "--training.global_batch_size", "4"],
         "batch4": [Z, "0", LB, "4"],
         "ref_val": [Z, "0", *VAL],
-    })
+    }))
+
+
+def param_tols(name: str) -> dict:
+    """Tolerances on final parameters where the float noise of another summation order is
+    amplified by Adam's normalization on entries whose gradient is near zero (losses stay within
+    1e-5 everywhere): a tied table gets its gradient from two TP paths (embedding and head); the
+    GPT-2 token table has a few rows of rare tokens (4 of 4096 above 1e-5 for pp2 1F1B) that
+    differ by up to 1.2e-4 (5e-4 with compile) while every other GPT-2 parameter stays within
+    2.3e-5 after 5 steps, even between accumulation and one big batch in one process."""
+    if "tied" in name:
+        return {"param_tol": 2e-4}
+    if name.startswith("gpt2/"):
+        return {"param_tol": 1e-4, "per_param": {"wte.weight": 1e-3}}
+    return {}
 
 
 def ref_for(name, refs):
-    if "val" in name:
-        return refs["ref_val"]
-    if "tied" in name:
-        return refs["ref_tied"]
-    if "5layers" in name:
-        return refs["ref_5layers"]
-    return refs["ref"]
+    family, layout = name.split("/")
+    for kind in ("val", "tied", "5layers"):
+        if kind in layout:
+            return refs[f"{family}/ref_{kind}"]
+    return refs[f"{family}/ref"]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_layouts(2, WORLD2)
+    return run_layouts(2, both_families(WORLD2))
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_layouts(4, WORLD4)
+    return run_layouts(4, both_families(WORLD4))
 
 
 @pytest.fixture(scope="module")
 def world8():
-    return run_layouts(8, WORLD8)
+    return run_layouts(8, both_families(WORLD8))
 
 
-def test_accumulation_equals_one_big_batch(refs):
-    assert_matches(refs["accum4_of_1"], refs["batch4"], tol=1e-5)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accumulation_equals_one_big_batch(refs, family):
+    assert_matches(refs[f"{family}/accum4_of_1"], refs[f"{family}/batch4"], tol=1e-5, **param_tols(family + "/"))
 
 
-def test_evaluation_leaves_training_untouched(refs):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_evaluation_leaves_training_untouched(refs, family):
     """Evaluating every 2 steps changes nothing in training, bit for bit, and the held-out loss
     is measured at steps 2, 4 and the last, and falls."""
-    assert refs["ref_val"]["losses"] == refs["ref"]["losses"]
-    assert all(torch.equal(refs["ref_val"]["params"][k], p) for k, p in refs["ref"]["params"].items())
-    val = refs["ref_val"]["val_losses"]
-    assert [s for s, _ in val] == [2, 4, 5] and val[0][1] > val[-1][1] and not refs["ref"]["val_losses"]
+    ref, ref_val = refs[f"{family}/ref"], refs[f"{family}/ref_val"]
+    assert ref_val["losses"] == ref["losses"]
+    assert all(torch.equal(ref_val["params"][k], p) for k, p in ref["params"].items())
+    val = ref_val["val_losses"]
+    assert [s for s, _ in val] == [2, 4, 5] and val[0][1] > val[-1][1] and not ref["val_losses"]
 
 
-@pytest.mark.parametrize("name", [n for n in WORLD2 if n != "dp2_bf16"])
+@pytest.mark.parametrize("name", names(WORLD2, skip=("dp2_bf16",)))
 def test_world2_matches_one_process(world2, refs, name):
-    # A tied table gets its gradient from two TP paths (embedding and head) summed in another
-    # order than in one process; Adam's normalization turns that float noise on near-zero
-    # entries into parameter differences of up to ~1e-4 after 5 steps (losses still within 1e-5).
-    assert_matches(world2[name], ref_for(name, refs), param_tol=2e-4 if "tied" in name else None)
+    assert_matches(world2[name], ref_for(name, refs), **param_tols(name))
 
 
-@pytest.mark.parametrize("name", list(WORLD4))
+@pytest.mark.parametrize("name", names(WORLD4))
 def test_world4_matches_one_process(world4, refs, name):
-    assert_matches(world4[name], ref_for(name, refs))
+    assert_matches(world4[name], ref_for(name, refs), **param_tols(name))
 
 
-@pytest.mark.parametrize("name", list(WORLD8))
+@pytest.mark.parametrize("name", names(WORLD8))
 def test_world8_matches_one_process(world8, refs, name):
-    assert_matches(world8[name], refs["ref"])
+    assert_matches(world8[name], ref_for(name, refs), **param_tols(name))
 
 
-def test_bf16_params_with_fp32_reduce_train_close_to_fp32(world2, refs):
-    bf16, fp32 = world2["dp2_bf16"]["losses"], refs["ref"]["losses"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_params_with_fp32_reduce_train_close_to_fp32(world2, refs, family):
+    bf16, fp32 = world2[f"{family}/dp2_bf16"]["losses"], refs[f"{family}/ref"]["losses"]
     assert bf16[-1] < bf16[0] - 0.5  # it learns
     assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05  # stated tolerance for bf16 compute
 
@@ -143,8 +171,9 @@ def bytes_of(run, key):
     return run["step1"][f"{key}_bytes_per_rank"]
 
 
-def test_zero_stages_shrink_what_each_rank_holds(world2, refs):
-    full = refs["ref"]["step1"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_stages_shrink_what_each_rank_holds(world2, refs, family):
+    full = refs[f"{family}/ref"]["step1"]
     total_p, total_o = full["param_bytes"], full["optim_bytes"]
     pad = 4 * 2  # at most one fp32 element of padding per rank
 
@@ -152,7 +181,7 @@ def test_zero_stages_shrink_what_each_rank_holds(world2, refs):
         return abs(value - target) <= pad
 
     for r in range(2):
-        z0, z1, z2, z3 = (world2[f"dp2_zero{z}"] for z in range(4))
+        z0, z1, z2, z3 = (world2[f"{family}/dp2_zero{z}"] for z in range(4))
         assert bytes_of(z0, "param")[r] == total_p and bytes_of(z0, "grad")[r] == total_p
         assert bytes_of(z0, "optim")[r] == total_o
         assert approx(bytes_of(z1, "optim")[r], total_o / 2) and bytes_of(z1, "grad")[r] == total_p
@@ -162,19 +191,24 @@ def test_zero_stages_shrink_what_each_rank_holds(world2, refs):
         assert approx(bytes_of(z3, "optim")[r], total_o / 2)
 
 
-def test_tensor_parallel_halves_the_sharded_weights(world2, refs):
-    from torchpar.models import FLAVORS
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_halves_the_sharded_weights(world2, refs, family):
+    from torchpar.models import MODELS
 
-    args = FLAVORS["debug"]
-    norms = 4 * args.dim * (2 * args.n_layers + 1)  # norm weights stay whole on each TP rank
-    total = refs["ref"]["step1"]["param_bytes"]
+    model = MODELS[family]
+    args = model.args("debug")
+    entries = model.stage_params(args, True, True, args.n_layers)
+    whole = 4 * sum(r * c for _, (r, c), tp_dim in entries if tp_dim is None)  # norms (and biases) TP leaves whole
+    assert whole >= 4 * args.dim * (2 * args.n_layers + 1)
+    total = refs[f"{family}/ref"]["step1"]["param_bytes"]
     for r in range(2):
-        assert bytes_of(world2["tp2_zero0"], "param")[r] == (total - norms) / 2 + norms
+        assert bytes_of(world2[f"{family}/tp2_zero0"], "param")[r] == (total - whole) / 2 + whole
 
 
-def test_pipeline_stages_hold_their_layers(world2, refs):
-    per_rank = bytes_of(world2["pp2_uneven_6_2"], "param")
-    assert sum(per_rank) == refs["ref"]["step1"]["param_bytes"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_stages_hold_their_layers(world2, refs, family):
+    per_rank = bytes_of(world2[f"{family}/pp2_uneven_6_2"], "param")
+    assert sum(per_rank) == refs[f"{family}/ref"]["step1"]["param_bytes"]
     assert per_rank[0] > per_rank[1]
 
 
@@ -184,13 +218,13 @@ def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world
     real trainer held at step 1, for every layout of the table (TP, FSDP, ZeRO 0-2, HSDP, PP)."""
     from harness import TINY
     from torchpar.config import load_config
-    from torchpar.plan import layout_from_config, rank_coords, state_bytes
+    from torchpar.plan import layout_from_config, state_bytes
 
     table, runs = {2: (WORLD2, world2), 4: (WORLD4, world4), 8: (WORLD8, world8)}[world]
-    for name, overrides in table.items():
-        lay, args = layout_from_config(load_config(TINY, overrides), world)
+    for name, overrides in both_families(table).items():
+        lay, model, args = layout_from_config(load_config(TINY, overrides), world)
         for rank in range(world):
-            predicted = state_bytes(args, lay, rank_coords(lay, rank))
+            predicted = state_bytes(model, args, lay, lay.rank_coords(rank))
             for key in ("param", "grad", "optim"):
                 assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)
                 # ...and the trainer logged the same prediction itself at its first step.

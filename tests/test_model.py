@@ -1,7 +1,12 @@
 import torch
 
-from torchpar.models import FLAVORS, Transformer, flops_per_token, num_params, param_counts
-from torchpar.models.llama import ModelArgs
+from torchpar.models.llama import ADAPTER, FLAVORS, ModelArgs, Transformer
+
+num_params, param_counts = ADAPTER.num_params, ADAPTER.param_counts
+
+
+def flops_per_token(args, seq):
+    return ADAPTER.flops_per_token(args, seq)
 
 
 def test_param_count_matches_numel_for_every_flavour():

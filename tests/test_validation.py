@@ -6,8 +6,9 @@ import pytest
 import torch.distributed as dist
 
 from torchpar.config import ConfigError, load_config
+from torchpar.models import MODELS
 from torchpar.models.llama import ModelArgs
-from torchpar.parallel.dims import ParallelDims
+from torchpar.parallel.layout import resolve_layout
 from torchpar.train import Trainer
 from harness import TINY
 
@@ -54,17 +55,19 @@ def test_bad_layout_is_refused_before_any_collective(monkeypatch, world, overrid
 
 
 def test_ffn_width_must_divide():
-    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=4, zero_stage=0, world_size=4)
+    cfg = load_config(TINY, ["--parallelism.tensor_parallel_degree", "4", "--parallelism.sequence_parallel=false"])
     args = ModelArgs(dim=100, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, multiple_of=2)
     with pytest.raises(ConfigError, match=r"ffn hidden size \(266\)"):
-        dims.check_model(args, 64, False)
+        resolve_layout(cfg.parallelism, cfg.training, MODELS["llama3"], args, 4)
 
 
 def test_zero_stage_without_shards_warns_and_runs_as_ddp(monkeypatch):
     par = load_config(None, ["--parallelism.zero_stage", "2", "--parallelism.data_parallel_replicate_degree", "2",
                              "--parallelism.data_parallel_shard_degree", "1"]).parallelism
+    tr, llama = load_config(None).training, MODELS["llama3"]
     with pytest.warns(UserWarning, match="shards nothing"):
-        ParallelDims.from_config(par, 2)
+        assert resolve_layout(par, tr, llama, llama.args("debug"), 2).zero_stage == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ParallelDims.from_config(load_config(None, ["--parallelism.zero_stage", "3"]).parallelism, 1)
+        cfg = load_config(None, ["--parallelism.zero_stage", "3"])
+        assert resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 1).zero_stage == 3

@@ -6,13 +6,18 @@ CRC32 of every file. Ranks write into ``step-00000042.partial``; only when DCP h
 metadata (every rank done) does rank 0 write the manifest and rename the folder — one atomic
 ``rename`` — so a crash mid-save never leaves a folder that looks complete.
 
-What is saved, all keyed by names of the unsplit model so any layout can load it:
+What is saved is a dict of *stateful parts*, each with ``state_dict`` / ``load_state_dict``
+(DCP's ``Stateful`` protocol); the checkpointer knows nothing else about the trainer. The
+trainer's parts, all keyed by names of the unsplit model so any layout can load them:
 
 - ``model``: ``get_model_state_dict`` of each pipeline stage (DTensors for TP/FSDP shards);
-- ``optim``: Adam moments and step per parameter (``state.<name>.exp_avg`` ...), laid out like the
-  parameter — written in the same format by FSDP2 (ZeRO-3) and the flat ZeRO 0-2 engine;
-- ``lr_scheduler``, ``train`` (step, tokens seen, the global data position), ``config``;
-- ``rng.rank<r>``: each rank's RNG state (restored when the rank exists in the new layout).
+- ``optimizer``: Adam moments and step per parameter (``state.<name>.exp_avg`` ...), laid out like
+  the parameter — written in the same format by FSDP2 (ZeRO-3) and the flat ZeRO 0-2 engine;
+- ``lr_scheduler``, ``train_state`` (step, tokens seen), ``dataloader`` (the global data position);
+- ``rng``: each rank's RNG state under its own key (restored when the rank exists in the new
+  layout: parts marked ``per_rank`` may lack this rank's keys).
+
+A part is added with one line in the trainer's ``stateful_parts``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import re
 import shutil
 import sys
 import time
-import warnings
 import zlib
 from pathlib import Path
 
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torchpar.config import ConfigError
 
 MANIFEST = "torchpar.json"
+FORMAT = 2  # 2: stateful parts (model, optimizer, lr_scheduler, train_state, dataloader, rng)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -95,8 +100,13 @@ def verify_files(path: Path, manifest: dict, checksums: bool) -> None:
             raise ConfigError(f"checkpoint {path} is damaged: {name} fails its CRC32 check (corrupted); {fix}")
 
 
-def check_model_matches(where: str, saved_flavor: str, saved_args: dict, flavor: str, args) -> None:
-    """A checkpoint or weights file only loads into the model shape it was saved from."""
+def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -> None:
+    """A checkpoint or weights file (``saved``: its manifest) only loads into the model family and
+    shape it was saved from."""
+    saved_name, saved_flavor, saved_args = saved.get("model_name", "llama3"), saved["model_flavor"], saved["model_args"]
+    if saved_name != name:
+        raise ConfigError(f"{where} holds a {saved_name!r} model but model.name = {name!r}; set model.name = "
+                          f"{saved_name!r}, or start from a new job.dump_folder / checkpoint.folder")
     if saved_flavor != flavor:
         raise ConfigError(f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set "
                           f"model.flavor = {saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder")
@@ -128,104 +138,68 @@ def find_resume(cfg, args) -> Path | None:
     else:
         return None
     manifest = read_manifest(path)
-    check_model_matches(f"checkpoint {path}", manifest["model_flavor"], manifest["model_args"], cfg.model.flavor, args)
+    if manifest.get("format", 1) != FORMAT:
+        raise ConfigError(f"checkpoint {path} was written in checkpoint format {manifest.get('format', 1)}, this "
+                          f"torchpar reads format {FORMAT}; export its weights (`torchpar export`) and start from "
+                          "them with checkpoint.initial_load_path, or use a new checkpoint folder")
+    check_model_matches(f"checkpoint {path}", manifest, cfg.model.name, cfg.model.flavor, args)
     verify_files(path, manifest, ck.verify_checksums)
     return path
 
 
-# ---------------------------------------------------------------------- weights files (export)
-
-
-def save_weights(state: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
-    """One ``torch.save`` file of full tensors (loadable with ``weights_only=True``) + ``<out>.json``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
-    out.with_name(out.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def load_weights(path: str | Path, flavor: str | None = None, args=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read an exported weights file (never unpickles code) and, given a model, check its shape."""
-    path = Path(path)
-    meta_path = path.with_name(path.name + ".json")
-    if not path.exists() or not meta_path.exists():
-        raise ConfigError(f"weights file {path} (and its {meta_path.name}) not found; make one with "
-                          "`torchpar export --checkpoint DIR --out FILE`")
-    try:
-        meta = json.loads(meta_path.read_text())
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged file: one line, not a traceback
-        raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); export it again") from None
-    if args is not None:
-        check_model_matches(f"weights file {path}", meta["model_flavor"], meta["model_args"], flavor, args)
-    return {k: v.float() for k, v in state.items()}, meta
-
-
-# ---------------------------------------------------------------------- the trainer's side
+# ---------------------------------------------------------------------- saving and restoring parts
 
 
 class Checkpointer:
-    """Saves and restores a :class:`torchpar.train.Trainer`'s whole state with DCP."""
+    """Saves and restores a dict of stateful parts with DCP, atomically, under ``root``.
 
-    def __init__(self, trainer, resume_from: Path | None):
+    ``manifest``: what to record beside the tensors (model, tokenizer, layout, config); each save
+    adds the step, the time and every file's size and CRC32. ``resume_from``: a checkpoint
+    validated in preflight, restored by :meth:`load`.
+    """
+
+    def __init__(self, cfg, root: Path, parts: dict, manifest: dict, resume_from: Path | None):
         import torch.distributed.checkpoint as dcp
 
-        self.dcp = dcp
-        self.trainer, self.cfg = trainer, trainer.cfg.checkpoint
-        self.root = checkpoint_root(trainer.cfg)
-        self.resume_from = resume_from
+        self.dcp, self.cfg, self.root = dcp, cfg, root
+        self.parts, self.manifest, self.resume_from = parts, manifest, resume_from
         self.rank = dist.get_rank()
-        self.pending = None  # (future, partial folder, final folder, step, tokens seen) of an async save
+        self.pending = None  # (future, partial folder, final folder, step, extra manifest) of an async save
         self.async_group = None
         self.executor = None
-        if self.cfg.enable and self.cfg.async_mode == "async":
+        if cfg.enable and cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
             self.async_group = dist.new_group(backend="gloo")
-        if self.cfg.enable and self.rank == 0:
-            for d in incomplete_checkpoints(self.root):
+        if cfg.enable and self.rank == 0:
+            for d in incomplete_checkpoints(root):
                 shutil.rmtree(d, ignore_errors=True)
-        if self.cfg.enable:
+        if cfg.enable:
             dist.barrier()  # nobody writes before stale partial folders are gone
 
-    def _state(self) -> tuple[dict, list[dict]]:
-        """The DCP state dict, and each pipeline stage's model dict (sharing its tensors)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        t = self.trainer
-        per_part = [get_model_state_dict(part) for part in t.model.parts]
-        model = {k: v for sd in per_part for k, v in sd.items()}
-        return {
-            "model": model,
-            "optim": t.model.state.optimizer_state_dict(),
-            "lr_scheduler": t.lr_scheduler.state_dict(),
-            "train": {"step": t.step, "tokens_seen": t.tokens_seen, "data": t.dataloader.state_dict()},
-            f"rng.rank{self.rank}": torch.get_rng_state(),
-        }, per_part
+    def _state(self) -> dict:
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     # -- save
 
-    def maybe_save(self, force: bool = False) -> None:
-        step = self.trainer.step
+    def maybe_save(self, step: int, force: bool = False, **extra) -> None:
+        """Save at every ``interval`` steps (or when ``force``); ``extra`` goes into the manifest."""
         self._poll()
         if not self.cfg.enable or not (force or step % self.cfg.interval == 0):
             return
         self.wait()  # one save in flight at a time
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + ".partial")
-        state, _ = self._state()
-        state["config"] = self.trainer.config_toml
+        state = self._state()
         if self.cfg.async_mode == "async":
             # Our own staging (CPU copies the next steps cannot touch), then DCP's ordinary save in a
             # thread on its own process group. torch 2.13's async_save stager can mix up storages
             # between tensors and fail ("invalid python storage"), so it is not used.
-            snapshot = _snapshot(state)
-            future = self._writer().submit(self.dcp.save, snapshot, checkpoint_id=str(partial),
+            future = self._writer().submit(self.dcp.save, _snapshot(state), checkpoint_id=str(partial),
                                            process_group=self.async_group)
-            self.pending = (future, partial, final, step, self.trainer.tokens_seen)
+            self.pending = (future, partial, final, step, extra)
         else:
             self.dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(partial, final, step, self.trainer.tokens_seen)
+            self._finalize(partial, final, step, extra)
 
     def _writer(self):
         if self.executor is None:
@@ -247,20 +221,13 @@ class Checkpointer:
         future.result()
         self._finalize(*where)
 
-    def _finalize(self, partial: Path, final: Path, step: int, tokens_seen: int) -> None:
+    def _finalize(self, partial: Path, final: Path, step: int, extra: dict) -> None:
         # DCP returns on the coordinator only after every rank's files and the metadata are written.
         if self.rank != 0:
             return
-        t = self.trainer
         files = {f.name: [f.stat().st_size, _file_crc32(f)] for f in sorted(partial.iterdir()) if f.is_file()}
-        manifest = {
-            "step": step, "tokens_seen": tokens_seen, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "model_flavor": t.cfg.model.flavor, "model_args": t.args.to_dict(),
-            "tokenizer_path": t.cfg.model.tokenizer_path,
-            "layout": {"world": t.dims.world_size, "pp": t.dims.pp, "dp_replicate": t.dims.dp_replicate,
-                       "dp_shard": t.dims.dp_shard, "tp": t.dims.tp, "zero_stage": t.cfg.parallelism.zero_stage},
-            "files": files, "config": t.config_toml,
-        }
+        manifest = {"format": FORMAT, "step": step, **extra, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    **self.manifest, "files": files}
         tmp = partial / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, partial / MANIFEST)
@@ -286,46 +253,40 @@ class Checkpointer:
 
     # -- load
 
-    def load(self) -> None:
-        """Restore everything from ``resume_from`` (validated in preflight) into the trainer."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
+    def load(self) -> Path | None:
+        """Restore every part from ``resume_from`` (validated in preflight); returns that path."""
         path = self.resume_from
         if path is None:
-            return
-        t = self.trainer
-        state, per_part = self._state()
+            return None
+        state = self._state()  # templates: DCP loads into their tensors in place
         metadata = self.dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        rng_key = f"rng.rank{self.rank}"
-        if rng_key not in metadata:
-            state.pop(rng_key)  # a rank the saving layout did not have: keeps its seeded RNG
-        self._check_shapes(path, state["model"], metadata)
+        for name, part in self.parts.items():
+            if getattr(part, "per_rank", False):  # keys of ranks the saving layout did not have
+                state[name] = {k: v for k, v in state[name].items() if f"{name}.{k}" in metadata}
+        _check_tensors(path, state, metadata)
         self.dcp.load(state, checkpoint_id=str(path))
-        for part, sd in zip(t.model.parts, per_part):  # DCP filled these tensors in place
-            set_model_state_dict(part, sd)
-        t.model.state.load_optimizer_state_dict(state["optim"])
-        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        for group, lr in zip(t.model.state.optimizer.param_groups, t.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
-        t.step = int(state["train"]["step"])
-        t.tokens_seen = int(state["train"]["tokens_seen"])
-        t.dataloader.load_state_dict(state["train"]["data"])
-        if rng_key in state:
-            torch.set_rng_state(state[rng_key])
-        if self.rank == 0:
-            print(f"torchpar: resumed from {path} at step {t.step} ({t.tokens_seen:,} tokens seen)", flush=True)
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
+        return path
 
-    @staticmethod
-    def _check_shapes(path: Path, model: dict, metadata: dict) -> None:
-        for name, value in model.items():
-            saved = metadata.get(f"model.{name}")
-            if saved is None:
-                raise ConfigError(f"checkpoint {path} has no tensor for model parameter {name}; it was saved from "
-                                  "another model")
-            if tuple(saved.size) != tuple(value.shape):
-                raise ConfigError(f"checkpoint {path}: {name} is {tuple(saved.size)} there but {tuple(value.shape)} "
-                                  "in this model; use the config it was saved with")
 
+def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
+    """Every tensor of the templates is in the checkpoint with the same shape: one clear line
+    if not (DCP's own error is a traceback from deep inside the planner)."""
+    def walk(prefix: str, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            yield prefix, obj
+
+    for key, value in walk("", state):
+        saved = metadata.get(key)
+        if saved is None:
+            raise ConfigError(f"checkpoint {path} has no tensor {key}; it was saved from another model or job")
+        if hasattr(saved, "size") and tuple(saved.size) != tuple(value.shape):
+            raise ConfigError(f"checkpoint {path}: {key} is {tuple(saved.size)} there but {tuple(value.shape)} "
+                              "here; use the config it was saved with")
 
 
 def _snapshot(obj):
@@ -343,72 +304,3 @@ def _snapshot(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_snapshot(v) for v in obj)
     return obj
-
-
-# ---------------------------------------------------------------------- single-process use
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder as is; a checkpoint folder (or a job's dump folder) -> its latest complete step."""
-    p = Path(path)
-    if (p / MANIFEST).exists():
-        return p
-    found = complete_checkpoints(p) or complete_checkpoints(p / "checkpoint")
-    if not found:
-        raise ConfigError(f"no complete checkpoint in {p} (expected step-NNNNNNNN folders with {MANIFEST})")
-    return found[max(found)]
-
-
-def load_model(path: str | Path):
-    """A whole model on the CPU in fp32 from a checkpoint folder or an exported weights file,
-    with its metadata (model flavour and args, tokenizer path, step). No process group needed."""
-    import torch.distributed.checkpoint as dcp
-
-    from torchpar.models import ModelArgs, Transformer
-
-    p = Path(path)
-    if p.is_file():
-        values, meta = load_weights(p)
-    else:
-        p = resolve_checkpoint(p)
-        meta = read_manifest(p)
-        verify_files(p, meta, checksums=True)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs(**meta["model_args"]))
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    if not p.is_file():
-        sd = {"model": model.state_dict()}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore")
-            dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # reads every shard into full tensors
-        values = sd["model"]
-    model.init_weights(0, values=values)
-    model.eval()
-    return model, meta
-
-
-def export_main(argv: list[str]) -> int:
-    """torchpar export --checkpoint DIR --out FILE [--dtype bf16|fp32]"""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
-                                 "weights file (torch.save, loadable with weights_only=True) + FILE.json.")
-    ap.add_argument("--checkpoint", required=True, help="step folder, checkpoint folder or dump folder (latest step)")
-    ap.add_argument("--out", required=True, help="output file, e.g. model.pt")
-    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    a = ap.parse_args(argv)
-    try:
-        model, meta = load_model(a.checkpoint)
-    except ConfigError as e:
-        print(f"torchpar: error: {e}", file=sys.stderr)
-        return 2
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-    keys = ("model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
-    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
-                **{k: meta[k] for k in keys if k in meta}}
-    save_weights(state, out_meta, Path(a.out))
-    n = sum(v.numel() for k, v in state.items() if not (k == "output.weight" and model.args.tie_embeddings))
-    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and {a.out}.json")
-    return 0

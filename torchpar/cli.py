@@ -26,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest)
     if command == "schedule":
-        from torchpar.parallel.bubble import main as schedule_main
+        from torchpar.tools.schedule import main as schedule_main
 
         return schedule_main(rest)
     if command == "export":
-        from torchpar.checkpoint import export_main
+        from torchpar.weights import export_main
 
         return export_main(rest)
     if command == "plan":

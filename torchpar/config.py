@@ -42,8 +42,9 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family.", ("llama3",))
-    flavor: str = opt("debug", "Size preset of the family (see torchpar.models.llama.FLAVORS).")
+    name: str = opt("llama3", "Model family: 'llama3' (RMSNorm, RoPE, GQA, SwiGLU) or 'gpt2' (learned positions, "
+                    "LayerNorm, GELU MLP, biases).", ("llama3", "gpt2"))
+    flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
         "builtin",
         "tiktoken BPE rank file (Llama-3 tokenizer.model format); 'builtin' = the 4k vocabulary "
@@ -331,10 +332,12 @@ def validate(cfg: JobConfig) -> None:
                            ("weight_decay", o.weight_decay >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
-    from torchpar.models import FLAVORS
+    from torchpar.models import MODELS
 
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is unknown.{did_you_mean(cfg.model.flavor, FLAVORS)}")
+    flavors = MODELS[cfg.model.name].flavors
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} flavour."
+                          f"{did_you_mean(cfg.model.flavor, flavors)}")
     if cfg.model.n_layers < 0:
         raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavour's), got {cfg.model.n_layers}")
     ck = cfg.checkpoint

@@ -40,7 +40,7 @@ def sample(model, tokens: list[int], max_new_tokens: int, temperature: float, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchpar.checkpoint import load_model
+    from torchpar.weights import load_model
     from torchpar.device import local_device
     from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 

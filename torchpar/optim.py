@@ -50,5 +50,15 @@ def lr_factor(step: int, cfg, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose restore also puts the restored lr into the optimizer (LambdaLR's own
+    ``load_state_dict`` leaves the optimizer at its initial lr until the next step)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+            group["lr"] = lr
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
+    return LRSchedule(optimizer, lambda step: lr_factor(step, cfg, total_steps))

@@ -23,24 +23,26 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.checkpoint import Checkpointer, find_resume, load_weights
+from torchpar.checkpoint import Checkpointer, checkpoint_root, find_resume
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchpar.data import build_dataloader, build_source
 from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger
-from torchpar.models import flops_per_token, model_args, num_params
+from torchpar.models import ModelAdapter, adapter, canonical_name
 from torchpar.optim import build_lr_scheduler, build_optimizer
-from torchpar.parallel import build_parallel_model, validate_layout
-from torchpar.parallel.data import clip_grad_norm, full_value
-from torchpar.parallel.dims import ParallelDims
+from torchpar.parallel import build_parallel_model
+from torchpar.parallel.layout import Layout, resolve_layout
+from torchpar.parallel.zero import clip_grad_norm, full_value
+from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.weights import load_weights
 
 
 class Preflight(NamedTuple):
-    args: object  # ModelArgs
+    model: ModelAdapter
+    args: object  # the model's args dataclass
     tokenizer: Tokenizer
-    dims: ParallelDims
-    accum: int  # gradient-accumulation steps
+    layout: Layout
     source: object  # training documents
     val_source: object | None  # held-out documents when [validation] is enabled
     resume: Path | None  # checkpoint to resume from
@@ -56,7 +58,8 @@ def held_out_data(cfg: JobConfig):
 def preflight(cfg: JobConfig, world: int) -> Preflight:
     """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
     resume from or the weights to start from. Raises ConfigError."""
-    args = model_args(cfg.model.flavor, cfg.model.n_layers)
+    model = adapter(cfg.model.name)
+    args = model.args(cfg.model.flavor, cfg.model.n_layers)
     try:
         tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     except TokenizerError as e:
@@ -64,58 +67,82 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     if tokenizer.n_words > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
                           f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour")
-    dims = ParallelDims.from_config(cfg.parallelism, world)
-    accum = validate_layout(cfg.parallelism, cfg.training, dims, args)
+    layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
     source = build_source(cfg.data, cfg.training.seed)
     val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
     resume = find_resume(cfg, args)
     weights = None
     if resume is None and cfg.checkpoint.initial_load_path:
-        weights, _ = load_weights(cfg.checkpoint.initial_load_path, cfg.model.flavor, args)
-    return Preflight(args, tokenizer, dims, accum, source, val_source, resume, weights)
+        weights, _ = load_weights(cfg.checkpoint.initial_load_path, cfg.model, args)
+    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights)
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: JobConfig, on_first_step=None):
+        """``on_first_step(trainer, measured) -> dict``: extra figures for the first logged step
+        (``torchpar train`` passes the planner's prediction, to be logged beside the measurement)."""
+        self.cfg, self.on_first_step = cfg, on_first_step
         tr = cfg.training
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         pre = preflight(cfg, world)
-        self.args, self.tokenizer, self.dims, self.accum, self.val_source = (
-            pre.args, pre.tokenizer, pre.dims, pre.accum, pre.val_source)
+        self.model_family, self.args, self.tokenizer, self.layout, self.val_source = (
+            pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source)
+        lay = self.layout
 
         # 2. Process group, mesh, model, optimizer, data.
         self.rank, _ = dev.init_distributed()
         self.device = dev.local_device()
-        self.dims.build_mesh(dev.device_type())
+        lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
-            cfg.model.name, cfg.parallelism, tr, self.args, self.dims, self.device,
-            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), self.accum, pre.weights)
+            pre.model, self.args, lay, self.device, tr.seed,
+            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(pre.source, self.tokenizer, tr.seq_len, tr.local_batch_size,
-                                           self.dims.dp_rank, self.dims.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
-        self.global_batch = tr.local_batch_size * self.accum * self.dims.dp
+                                           lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
+        self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
-        self.step = 0
-        self.tokens_seen = 0
+        self.train_state = TrainState()
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
-        self.config_toml = to_toml(cfg)
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
-        self.holds_loss = (pipeline.has_last if pipeline else True) and self.dims.coordinate("tp") == 0
+        self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
         self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param), self.args.dim)
-        self.flops_per_token = flops_per_token(self.args, tr.seq_len)
-        self.checkpointer = Checkpointer(self, pre.resume)
-        self.checkpointer.load()
+        self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
+        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
+                                         self.manifest(), pre.resume)
+        resumed = self.checkpointer.load()
+        if resumed is not None and self.rank == 0:
+            print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
+                  f"({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+
+    def stateful_parts(self) -> dict:
+        """Everything a checkpoint saves and restores: one entry per part."""
+        return {
+            "model": ModelState(self.model.parts),
+            "optimizer": OptimizerState(self.model.state),
+            "lr_scheduler": self.lr_scheduler,
+            "train_state": self.train_state,
+            "dataloader": self.dataloader,
+            "rng": RNGState(self.rank),
+        }
+
+    def manifest(self) -> dict:
+        """What a checkpoint records beside its tensors, to check a resume or an export against."""
+        lay, cfg = self.layout, self.cfg
+        return {"model_name": cfg.model.name, "model_flavor": cfg.model.flavor, "model_args": self.args.to_dict(),
+                "tokenizer_path": cfg.model.tokenizer_path,
+                "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
+                           "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
+                "config": to_toml(cfg)}
 
     # ------------------------------------------------------------------ one step
 
     def _loss_context(self):
-        if self.dims.tp > 1 and self.cfg.parallelism.loss_parallel:
+        if self.layout.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
@@ -125,19 +152,19 @@ class Trainer:
         state = self.model.state
         # Gradients of the globally normalized loss: the dp average taken by the reduction
         # undoes the factor dp here.
-        scale = self.dims.dp / self.global_tokens
+        scale = self.layout.dp / self.global_tokens
         loss_sum = torch.zeros((), device=self.device)
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
-            batch = torch.cat([next(batches) for _ in range(self.accum)]).to(self.device)
+            batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device)
             state.set_sync(True)
             with self._loss_context():
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
         else:
-            for micro in range(self.accum):
+            for micro in range(self.layout.accum):
                 batch = next(batches).to(self.device)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
-                state.set_sync(micro == self.accum - 1)
+                state.set_sync(micro == self.layout.accum - 1)
                 with self._loss_context():
                     loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
                     (loss * scale).backward()
@@ -163,9 +190,10 @@ class Trainer:
         # the chunks training runs (micro-steps, or pipeline microbatches), so that evaluation
         # needs no more memory than a training forward.
         pipeline = self.model.pipeline
-        chunk = self.cfg.parallelism.pipeline_parallel_microbatch_size if pipeline else tr.local_batch_size
-        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len, tr.local_batch_size * self.accum,
-                                  self.dims.dp_rank, self.dims.dp, tr.seed, 0, self.cfg.data.lanes)
+        lay = self.layout
+        chunk = lay.microbatch_size if pipeline else tr.local_batch_size
+        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len, tr.local_batch_size * lay.accum,
+                                  lay.dp_rank, lay.dp, tr.seed, 0, self.cfg.data.lanes)
         loss_sum = torch.zeros((), device=self.device)
         with torch.no_grad(), self._loss_context():
             for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
@@ -184,30 +212,15 @@ class Trainer:
         dist.all_gather_object(everyone, mine)
         return everyone
 
-    def predicted_bytes(self, measured: dict) -> dict:
-        """The planner's prediction for this exact job, logged next to the measured figures."""
-        from torchpar.plan import predict_for_trainer
-
-        pipeline = self.model.pipeline
-        pred = predict_for_trainer(self.cfg, self.dims.world_size, pipeline.actions() if pipeline else None)
-        out = {f"predicted_{k}_per_rank": [r[k] for r in pred["per_rank"]] for k in pred["per_rank"][0]}
-        out["predicted_peak_bytes"] = pred["peak_bytes"]
-        if self.rank == 0:
-            def mib(d):
-                return "/".join(f"{d[k] / 2**20:.2f}" for k in ("param_bytes", "grad_bytes", "optim_bytes"))
-
-            print(f"planner: rank 0 params/grads/optimizer predicted {mib(pred['per_rank'][0])} MiB, measured "
-                  f"{mib(measured)} MiB; predicted device peak {pred['peak_bytes'] / 2**30:.3f} GiB", flush=True)
-        return out
-
     def train(self) -> list[float]:
         cfg, tr = self.cfg, self.cfg.training
+        lay, ts = self.layout, self.train_state
         if self.rank == 0:
-            n = num_params(self.args)
-            print(f"torchpar: {cfg.model.flavor} ({n / 1e6:.2f}M params), world {self.dims.world_size} = "
-                  f"pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x "
-                  f"tp {self.dims.tp}, zero {cfg.parallelism.zero_stage}, global batch {self.global_batch} "
-                  f"({self.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
+            n = self.model_family.num_params(self.args)
+            print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
+                  f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+                  f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
+                  f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
                   f"GFLOP/s per rank ({self.peak_source})", flush=True)
             if self.model.pipeline is not None:
                 print(self.model.pipeline.describe(), flush=True)
@@ -216,46 +229,45 @@ class Trainer:
         t_start = t_last = time.perf_counter()
         steps_since = 0
         dev.reset_peak_memory()
-        first = self.step + 1  # > 1 after a resume
-        while self.step < tr.steps:
-            self.step += 1
+        first = ts.step + 1  # > 1 after a resume
+        while ts.step < tr.steps:
+            ts.step += 1
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(batches)
-            self.tokens_seen += self.global_tokens
+            ts.tokens_seen += self.global_tokens
             losses.append(loss)
             steps_since += 1
-            if self.step == first or self.step % cfg.metrics.log_freq == 0 or self.step == tr.steps:
+            if ts.step == first or ts.step % cfg.metrics.log_freq == 0 or ts.step == tr.steps:
                 dev.synchronize()
                 now = time.perf_counter()
                 tps = self.global_tokens * steps_since / (now - t_last)
-                record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                          "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / self.dims.world_size,
-                          "mfu": self.flops_per_token * tps / (self.peak_flops * self.dims.world_size),
-                          "elapsed_s": now - t_start, "tokens_seen": self.tokens_seen, **dev.memory_stats()}
-                if self.step == first:
+                record = {"step": ts.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                          "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / lay.world,
+                          "mfu": self.flops_per_token * tps / (self.peak_flops * lay.world),
+                          "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen, **dev.memory_stats()}
+                if ts.step == first:
                     per_rank = self.state_bytes_per_rank()
                     record.update(per_rank[0])
                     for key in per_rank[0]:
                         record[f"{key}_per_rank"] = [r[key] for r in per_rank]
-                    record.update(self.predicted_bytes(per_rank[0]))
+                    if self.on_first_step is not None:
+                        record.update(self.on_first_step(self, per_rank[0]))
                 self.logger.log(record)
                 t_last, steps_since = now, 0
             self.model.state.zero_grad()
-            if self.val_source is not None and (self.step % cfg.validation.freq == 0 or self.step == tr.steps):
+            if self.val_source is not None and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
                 t_eval = time.perf_counter()
                 val_loss = self.evaluate()
-                self.val_losses.append((self.step, val_loss))
-                self.logger.log({"step": self.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                self.val_losses.append((ts.step, val_loss))
+                self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
                 t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
-            self.checkpointer.maybe_save(force=self.step == tr.steps)
+            self.checkpointer.maybe_save(ts.step, force=ts.step == tr.steps, tokens_seen=ts.tokens_seen)
         self.checkpointer.close()
         self.logger.close()
         return losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters as full tensors (collective over TP/FSDP), by canonical name."""
-        from torchpar.models.llama import canonical_name
-
         out = {}
         for part in self.model.parts:
             for name, p in part.named_parameters():
@@ -301,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         if check:  # run_train.sh calls this once before torchrun starts any rank
             preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
             return 0
-        trainer = Trainer(cfg)
+        from torchpar.plan import predict_for_trainer
+
+        trainer = Trainer(cfg, on_first_step=predict_for_trainer)
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
         if rank == "0":

@@ -1,7 +1,14 @@
-"""Model registry: the family name in ``[model] name`` -> its module's pieces."""
+"""Model families: ``[model] name`` -> the family's :class:`~torchpar.models.common.ModelAdapter`."""
 
-from torchpar.models.llama import FLAVORS, ModelArgs, Transformer, flops_per_token, model_args, num_params, param_counts
+from torchpar.models.common import ModelAdapter, canonical_name
+from torchpar.models.gpt2 import ADAPTER as GPT2
+from torchpar.models.llama import ADAPTER as LLAMA
 
-MODELS = {"llama3": Transformer}
+MODELS: dict[str, ModelAdapter] = {LLAMA.name: LLAMA, GPT2.name: GPT2}
 
-__all__ = ["FLAVORS", "MODELS", "ModelArgs", "Transformer", "flops_per_token", "model_args", "num_params", "param_counts"]
+
+def adapter(name: str) -> ModelAdapter:
+    return MODELS[name]
+
+
+__all__ = ["MODELS", "ModelAdapter", "adapter", "canonical_name"]

@@ -11,12 +11,13 @@ Shapes: b = batch, s = sequence, d = dim, h = local heads, hd = head_dim, v = vo
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchpar.models.common import ModelAdapter, SeededInit
 
 
 @dataclass(frozen=True)
@@ -63,54 +64,10 @@ FLAVORS: dict[str, ModelArgs] = {
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096),
-    # The seeds' GPT-3 175B: hidden 12288, 96 layers, 96 heads (full multi-head attention).
+    # GPT-3 175B as the tutorials size it: hidden 12288, 96 layers, 96 heads (full multi-head attention).
     "gpt3-175B": ModelArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50304, multiple_of=256,
                            rope_theta=10000.0, max_seq_len=2048),
 }
-
-
-def model_args(flavor: str, n_layers: int = 0) -> ModelArgs:
-    """The flavour's args, with an optional layer-count override."""
-    args = FLAVORS[flavor]
-    return replace(args, n_layers=n_layers) if n_layers else args
-
-
-# ---------------------------------------------------------------- counting (one source of truth)
-
-def param_counts(args: ModelArgs) -> dict[str, int]:
-    """Parameters per part; the planner and the trainer both use these."""
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
-    ffn = 3 * d * args.ffn_hidden  # w1, w2, w3
-    layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
-    embedding = args.vocab_size * d
-    return {
-        "embedding": embedding,
-        "layer": layer,
-        "layer_attention": attention,
-        "layer_ffn": ffn,
-        "layers": layer * args.n_layers,
-        "norm": d,
-        "output": 0 if args.tie_embeddings else args.vocab_size * d,
-    }
-
-
-def num_params(args: ModelArgs) -> int:
-    c = param_counts(args)
-    return c["embedding"] + c["layers"] + c["norm"] + c["output"]
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token: 3 x forward (backward = 2 x forward).
-
-    Forward = 2 FLOPs per multiply-accumulate of every matmul weight (the embedding lookup is
-    no matmul; the output head is, tied or not) + attention scores and values, 2 x 2 x s x d per
-    layer, counted over the full s x s square as PaLM's appendix does (causal masking is ignored).
-    """
-    c = param_counts(args)
-    matmul_weights = c["layers"] - 2 * args.dim * args.n_layers + args.vocab_size * args.dim
-    attention = 4 * seq_len * args.dim * args.n_layers
-    return 3 * (2 * matmul_weights + attention)
 
 
 # ---------------------------------------------------------------- modules
@@ -190,7 +147,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class Transformer(SeededInit):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -204,6 +161,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def block_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every block takes after the hidden states: the RoPE tables."""
+        return self.rope_cos, self.rope_sin
+
     def tie_weights(self) -> None:
         """Share the embedding table with the head (when tied and both are here). Moving a meta
         model to a device or sharding it can replace the parameter objects, so callers re-tie."""
@@ -214,17 +175,16 @@ class Transformer(nn.Module):
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, *self.block_args())
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # [b, s, v] logits
 
     # ------------------------------------------------------------ initialization
 
-    def init_std(self, name: str) -> float | None:
-        """Std of the normal init of a parameter by its canonical name; None = ones (norms)."""
+    def init_std(self, name: str) -> float | str:
         if name.endswith("norm.weight"):
-            return None
+            return "ones"
         if name == "tok_embeddings.weight":
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
         if name == "output.weight":
@@ -233,35 +193,66 @@ class Transformer(nn.Module):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
-    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-        """The full initial value of one parameter, a function of (seed, name) alone, so any
-        split or sharding of the model starts from the same numbers as the whole model."""
-        std = self.init_std(name)
-        if std is None:
-            return torch.ones(shape)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen).mul_(std)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
-                     values: dict[str, torch.Tensor] | None = None) -> None:
-        """Fill every parameter deterministically and recompute the RoPE tables.
-
-        ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
-        piece of a sharded parameter that this process holds; by default the whole tensor.
-        ``values`` (full tensors by canonical name, e.g. exported weights) replaces the random init.
-        """
-        for name, p in self.named_parameters():
-            name = canonical_name(name)
-            full = values[name] if values is not None else self.initial_value(name, tuple(p.shape), seed)
-            dst, src = local_part(p, full) if local_part is not None else (p, full)
-            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+    def reset_buffers(self, device: torch.device | None) -> None:
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        device = device if device is not None else self.rope_cos.device
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
 
 
-def canonical_name(name: str) -> str:
-    """Drop wrapper segments (activation checkpoint, compile, FSDP) that start with '_'."""
-    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+# ---------------------------------------------------------------- the adapter
+
+
+class LlamaAdapter(ModelAdapter):
+    name = "llama3"
+    model_class = Transformer
+    args_class = ModelArgs
+    flavors = FLAVORS
+    first_stage = ("tok_embeddings",)
+    last_stage = ("norm", "output")
+    # Megatron's split: q/k/v and the SwiGLU inputs column-wise (each rank its share of heads and
+    # hidden units), wo and w2 row-wise; embedding and head vocab-sharded.
+    top_plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
+    block_plan = {
+        "attention_norm": "norm", "attention": "input",
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "ffn_norm": "norm", "feed_forward": "input",
+        "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    }
+
+    def tp_divisors(self, args: ModelArgs) -> dict[str, int]:
+        return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
+                "vocab_size": args.vocab_size}
+
+    def stage_params(self, args: ModelArgs, first: bool, last: bool, layers: int):
+        d, kv, hid = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+        out = []
+        if first:
+            out.append(("tok_embeddings.weight", (args.vocab_size, d), 0))
+        block = [("attention_norm.weight", (d, 1), None),
+                 ("attention.wq.weight", (d, d), 0), ("attention.wk.weight", (kv, d), 0),
+                 ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, d), 1),
+                 ("ffn_norm.weight", (d, 1), None),
+                 ("feed_forward.w1.weight", (hid, d), 0), ("feed_forward.w2.weight", (d, hid), 1),
+                 ("feed_forward.w3.weight", (hid, d), 0)]
+        out += block * layers
+        if last:
+            out.append(("norm.weight", (d, 1), None))
+            if not (args.tie_embeddings and first):
+                out.append(("output.weight", (args.vocab_size, d), 0))
+        return out
+
+    def param_counts(self, args: ModelArgs) -> dict[str, int]:
+        d, kv = args.dim, args.n_kv_heads * args.head_dim
+        attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+        ffn = 3 * d * args.ffn_hidden  # w1, w2, w3
+        layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
+        return {"embedding": args.vocab_size * d, "layer": layer, "layer_attention": attention, "layer_ffn": ffn,
+                "layers": layer * args.n_layers, "norm": d,
+                "output": 0 if args.tie_embeddings else args.vocab_size * d}
+
+    def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
+        return self.param_counts(args)["layer"] - 2 * args.dim, args.vocab_size * args.dim
+
+
+ADAPTER = LlamaAdapter()

@@ -9,7 +9,6 @@ rank r holds stages r and 2pp-1-r). Each stage is then parallelized like a whole
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,36 +22,20 @@ SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-@dataclass
-class PipelineSpec:
-    stage_ids: list[int]  # the global stages this rank holds, in order
-    num_stages: int
-    layers_per_stage: list[int]
-
-
 def stages_per_rank(par) -> int:
     if par.pipeline_parallel_stages_per_rank:
         return par.pipeline_parallel_stages_per_rank
     return 1 if par.pipeline_parallel_schedule in SINGLE_STAGE else 2
 
 
-def stage_ids_of_rank(rank: int, pp: int, v: int, schedule: str) -> list[int]:
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(v)]
-
-
-def balanced_split(args, num_stages: int) -> list[int]:
+def balanced_split(model, args, num_stages: int) -> list[int]:
     """Layers per stage minimizing the costliest stage, in units of one block's matmul FLOPs.
 
-    The embedding is a lookup (no matmul: cost 0); the output head costs vocab x dim over a
-    block's matmul weights. Exact search over contiguous splits (dynamic programming).
+    Lookups (embeddings) cost nothing; the head costs its matmul weights over a block's. Exact
+    search over contiguous splits (dynamic programming).
     """
-    from torchpar.models import param_counts
-
-    c = param_counts(args)
-    block = c["layer"] - 2 * args.dim
-    head = args.vocab_size * args.dim / block
+    block, head_weights = model.matmul_params(args)
+    head = head_weights / block
     L = args.n_layers
     INF = float("inf")
     # best[s][l]: minimal max cost of putting the first l layers into the first s stages.
@@ -74,18 +57,17 @@ def balanced_split(args, num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def layers_per_stage(par, dims, args) -> list[int]:
-    num_stages = dims.pp * stages_per_rank(par)
+def _layers_per_stage(par, num_stages: int, v: int, pp: int, model, args) -> list[int]:
     explicit = list(par.pipeline_parallel_layers_per_stage)
     if explicit:
         if len(explicit) != num_stages or any(not isinstance(n, int) or n < 1 for n in explicit) \
                 or sum(explicit) != args.n_layers:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_layers_per_stage = {explicit} must list {num_stages} positive layer "
-                f"counts (pp {dims.pp} x {stages_per_rank(par)} stages per rank) that cover all {args.n_layers} layers "
+                f"counts (pp {pp} x {v} stages per rank) that cover all {args.n_layers} layers "
                 f"exactly once (sum {sum(n for n in explicit if isinstance(n, int))})")
         return explicit
-    return balanced_split(args, num_stages)
+    return balanced_split(model, args, num_stages)
 
 
 def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | None = None) -> str | None:
@@ -114,12 +96,14 @@ def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | N
     return None
 
 
-def validate_pipeline(par, tr, dims, args, accum: int) -> None:
+def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, ...]]:
+    """Check the pipeline part of [parallelism] against the model and the batch; returns the
+    schedule, stages per rank and layers per stage."""
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}")
-    v = stages_per_rank(par)
-    problem = schedule_problem(name, dims.pp, v, args.n_layers)
+    v, pp = stages_per_rank(par), layout.pp
+    problem = schedule_problem(name, pp, v, args.n_layers)
     if problem:
         raise ConfigError(problem)
     if args.tie_embeddings:
@@ -131,57 +115,53 @@ def validate_pipeline(par, tr, dims, args, accum: int) -> None:
         others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
         raise ConfigError(f"training.compile = true gives wrong gradients with {name}, whose backward is split into "
                           f"input and weight passes; set compile = false or use one of {others}")
-    layers_per_stage(par, dims, args)
-    mb = par.pipeline_parallel_microbatch_size
-    if mb < 1 or (tr.local_batch_size * accum) % mb:
+    split = _layers_per_stage(par, pp * v, v, pp, model, args)
+    mb, rows = layout.microbatch_size, layout.local_batch_size * layout.accum
+    if mb < 1 or rows % mb:
         raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
-                          f"and dp rank (local_batch_size x accumulation = {tr.local_batch_size * accum})")
-    problem = schedule_problem(name, dims.pp, v, args.n_layers, tr.local_batch_size * accum // mb)
+                          f"and dp rank (local_batch_size x accumulation = {rows})")
+    problem = schedule_problem(name, pp, v, args.n_layers, rows // mb)
     if problem:
         raise ConfigError(problem)
+    return name, v, tuple(split)
 
 
-def split_model(model, par, dims) -> tuple[list, PipelineSpec]:
-    """This rank's stages, pruned from the meta model (cheap: nothing is allocated)."""
-    v = stages_per_rank(par)
-    sizes = layers_per_stage(par, dims, model.args)
-    num_stages = dims.pp * v
-    ids = stage_ids_of_rank(dims.pp_rank, dims.pp, v, par.pipeline_parallel_schedule)
+def split_model(module, model, layout) -> list:
+    """This rank's stages, pruned from the meta module (cheap: nothing is allocated); ``model``
+    is its adapter, which names the modules of the first and the last stage."""
+    sizes = layout.layers_per_stage
     parts = []
-    for s in ids:
-        stage = copy.deepcopy(model)
+    for s in layout.stage_ids(layout.pp_rank):
+        stage = copy.deepcopy(module)
         first = sum(sizes[:s])
         keep = {str(i) for i in range(first, first + sizes[s])}
         for key in list(stage.layers.keys()):
             if key not in keep:
                 del stage.layers[key]
-        if s != 0:
-            stage.tok_embeddings = None
-        if s != num_stages - 1:
-            stage.norm = None
-            stage.output = None
+        for name in (model.first_stage if s != 0 else ()) + (model.last_stage if s != layout.num_stages - 1 else ()):
+            setattr(stage, name, None)
         parts.append(stage)
-    return parts, PipelineSpec(ids, num_stages, sizes)
+    return parts
 
 
 class Pipeline:
     """The schedule over this rank's stages; ``step`` returns the summed token loss it saw."""
 
-    def __init__(self, parts, spec: PipelineSpec, par, tr, dims, device, accum: int):
+    def __init__(self, parts, layout, device):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        group = dims.mesh["pp"].get_group()
-        self.group, self.pp_rank = group, dims.pp_rank
-        self.parts = dict(zip(spec.stage_ids, parts))  # global stage id -> this rank's module
-        v = len(spec.stage_ids)
-        self.holder = {s: r for r in range(dims.pp) for s in stage_ids_of_rank(r, dims.pp, v, par.pipeline_parallel_schedule)}
-        self.spec, self.name = spec, par.pipeline_parallel_schedule
-        self.stages = [PipelineStage(part, s, spec.num_stages, device, group=group) for part, s in zip(parts, spec.stage_ids)]
-        self.has_first = 0 in spec.stage_ids
-        self.has_last = spec.num_stages - 1 in spec.stage_ids
-        self.n_microbatches = tr.local_batch_size * accum // par.pipeline_parallel_microbatch_size
-        cls = get_schedule_class(self.name)
+        group = layout.mesh["pp"].get_group()
+        self.layout, self.group, self.pp_rank = layout, group, layout.pp_rank
+        stage_ids = layout.stage_ids(self.pp_rank)
+        self.parts = dict(zip(stage_ids, parts))  # global stage id -> this rank's module
+        self.holder = {s: r for r in range(layout.pp) for s in layout.stage_ids(r)}
+        num_stages = layout.num_stages
+        self.stages = [PipelineStage(part, s, num_stages, device, group=group) for part, s in zip(parts, stage_ids)]
+        self.has_first = 0 in stage_ids
+        self.has_last = num_stages - 1 in stage_ids
+        self.n_microbatches = layout.n_microbatches
+        cls = get_schedule_class(layout.schedule)
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         # scale_grads=False: the loss is already normalized by the global token count.
         self.schedule = cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -189,7 +169,7 @@ class Pipeline:
 
     def _loss(self, output, target):
         from torchpar.loss import cross_entropy_sum
-        from torchpar.parallel.data import full_value
+        from torchpar.parallel.zero import full_value
 
         loss = cross_entropy_sum(output, target)
         self._sums.append(full_value(loss.detach()))
@@ -215,7 +195,7 @@ class Pipeline:
 
         loss = torch.zeros((), device=inputs.device)
         x = inputs
-        for s in range(self.spec.num_stages):
+        for s in range(self.layout.num_stages):
             if self.holder[s] != self.pp_rank:
                 continue
             if s > 0 and self.holder[s - 1] != self.pp_rank:
@@ -225,7 +205,7 @@ class Pipeline:
                 x = torch.empty(shape.tolist(), dtype=torch.float32, device=inputs.device)
                 dist.recv(x, group=self.group, group_src=self.holder[s - 1])
             x = self.parts[s](x)
-            if s == self.spec.num_stages - 1:
+            if s == self.layout.num_stages - 1:
                 loss = cross_entropy_sum(x, targets)
             elif self.holder[s + 1] != self.pp_rank:
                 dist.send(torch.tensor(x.shape, dtype=torch.long, device=inputs.device), group=self.group, group_dst=self.holder[s + 1])
@@ -235,11 +215,12 @@ class Pipeline:
     def actions(self) -> dict[int, list]:
         from torchpar.parallel.bubble import schedule_actions
 
-        pp = self.spec.num_stages // len(self.spec.stage_ids)
-        return schedule_actions(self.name, self.schedule.pipeline_order, pp, self.n_microbatches)
+        return schedule_actions(self.layout.schedule, self.schedule.pipeline_order, self.layout.pp,
+                                self.n_microbatches)
 
     def describe(self) -> str:
         from torchpar.parallel.bubble import bubble_report
 
-        return (f"pipeline: {self.name}, {self.spec.num_stages} stages with layers {self.spec.layers_per_stage}, "
-                f"{self.n_microbatches} microbatches; " + bubble_report(self.actions(), self.spec.num_stages))
+        lay = self.layout
+        return (f"pipeline: {lay.schedule}, {lay.num_stages} stages with layers {list(lay.layers_per_stage)}, "
+                f"{self.n_microbatches} microbatches; " + bubble_report(self.actions(), lay.num_stages))

@@ -1,8 +1,9 @@
-"""Tensor parallelism (Megatron-style) with DTensor, applied by module name.
+"""Tensor parallelism (Megatron-style) with DTensor, from the model adapter's plan.
 
-Per block: wq, wk, wv, w1, w3 column-wise (each rank computes its share of heads / hidden
-units), wo, w2 row-wise (partial sums, reduced on the way out). The token embedding is
-row-wise (vocab-sharded table), the output head column-wise (vocab-sharded logits).
+The adapter names each module's role in words (``models/common.py``: embedding, head, colwise,
+rowwise, norm, input); this file turns the words into DTensor styles. Column-wise linears
+compute each rank's share of heads or hidden units, row-wise ones produce partial sums reduced
+on the way out; embeddings are row-sharded tables, the head is vocab-sharded.
 
 Sequence parallel: between the row-wise output and the next column-wise input the activations
 stay sharded along the sequence, so norms and residual adds touch s/tp tokens; the all-reduce
@@ -11,6 +12,8 @@ cross-entropy is computed without gathering them.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import Replicate, Shard
@@ -24,49 +27,56 @@ from torch.distributed.tensor.parallel import (
 
 
 def _wait_for_embedding_output(module, inputs, output):
-    """The row-wise embedding returns an AsyncCollectiveTensor (its reduction not yet waited
+    """A row-wise embedding returns an AsyncCollectiveTensor (its reduction not yet waited
     for). Fed as an input to a torch.compile'd block, that subclass gets a zero gradient in torch
     2.13 — silently, the embedding stops learning. A clone waits for it and stays differentiable;
     the next op needs the values at once anyway."""
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
-def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard ``model`` (a whole model or a pipeline stage: missing parts are skipped) in place."""
+def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
+    """The DTensor style for one planned module, or None (left alone)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    top = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-    if model.norm is not None and sequence_parallel:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    parallelize_module(model, tp_mesh, top)
-    if model.tok_embeddings is not None:
-        model.tok_embeddings.register_forward_hook(_wait_for_embedding_output)
-    for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
-            # One conversion per block input (Megatron's f operator): with sequence parallel an
-            # all-gather forward / reduce-scatter backward; without it no forward collective and one
-            # backward all-reduce of the summed wq/wk/wv (w1/w3) input gradients instead of one each.
-            "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        }
-        if sequence_parallel:
-            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
-        parallelize_module(block, tp_mesh, plan)
+    if word == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if word == "head":
+        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if word == "colwise":
+        return ColwiseParallel()
+    if word == "rowwise":
+        return RowwiseParallel(output_layouts=between)
+    if word == "norm":
+        return SequenceParallel() if sequence_parallel else None
+    if word == "input":
+        # One conversion of the residual stream per sub-module (Megatron's f operator): with
+        # sequence parallel an all-gather forward / reduce-scatter backward; without it no
+        # forward collective and one backward all-reduce of the summed input gradients of the
+        # column-wise linears inside, instead of one each. Further inputs pass untouched.
+        extra = (None,) * (len(inspect.signature(module.forward).parameters) - 1)
+        return PrepareModuleInput(input_layouts=(between, *extra), desired_input_layouts=(Replicate(), *extra))
+    raise ValueError(f"unknown tensor-parallel style {word!r}")
+
+
+def _plan(module, plan: dict[str, str], sequence_parallel: bool, loss_parallel: bool) -> dict:
+    out = {}
+    for name, word in plan.items():
+        target = module.get_submodule(name) if getattr(module, name.split(".")[0], None) is not None else None
+        style = _style(word, target, sequence_parallel, loss_parallel) if target is not None else None
+        if style is not None:
+            out[name] = style
+    return out
+
+
+def apply_tensor_parallel(module, model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard ``module`` (a whole model or a pipeline stage: modules a stage lacks are skipped) in
+    place by its adapter ``model``'s plan."""
+    parallelize_module(module, tp_mesh, _plan(module, model.top_plan, sequence_parallel, loss_parallel))
+    for name, word in model.top_plan.items():
+        if word == "embedding" and getattr(module, name) is not None:
+            getattr(module, name).register_forward_hook(_wait_for_embedding_output)
+    for block in module.layers.values():
+        parallelize_module(block, tp_mesh, _plan(block, model.block_plan, sequence_parallel, loss_parallel))
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
-    model.tie_weights()
+    module.tie_weights()

@@ -11,17 +11,20 @@ bytes differently under mixed precision: 2 (bf16 params) + 2 (bf16 grads) + 12 (
 two moments), and their ZeRO-1 shards the 12, ZeRO-2 also the 2 of gradients, ZeRO-3 also the 2
 of parameters. :func:`deepspeed_bytes` gives that convention for comparison.
 
-Modules: ``layout`` (the cluster, a layout, what each rank holds), ``estimate`` (activations,
-communication, bubble, step time of one layout), ``search`` (every layout, the explanation, the
-command line), ``checks`` (the tutorials' worked examples, measured activations).
+The model is known through its adapter (``torchpar.models``), the layout is
+:class:`torchpar.parallel.layout.Layout`. Modules: ``layout`` (the cluster, what each rank
+holds), ``estimate`` (activations, communication, bubble, step time of one layout), ``search``
+(every layout, the explanation, the command line), ``checks`` (the tutorials' worked examples,
+measured activations), ``compare`` (the prediction a running job logs beside its measurement).
 """
 
+from torchpar.parallel.layout import Layout
+from torchpar.plan.compare import predict_for_trainer
 from torchpar.plan.estimate import (Plan, communication, in_flight, layer_activation_bytes, micro_steps,
-                                    pipeline_bubble, plan, predict_for_trainer)
-from torchpar.plan.layout import (PRESETS, Cluster, Layout, deepspeed_bytes, layout_from_config, rank_coords,
-                                  rank_params, stage_params, state_bytes)
+                                    pipeline_bubble, plan)
+from torchpar.plan.layout import PRESETS, Cluster, deepspeed_bytes, layout_from_config, rank_params, state_bytes
 from torchpar.plan.search import explain, main, search
 
 __all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",
            "layer_activation_bytes", "layout_from_config", "main", "micro_steps", "pipeline_bubble", "plan",
-           "predict_for_trainer", "rank_coords", "rank_params", "search", "stage_params", "state_bytes"]
+           "predict_for_trainer", "rank_params", "search", "state_bytes"]

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
-from torchpar.models import model_args, num_params
+from torchpar.models import MODELS
+from torchpar.parallel.layout import Layout, grad_accum_steps
 from torchpar.plan.estimate import layer_activation_bytes, pipeline_bubble, plan
-from torchpar.plan.layout import PRESETS, Layout, deepspeed_bytes, state_bytes
+from torchpar.plan.layout import PRESETS, deepspeed_bytes, state_bytes
+
+LLAMA = MODELS["llama3"]  # the family whose flavours the worked examples use
+GB, MB = 1e9, 1e6
 
 
 # ------------------------------------------------------------------ checks against measurement
@@ -31,28 +35,28 @@ def saved_activation_bytes(fn, *inputs, exclude=()) -> int:
     return sum(seen.values())
 
 
-def activation_check(flavor: str = "debug", batch: int = 8, seq: int = 128) -> dict:
+def activation_check(flavor: str = "debug", batch: int = 8, seq: int = 128, family: str = "llama3") -> dict:
     """The real model in fp32 on the CPU, one microbatch: bytes saved for backward by one block
     and by the whole forward + loss, against this planner's predictions (Korthikanti et al. per
     layer; activations + logits for the model)."""
     import torch
 
     from torchpar.loss import cross_entropy_sum
-    from torchpar.models import Transformer
 
-    args = model_args(flavor)
+    model = MODELS[family]
+    args = model.args(flavor)
     with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    cos, sin = model.rope_cos, model.rope_sin
-    params = [*model.parameters(), cos, sin]
+        module = model.build(args)
+    module.to_empty(device="cpu")
+    module.init_weights(0)
+    extra = module.block_args()
+    params = [*module.parameters(), *extra]
     h = torch.randn(batch, seq, args.dim, requires_grad=True)
-    layer = saved_activation_bytes(lambda x: model.layers["0"](x, cos, sin), h, exclude=params)
+    layer = saved_activation_bytes(lambda x: module.layers["0"](x, *extra), h, exclude=params)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
-    whole = saved_activation_bytes(lambda x: cross_entropy_sum(model(x[:, :-1]), x[:, 1:]), tokens, exclude=params)
+    whole = saved_activation_bytes(lambda x: cross_entropy_sum(module(x[:, :-1]), x[:, 1:]), tokens, exclude=params)
     lay = Layout(local_batch_size=batch)
-    predicted = plan(args, lay, PRESETS["H100-80GB"], seq).memory
+    predicted = plan(model, args, lay, PRESETS["H100-80GB"], seq).memory
     per_layer = layer_activation_bytes(args, seq, batch, lay, 4)
     return {"flavor": flavor, "batch": batch, "seq": seq, "measured_layer_bytes": layer,
             "predicted_layer_bytes": per_layer, "ratio": layer / per_layer, "measured_model_bytes": whole,
@@ -60,23 +64,17 @@ def activation_check(flavor: str = "debug", batch: int = 8, seq: int = 128) -> d
             "model_ratio": whole / (predicted["activation_bytes"] + predicted["logits_bytes"])}
 
 
-# ------------------------------------------------------------------ the seeds' worked examples
+# ------------------------------------------------------------------ the tutorials' worked examples
 
 
-def seed_examples() -> list[dict]:
-    """Each worked example of the tutorials in shared/seeds, recomputed. Every item: what the
-    tutorial says, the exact figures, and a note where it rounds or slips."""
-    from torchpar.parallel.dims import ParallelDims
-
-    GB, MB = 1e9, 1e6
-    out = []
-    # 1. BERT-Large-sized data parallelism on 8 x A100-80GB.
+def _bert_large_data_parallel() -> dict:
+    """BERT-Large-sized data parallelism on 8 x A100-80GB."""
     n, gpus, a100 = 340e6, 8, PRESETS["A100-80GB"]
     grad = 2 * n
     ring = 2 * (gpus - 1) / gpus * grad  # bytes each GPU sends in a ring all-reduce
     tokens = 256 * 512 // gpus  # global batch 256 sequences of 512 tokens
     compute = 6 * n * tokens / (a100.peak_flops * 0.5)
-    out.append({
+    return {
         "example": "BERT-Large (340M) data parallel on 8 x A100-80GB",
         "seed": "fp16 params 680 MB, grads 680 MB, Adam states 2.7 GB, ~4 GB total; all-reduce 680 MB x 8 = "
                 "5.44 GB, ~9 ms over NVLink 600 GB/s; compute ~200 ms",
@@ -90,11 +88,14 @@ def seed_examples() -> list[dict]:
                 f"{ring / GB:.2f} GB per GPU, not {grad / MB:.0f} MB x 8; at {a100.intra_bw / GB:.0f} GB/s per direction "
                 f"(NVLink's 600 GB/s counts both) that is {1e3 * ring / a100.intra_bw:.2f} ms, "
                 f"{100 * ring / a100.intra_bw / compute:.1f}% of the {1e3 * compute:.0f} ms of compute.",
-    })
-    # 2. GPT-3 175B: weights and Adam.
-    args = model_args("gpt3-175B")
-    n = num_params(args)
-    out.append({
+    }
+
+
+def _gpt3_memory() -> dict:
+    """GPT-3 175B: weights and Adam."""
+    args = LLAMA.args("gpt3-175B")
+    n = LLAMA.num_params(args)
+    return {
         "example": "GPT-3 175B memory",
         "seed": "fp16 weights ~350 GB; with Adam (2 extra fp32 copies) and gradients over 1.2 TB",
         "exact": {"params": n, "fp16_weights_GB": 2 * n / GB, "seed_components_TB": 12 * n / 1e12,
@@ -103,33 +104,43 @@ def seed_examples() -> list[dict]:
                 f"head). The seed's own parts (fp16 weights + fp16 grads + two fp32 moments = 12 bytes/param) give "
                 f"{12 * n / 1e12:.2f} TB, and the fp32 master copy makes 16 bytes/param = {16 * n / 1e12:.2f} TB: "
                 "'over 1.2 TB' is true but less than half of it.",
-    })
-    # 3. TP = 8 shard of the QKV projection.
-    d = args.dim
+    }
+
+
+def _gpt3_qkv_under_tp() -> dict:
+    """TP = 8 shard of the QKV projection."""
+    d = LLAMA.args("gpt3-175B").dim
     qkv = d * 3 * d
-    out.append({
+    return {
         "example": "GPT-3 175B QKV projection under TP = 8",
         "seed": "12288 x 36864 ~ 1.8 GB (fp16); each of 8 shards 12288 x 4608 ~ 226 MB",
         "exact": {"qkv_fp16_MB": 2 * qkv / MB, "qkv_fp32_MB": 4 * qkv / MB, "shard_cols": 3 * d // 8,
                   "shard_fp16_MB": 2 * qkv / 8 / MB},
         "note": f"1.8 GB and 226 MB are the fp32 sizes ({4 * qkv / MB:.0f} and {4 * qkv / 8 / MB:.0f} MB); in fp16 the "
                 f"matrix is {2 * qkv / MB:.0f} MB and a shard {2 * qkv / 8 / MB:.0f} MB.",
-    })
-    # 4. PP = 4 with 16 microbatches.
+    }
+
+
+def _pipeline_bubble_pp4() -> dict:
+    """PP = 4 with 16 microbatches."""
     bubble = {s: pipeline_bubble(Layout(pp=4, local_batch_size=16, schedule=s), 16) for s in ("GPipe", "1F1B")}
-    out.append({
+    return {
         "example": "PP = 4, 16 microbatches (global batch 2048 -> microbatches of 128)",
         "seed": "bubble (p-1)/(p-1+m) = 3/19 ~ 15.8%",
         "exact": {"bubble_GPipe": bubble["GPipe"], "bubble_1F1B": bubble["1F1B"], "formula": 3 / 19,
                   "microbatch_size": 2048 // 16},
         "note": "Measured on torch's own schedules (the same simulation as `torchpar schedule`): exactly 3/19.",
-    })
-    # 5. 64 GPUs as DP 2 x TP 8 x PP 4.
+    }
+
+
+def _gpt3_on_64_gpus() -> dict:
+    """64 GPUs as DP 2 x TP 8 x PP 4."""
+    args = LLAMA.args("gpt3-175B")
     lay = Layout(pp=4, dp_shard=2, tp=8, zero_stage=0, local_batch_size=16, layers_per_stage=(24, 24, 24, 24))
-    per_gpu = state_bytes(args, lay, {"pp": 1, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
-    first = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
+    per_gpu = state_bytes(LLAMA, args, lay, {"pp": 1, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
+    first = state_bytes(LLAMA, args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})["param_bytes"] / 4
     ds0, ds1 = deepspeed_bytes(per_gpu, 0, 2), deepspeed_bytes(per_gpu, 1, 2)
-    out.append({
+    return {
         "example": "175B on 64 GPUs as DP 2 x TP 8 x PP 4",
         "seed": "each GPU keeps 1/8 of the parameters (TP) of 1/4 of the layers (PP) and sees 1/2 of the data",
         "exact": {"params_per_gpu_middle_stage": per_gpu, "params_per_gpu_first_stage": first,
@@ -139,14 +150,23 @@ def seed_examples() -> list[dict]:
                 f"of the embedding). With Adam that is {sum(ds0.values()) / GB:.0f} GB without ZeRO — more than an "
                 f"80 GB GPU — and {sum(ds1.values()) / GB:.0f} GB with ZeRO-1 over the 2 data-parallel replicas, "
                 "before activations.",
-    })
-    # 6. DeepSpeed's batch arithmetic.
-    dims = ParallelDims(1, 1, 4, 1, 2, 4)
-    out.append({
+    }
+
+
+def _deepspeed_batch_arithmetic() -> dict:
+    """DeepSpeed's batch arithmetic."""
+    accum = grad_accum_steps(4, 32, dp=4)
+    return {
         "example": "DeepSpeed batch arithmetic",
         "seed": "micro-batch 4 x accumulation 2 x 4 GPUs = 32",
-        "exact": {"accumulation": dims.grad_accum_steps(4, 32), "global_batch": 4 * dims.grad_accum_steps(4, 32) * 4},
+        "exact": {"accumulation": accum, "global_batch": 4 * accum * 4},
         "note": "torchpar: training.local_batch_size = 4, training.global_batch_size = 32 on 4 ranks gives 2 "
                 "accumulation steps (checked: other values are refused with the formula).",
-    })
-    return out
+    }
+
+
+def seed_examples() -> list[dict]:
+    """Each worked example of the tutorials, recomputed. Every item: what the tutorial says, the
+    exact figures, and a note where it rounds or slips."""
+    return [example() for example in (_bert_large_data_parallel, _gpt3_memory, _gpt3_qkv_under_tp,
+                                      _pipeline_bubble_pp4, _gpt3_on_64_gpus, _deepspeed_batch_arithmetic)]

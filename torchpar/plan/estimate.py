@@ -7,10 +7,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from torchpar.config import JobConfig
-from torchpar.models import flops_per_token
-from torchpar.plan.layout import (PRESETS, Cluster, Layout, _split, _stage_ids, layout_from_config, rank_coords,
-                                  rank_params, stage_params, state_bytes)
+from torchpar.parallel.bubble import schedule_actions, simulate
+from torchpar.parallel.layout import Layout
+from torchpar.plan.layout import Cluster, rank_params, split_of, state_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
@@ -37,7 +36,7 @@ def layer_activation_bytes(args, seq: int, batch: int, lay: Layout, act_bytes: i
 
 @functools.lru_cache(maxsize=None)
 def _actions(schedule: str, pp: int, n_micro: int, v: int):
-    from torchpar.parallel.bubble import schedule_actions, schedule_order
+    from torchpar.tools.schedule import schedule_order
 
     order, num_stages = schedule_order(schedule, pp, n_micro, v)
     return schedule_actions(schedule, order, pp, n_micro), num_stages
@@ -57,7 +56,7 @@ def in_flight(lay: Layout, n_micro: int, pp_rank: int, actions: dict | None = No
         elif kind in ("B", "I"):
             held[stage] -= 1
         peak = max(peak, sum(held.values()))
-    return float(peak) / len(_stage_ids(lay, pp_rank))
+    return float(peak) / len(lay.stage_ids(pp_rank))
 
 
 # ------------------------------------------------------------------ the plan
@@ -86,65 +85,70 @@ def micro_steps(lay: Layout) -> tuple[int, int]:
     return lay.local_batch_size, lay.accum
 
 
-def plan(args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9,
-         actions: dict | None = None) -> Plan:
-    act_bytes = lay.param_dtype_bytes
+def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict | None = None) -> dict:
+    """Device bytes of the rank at pipeline position ``pp_rank`` (coordinate 0 elsewhere: the
+    largest shards), by part; ``total_bytes`` is their sum, ``cpu_bytes`` what offload moves off."""
     micro_batch, n_micro = micro_steps(lay)
-    split = _split(args, lay)
+    split = split_of(model, args, lay)
+    mem = dict(state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0}))
+    stages = lay.stage_ids(pp_rank)
+    layers = sum(split[s] for s in stages)
+    per_layer = layer_activation_bytes(args, seq, micro_batch, lay, lay.param_dtype_bytes)
+    mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank, actions)
+    has_head = (len(split) - 1) in stages
+    # Transients: fp32 logits and their gradient on the head's rank; FSDP2's gathered block
+    # (and the next one, prefetched) in the compute dtype.
+    mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
+    block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
+    mem["gathered_bytes"] = 2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+    cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
+    mem["total_bytes"] = sum(mem.values())
+    mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
+    return mem
 
-    # Memory of each pipeline rank (coordinate 0 elsewhere: the largest shards); keep the heaviest.
-    best = None
-    for pp_rank in range(lay.pp):
-        coords = {"pp": pp_rank, "dp_shard": 0, "tp": 0}
-        mem = dict(state_bytes(args, lay, coords))
-        stages = _stage_ids(lay, pp_rank)
-        layers = sum(split[s] for s in stages)
-        per_layer = layer_activation_bytes(args, seq, micro_batch, lay, act_bytes)
-        mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank, actions)
-        has_head = (len(split) - 1) in stages
-        # Transients: fp32 logits and their gradient on the head's rank; FSDP2's gathered block
-        # (and the next one, prefetched) in the compute dtype.
-        mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
-        block = sum(r * c for _, (r, c), _ in stage_params(args, False, False, 1)) / lay.tp
-        mem["gathered_bytes"] = 2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
-        cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
-        mem["total_bytes"] = sum(mem.values())
-        # What CPU offload moves off the device (not in the device total).
-        mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
-        if best is None or mem["total_bytes"] > best["total_bytes"]:
-            best = mem
-    comm = communication(args, lay, cluster, seq)
-    tokens = lay.dp * lay.local_batch_size * lay.accum * seq
-    flops = flops_per_token(args, seq) * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
-    compute = flops / lay.world / (cluster.peak_flops * efficiency)
-    bubble = pipeline_bubble(lay, n_micro, actions)
-    # torchpar reduces ZeRO 0-2 gradients after backward (exposed); FSDP2 overlaps with compute;
-    # TP collectives sit on the critical path; pipeline sends are mostly hidden (counted fully).
+
+def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float) -> float:
+    """Communication time the step waits for. torchpar reduces ZeRO 0-2 gradients after
+    backward (exposed); FSDP2 overlaps with compute; TP collectives sit on the critical path;
+    pipeline sends are mostly hidden (counted fully)."""
     dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate"))
     exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "pp", "world"))
     exposed += max(0.0, dp_s - compute) if lay.zero_stage == 3 else dp_s
     if lay.cpu_offload:
         # Sharded parameters cross PCIe to the device for every all-gather, gradients back once,
         # and Adam runs on the CPU (counted as memory-bound: 16 bytes read + written per parameter).
-        host = state_bytes(args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
+        host = state_bytes(model, args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
         moved = host["param_bytes"] * (2 * lay.accum if lay.pp == 1 else 1) + host["grad_bytes"]
         comm["offload"] = {"bytes": moved, "seconds": moved / PCIE_BW, "link": "PCIe"}
         exposed += moved / PCIE_BW + 2 * (host["param_bytes"] + host["optim_bytes"]) / CPU_MEMORY_BW
-    step = compute / (1 - bubble) + exposed
+    return exposed
+
+
+def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9,
+         actions: dict | None = None) -> Plan:
+    """Memory (the heaviest pipeline rank), communication, bubble and step time of one layout
+    of adapter ``model`` with ``args``."""
+    memory = max((rank_memory(model, args, lay, seq, r, actions) for r in range(lay.pp)),
+                 key=lambda m: m["total_bytes"])
+    comm = communication(model, args, lay, cluster, seq)
+    tokens = lay.dp * lay.local_batch_size * lay.accum * seq
+    per_token = model.flops_per_token(args, seq)
+    flops = per_token * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
+    compute = flops / lay.world / (cluster.peak_flops * efficiency)
+    bubble = pipeline_bubble(lay, micro_steps(lay)[1], actions)
+    step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)
     tps = tokens / step
-    mfu = flops_per_token(args, seq) * tps / (cluster.peak_flops * lay.world)
-    return Plan(dataclasses.asdict(lay), best, comm, bubble, compute, step, tps, mfu,
-                best["total_bytes"] <= headroom * cluster.memory)
+    mfu = per_token * tps / (cluster.peak_flops * lay.world)
+    return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu,
+                memory["total_bytes"] <= headroom * cluster.memory)
 
 
 def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> float:
     """Bubble fraction from the schedule's action order (the same as `torchpar schedule`)."""
     if lay.pp == 1:
         return 0.0
-    from torchpar.parallel.bubble import simulate
-
     acts, num_stages = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank) if actions is None \
-        else (actions, lay.pp * lay.stages_per_rank)
+        else (actions, lay.num_stages)
     return simulate(acts, num_stages)["bubble"]
 
 
@@ -153,106 +157,122 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
     return ("intra-node", cluster.intra_bw) if stride * size <= cluster.gpus_per_node else ("inter-node", cluster.inter_bw)
 
 
-def _ring(kind: str, n: int) -> float:
-    """Share of the payload a ring sends per rank (the ledger uses the same factors)."""
-    from torchpar.parallel.ledger import FACTOR
-
-    return FACTOR[kind](n) if n > 1 else 0.0
+# Share of the payload a ring sends per rank (the communication ledger uses the same factors).
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "broadcast": lambda n: (n - 1) / n}
 
 
-def communication(args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
+class _Sent(dict):
+    """Bytes sent per rank per step, by mesh dimension."""
+
+    def add(self, dim: str, kind: str, payload: float, n: int, times: float = 1) -> None:
+        if n > 1:
+            self[dim] = self.get(dim, 0.0) + times * RING_FACTOR[kind](n) * payload
+
+
+def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, layers: int, first: bool,
+                     last: bool) -> None:
+    """Per block and micro-step, forward and backward, one collective pair for each module the
+    plan converts the residual stream for (row-wise outputs, sub-module inputs): with sequence
+    parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
+    bytes); each embedding and the head add one pair. ``entries``: the rank's parameters."""
+    micro_batch, n_micro = micro_steps(lay)
+    t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes
+    per_block = sum(word in ("rowwise", "input") for word in model.block_plan.values())
+    embeddings = sum(word == "embedding" for word in model.top_plan.values())
+    pairs = per_block * layers + embeddings * first + last
+    if lay.sequence_parallel:
+        sent.add("tp", "all_gather", hidden, t, pairs * n_micro)
+        sent.add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
+        # Parameters TP replicates see sequence-sharded activations: their partial gradients
+        # are all-reduced once per step.
+        for _, (r, c), tp_dim in entries:
+            if tp_dim is None:
+                sent.add("tp", "all_reduce", 4 * r * c, t)
+    else:
+        sent.add("tp", "all_reduce", hidden, t, pairs * n_micro)
+    if last:
+        if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
+            sent.add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
+        else:
+            sent.add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
+
+
+def _flat_zero(sent: _Sent, lay: Layout, local: list[tuple[int, int]]) -> None:
+    """ZeRO 0-2: one reduction of the padded fp32 buffer after backward, and the all-gather of
+    the updated shards after the step."""
+    n, r = lay.dp_shard, lay.dp_replicate
+    shards = n if lay.zero_stage in (1, 2) else 1
+    flat = 4 * math.ceil(sum(a * b for a, b in local) / shards) * shards
+    if lay.zero_stage == 2:
+        sent.add("dp_shard", "reduce_scatter", flat, n)
+        sent.add("dp_replicate", "all_reduce", flat / n, r)
+    else:
+        sent.add("dp", "all_reduce", flat, lay.dp)
+    if shards > 1:
+        sent.add("dp_shard", "all_gather", flat, n)
+
+
+def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool) -> None:
+    """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
+    collectives carry every parameter padded to a multiple of dp_shard rows."""
+    n, r = lay.dp_shard, lay.dp_replicate
+
+    def unit_bytes(shapes, dtype_bytes):
+        return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
+
+    n_first = len(model.stage_params(args, True, False, 0)) if first else 0
+    per_block = len(model.block_params(args))
+    blocks = [local[i:i + per_block] for i in range(n_first, n_first + layers * per_block, per_block)]
+    root = local[:n_first] + local[n_first + layers * per_block:]
+    # Without a pipeline each micro-step gathers every unit, and the blocks again for
+    # backward; under a pipeline nothing reshards until the step ends (one gather each).
+    gathers = lay.accum if lay.pp == 1 else 1
+    act = lay.param_dtype_bytes
+    for unit in blocks:
+        sent.add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if lay.pp == 1 else 1)
+        sent.add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n)
+    if root:
+        sent.add("dp_shard", "all_gather", unit_bytes(root, act), n, gathers)
+        sent.add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n)
+    for unit in blocks + ([root] if root else []):
+        sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r)
+
+
+def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
     """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
     dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
-    collective by collective as torchpar issues them (checked by tests/test_plan.py against a
-    ledger of a real run)."""
+    collective by collective as torchpar issues them (checked in the tests against a ledger of a
+    real run)."""
     micro_batch, n_micro = micro_steps(lay)
-    split = _split(args, lay)
-    stages = _stage_ids(lay, pp_rank)
+    split = split_of(model, args, lay)
+    stages = lay.stage_ids(pp_rank)
     layers = sum(split[s] for s in stages)
     first, last = 0 in stages, len(split) - 1 in stages
-    act = lay.param_dtype_bytes
-    hidden = micro_batch * seq * args.dim * act  # one [b, s, d] activation
-    sent: dict[str, float] = {}
-
-    def add(dim: str, kind: str, payload: float, n: int, times: float = 1) -> None:
-        if n > 1:
-            sent[dim] = sent.get(dim, 0.0) + times * _ring(kind, n) * payload
-
+    sent = _Sent()
     # The trainer's own: the loss and the global gradient norm, one fp32 scalar each, over all ranks.
-    add("world", "all_reduce", 4, lay.world, times=2)
-    t = lay.tp
-    if t > 1:
-        # Per layer and micro-step, forward and backward: with sequence parallel 4 all-gathers + 4
-        # reduce-scatters of the activation; without, 4 all-reduces (same bytes). The embedding
-        # and the head add one pair each.
-        pairs = 4 * layers + first + last
-        if lay.sequence_parallel:
-            add("tp", "all_gather", hidden, t, pairs * n_micro)
-            add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
-            norms = 2 * layers + last  # replicated norm weights: partial gradients all-reduced once
-            add("tp", "all_reduce", 4 * args.dim, t, norms)
-        else:
-            add("tp", "all_reduce", hidden, t, pairs * n_micro)
-        if last:
-            if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
-                add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
-            else:
-                add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
-    n, r = lay.dp_shard, lay.dp_replicate
+    sent.add("world", "all_reduce", 4, lay.world, times=2)
+    if lay.tp > 1:
+        entries = [e for s in stages for e in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
+        _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)
     if lay.dp > 1:
-        local = rank_params(args, lay, pp_rank)
-        total = sum(a * b for a, b in local)
-        if lay.zero_stage in (0, 1, 2):
-            shards = n if lay.zero_stage in (1, 2) else 1
-            flat = 4 * math.ceil(total / shards) * shards  # the padded fp32 buffer
-            if lay.zero_stage == 2 and shards > 1:
-                add("dp_shard", "reduce_scatter", flat, n)
-                add("dp_replicate", "all_reduce", flat / n, r)
-            else:
-                add("dp", "all_reduce", flat, lay.dp)
-            if shards > 1:
-                add("dp_shard", "all_gather", flat, n)
+        local = rank_params(model, args, lay, pp_rank)
+        if lay.zero_stage == 3:
+            _fsdp(sent, model, args, lay, local, layers, first)
         else:
-            # FSDP2 units: each block, and the root (embedding, final norm, head). A unit's
-            # collectives carry every parameter padded to a multiple of dp_shard rows.
-            def unit_bytes(shapes, dtype_bytes):
-                return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
-
-            per_block = len(stage_params(args, False, False, 1))
-            blocks = [local[i:i + per_block] for i in range(int(first), int(first) + layers * per_block, per_block)]
-            root = local[:int(first)] + local[int(first) + layers * per_block:]
-            # Without a pipeline each micro-step gathers every unit, and the blocks again for
-            # backward; under a pipeline nothing reshards until the step ends (one gather each).
-            gathers = lay.accum if lay.pp == 1 else 1
-            for unit in blocks:
-                add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if lay.pp == 1 else 1)
-                add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n)
-            if root:
-                add("dp_shard", "all_gather", unit_bytes(root, act), n, gathers)
-                add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n)
-            for unit in blocks + ([root] if root else []):
-                add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r)
+            _flat_zero(sent, lay, local)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
         # gradients); a rank sends from each of its stages that has a neighbour.
-        sends = sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro * hidden
-        sent["pp"] = sends
+        hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes
+        sent["pp"] = sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro * hidden
     # Links: mesh dims (pp, dp_replicate, dp_shard, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.
-    stride = {"tp": (1, t), "dp_shard": (t, n), "dp_replicate": (t * n, r), "dp": (t, lay.dp),
+    t, n = lay.tp, lay.dp_shard
+    stride = {"tp": (1, t), "dp_shard": (t, n), "dp_replicate": (t * n, lay.dp_replicate), "dp": (t, lay.dp),
               "pp": (t * lay.dp, lay.pp), "world": (1, lay.world)}
     out = {}
     for dim, b in sent.items():
         link, bw = _link(cluster, *stride[dim])
         out[dim] = {"bytes": b, "seconds": b / bw, "link": link}
     return out
-
-
-def predict_for_trainer(cfg: JobConfig, world: int, actions: dict | None = None) -> dict:
-    """What the trainer logs at its first step: each rank's predicted state bytes, the predicted
-    device peak (state + activations + transients) of the heaviest rank. ``actions``: the
-    running pipeline's schedule (no extra process group is made inside a running job)."""
-    lay, args = layout_from_config(cfg, world)
-    per_rank = [state_bytes(args, lay, rank_coords(lay, r)) for r in range(world)]
-    peak = plan(args, lay, PRESETS["H100-80GB"], cfg.training.seq_len, actions=actions).memory["total_bytes"]
-    return {"per_rank": per_rank, "peak_bytes": peak}

@@ -7,9 +7,10 @@ import json
 import sys
 
 from torchpar.config import ConfigError, did_you_mean, load_config
-from torchpar.models import FLAVORS, model_args, num_params
+from torchpar.models import MODELS
+from torchpar.parallel.layout import Layout
 from torchpar.plan.estimate import Plan, plan
-from torchpar.plan.layout import PRESETS, Cluster, Layout, layout_from_config
+from torchpar.plan.layout import PRESETS, Cluster, layout_from_config
 
 
 # ------------------------------------------------------------------ search and the command
@@ -23,43 +24,48 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(args, cluster: Cluster, global_batch: int, seq: int, param_dtype_bytes: int = 2,
-           efficiency: float = 0.5) -> list[Plan]:
-    """Every layout that divides the world and the model, ranked by estimated tokens/s."""
-    from torchpar.parallel.pipeline import balanced_split, schedule_problem
-
-    plans = []
+def _degrees(model, args, cluster: Cluster, global_batch: int):
+    """(tp, pp, dp) that divide the world, the model and the batch; TP inside a node."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
-        if args.n_heads % tp or args.n_kv_heads % tp:
+        if any(n % tp for n in model.tp_divisors(args).values()):
             continue
         for pp in _divisors(world // tp):
-            if pp > args.n_layers or (pp > 1 and args.tie_embeddings):
-                continue
             dp = world // (tp * pp)
-            if global_batch % dp:
+            if pp > args.n_layers or (pp > 1 and args.tie_embeddings) or global_batch % dp:
                 continue
-            per_dp = global_batch // dp
-            for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
-                if zero in (1, 2, 3) and dp == 1 and not offload:
-                    continue  # nothing to shard: the same as zero 0
-                for ac in ("none", "full"):
-                    for mbs in (1, 2, 4):
-                        if per_dp % mbs:
-                            continue
-                        if pp == 1:
-                            lay = Layout(1, 1, dp, tp, zero, mbs, per_dp // mbs, mbs, "1F1B", 1, ac, tp > 1, tp > 1,
-                                         param_dtype_bytes, (), offload)
-                            plans.append(plan(args, lay, cluster, seq, efficiency))
-                            continue
-                        n_micro = per_dp // mbs
-                        for schedule, v in SEARCHED_SCHEDULES:
-                            # Fewer microbatches than stages is mostly bubble: not searched.
-                            if n_micro < pp or schedule_problem(schedule, pp, v, args.n_layers, n_micro):
-                                continue
-                            lay = Layout(pp, 1, dp, tp, zero, per_dp, 1, mbs, schedule, v, ac, tp > 1, tp > 1,
-                                         param_dtype_bytes, tuple(balanced_split(args, pp * v)), offload)
-                            plans.append(plan(args, lay, cluster, seq, efficiency))
+            yield tp, pp, dp
+
+
+def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str):
+    """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
+    with a pipeline, the schedule."""
+    from torchpar.parallel.pipeline import balanced_split, schedule_problem
+
+    for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+        if zero in (1, 2, 3) and dp == 1 and not offload:
+            continue  # nothing to shard: the same as zero 0
+        for ac, mbs in ((ac, mbs) for ac in ("none", "full") for mbs in (1, 2, 4) if per_dp % mbs == 0):
+            common = dict(dp_shard=dp, tp=tp, zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
+                          sequence_parallel=True, loss_parallel=True, param_dtype=param_dtype)
+            if pp == 1:
+                yield Layout(**common, local_batch_size=mbs, accum=per_dp // mbs, microbatch_size=mbs)
+                continue
+            n_micro = per_dp // mbs
+            for schedule, v in SEARCHED_SCHEDULES:
+                # Fewer microbatches than stages is mostly bubble: not searched.
+                if n_micro >= pp and not schedule_problem(schedule, pp, v, args.n_layers, n_micro):
+                    yield Layout(**common, pp=pp, local_batch_size=per_dp, microbatch_size=mbs, schedule=schedule,
+                                 stages_per_rank=v, layers_per_stage=balanced_split(model, args, pp * v))
+
+
+def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
+           efficiency: float = 0.5) -> list[Plan]:
+    """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
+    ranked by estimated tokens/s (layouts that fit first)."""
+    plans = [plan(model, args, lay, cluster, seq, efficiency)
+             for tp, pp, dp in _degrees(model, args, cluster, global_batch)
+             for lay in _layouts(model, args, tp, pp, dp, global_batch // dp, param_dtype)]
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
 
 
@@ -74,10 +80,10 @@ def describe_layout(lay: dict) -> str:
             + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}"))
 
 
-def explain(args, plans: list[Plan], cluster: Cluster) -> str:
-    """The seeds' order of reasoning over the searched layouts: does DP + ZeRO fit? if not, TP
+def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
+    """The usual order of reasoning over the searched layouts: does DP + ZeRO fit? if not, TP
     inside a node; then PP across nodes; offload last — and what each choice costs."""
-    n = num_params(args)
+    n = model.num_params(args)
     world = plans[0].layout["pp"] * plans[0].layout["dp_replicate"] * plans[0].layout["dp_shard"] * plans[0].layout["tp"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="torchpar plan", description="Per-rank memory, communication, bubble and "
                                  "step time of layouts, by arithmetic; the best layouts of a model on a cluster.")
     ap.add_argument("--model", help="model flavour (search over layouts)")
+    ap.add_argument("--family", default="llama3", choices=sorted(MODELS), help="model family of --model")
     ap.add_argument("--config", help="a training config: the prediction for exactly that layout")
     ap.add_argument("--nproc", type=int, default=0, help="ranks for --config")
     ap.add_argument("--gpu", default="H100-80GB", choices=sorted(PRESETS), help="cluster preset (datasheet figures)")
@@ -166,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.config:
             cfg = load_config(a.config, [])
-            lay, args = layout_from_config(cfg, a.nproc or cluster.world)
-            plans = [plan(args, lay, cluster, cfg.training.seq_len, a.efficiency)]
+            lay, model, args = layout_from_config(cfg, a.nproc or cluster.world)
+            plans = [plan(model, args, lay, cluster, cfg.training.seq_len, a.efficiency)]
         elif a.model:
-            if a.model not in FLAVORS:
-                raise ConfigError(f"--model {a.model!r} is unknown.{did_you_mean(a.model, FLAVORS)}")
-            args = model_args(a.model)
-            plans = search(args, cluster, a.global_batch_size, a.seq_len, 2 if a.param_dtype == "bf16" else 4, a.efficiency)
+            model = MODELS[a.family]
+            if a.model not in model.flavors:
+                raise ConfigError(f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}")
+            args = model.args(a.model)
+            dtype = "bfloat16" if a.param_dtype == "bf16" else "float32"
+            plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency)
         else:
             raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
     except ConfigError as e:
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{describe_layout(p.layout):<84} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
               f"{100 * p.bubble:>6.1f}% {p.tokens_per_sec:>12,.0f} {100 * p.mfu:>5.1f}%")
     print()
-    print(explain(args, plans, cluster))
+    print(explain(model, args, plans, cluster))
     return 0
 
 

@@ -16,24 +16,55 @@ stage       gradients after backward                     optimizer updates
 ==========  ===========================================  ===============================
 
 Both keep the gradient reduction an average over the dp ranks (the trainer scales the loss by
-the dp degree so the result is the gradient of the globally normalized loss), and both expose
-the same small interface to the trainer: ``set_sync``, ``reduce_gradients``, ``grad_pieces``,
-``scale_grads``, ``step``, ``zero_grad``, ``state_bytes``, ``optimizer``, and for checkpoints
-``optimizer_state_dict`` / ``load_optimizer_state_dict``. Both write the optimizer state in one
-format, keyed by parameter name (``state.<name>.exp_avg`` ...) with each tensor laid out like its
-parameter, so a checkpoint saved by one stage loads into the other under any layout.
+the dp degree so the result is the gradient of the globally normalized loss), and both are a
+:class:`ZeroState` to the trainer. Both write the optimizer state in one format, keyed by
+parameter name (``state.<name>.exp_avg`` ...) with each tensor laid out like its parameter, so a
+checkpoint saved by one stage loads into the other under any layout.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchpar.models.common import canonical_name
 from torchpar.optim import ensure_state
+
+
+class ZeroState(Protocol):
+    """What the trainer and the checkpointer ask of a ZeRO engine (:class:`FlatZero` for stages
+    0-2, :class:`FSDPState` for stage 3)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def set_sync(self, enabled: bool) -> None:
+        """Whether this micro-step's backward reduces gradients (the last one does)."""
+
+    def reduce_gradients(self) -> None:
+        """Finish the gradient reduction after the last micro-step."""
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """The reduced gradient values this rank holds, each with how many ranks hold the same."""
+
+    def scale_grads(self, coef: torch.Tensor) -> None: ...
+
+    def step(self) -> None:
+        """Optimizer step (and whatever must follow it, e.g. gathering updated parameters)."""
+
+    def zero_grad(self) -> None: ...
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's parameter, gradient and optimizer-state bytes."""
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """Adam's state per parameter name (``state.<name>.exp_avg`` ...), laid out like the parameter."""
+
+    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None: ...
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -75,8 +106,6 @@ def unique_params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
 
 def param_names(model_parts: list[nn.Module]) -> list[str]:
     """Canonical names in :func:`unique_params` order (a tied weight under its first name)."""
-    from torchpar.models.llama import canonical_name
-
     seen, out = set(), []
     for m in model_parts:
         for name, p in m.named_parameters():
@@ -193,16 +222,16 @@ class FSDPState:
 class FlatZero:
     """ZeRO stages 0, 1 and 2 over one flat fp32 buffer (see the module docstring)."""
 
-    def __init__(self, model_parts: list[nn.Module], dims, stage: int, build_optimizer):
-        self.stage, self.dims = stage, dims
+    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer):
+        self.stage, self.layout = layout.zero_stage, layout
         self.params = unique_params(model_parts)
         self.names = param_names(model_parts)
         tensors = [local(p) for p in self.params]
         dtypes = {t.dtype for t in tensors}
         if dtypes != {torch.float32}:
             raise ValueError(f"zero stages 0-2 keep fp32 parameters; got {dtypes}")
-        self.shards = dims.dp_shard if stage in (1, 2) else 1
-        mesh = dims.mesh
+        self.shards = layout.dp_shard if self.stage in (1, 2) else 1
+        mesh = layout.mesh
         self.dp_group = mesh["dp"].get_group()
         self.shard_group = mesh["dp_shard"].get_group()
         self.replicate_group = mesh["dp_replicate"].get_group()
@@ -223,7 +252,7 @@ class FlatZero:
                     p._local_tensor = view
                 else:
                     p.data = view
-                self.segments.append((offset, offset + t.numel(), replicas(p, dims.tp)))
+                self.segments.append((offset, offset + t.numel(), replicas(p, layout.tp)))
                 offset += t.numel()
         lo = self.shard_rank * self.shard_size
         self.owned = (lo, lo + self.shard_size)
@@ -240,12 +269,12 @@ class FlatZero:
             if p.grad is not None:
                 full[start:end].copy_(local_grad(p).reshape(-1))
             p.grad = None  # the flat copy replaces the per-parameter gradients
-        dp = self.dims.dp
+        dp = self.layout.dp
         if self.stage == 2 and self.shards > 1:
             grad = torch.empty(self.shard_size, dtype=full.dtype, device=full.device)
             dist.reduce_scatter_tensor(grad, full, group=self.shard_group)
             del full
-            if self.dims.dp_replicate > 1:
+            if self.layout.dp_replicate > 1:
                 dist.all_reduce(grad, group=self.replicate_group)
         else:
             grad = full
@@ -254,7 +283,7 @@ class FlatZero:
         self.grad = grad.div_(dp)
         # What this rank holds, and how many ranks hold the same reduced values.
         if self.stage == 2 and self.shards > 1:
-            self.held, self.dp_copies = self.owned, self.dims.dp_replicate
+            self.held, self.dp_copies = self.owned, self.layout.dp_replicate
         else:
             self.held, self.dp_copies = (0, self.flat.numel()), dp
         lo, hi = self.owned

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchpar.plan.estimate import RING_FACTOR
+
 def _first(args, n):  # the (full) tensor or tensor list the op reduces, gathers into, or sends
     return _nbytes(args[0])
 
@@ -43,8 +45,6 @@ OPS = {
 }
 # Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
 IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_", "barrier"}
-FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "broadcast": lambda n: (n - 1) / n}
 
 
 def _nbytes(x) -> int:
@@ -102,5 +102,5 @@ class CommLedger(TorchDispatchMode):
         out: dict[str, float] = defaultdict(float)
         for dim, kind, payload, size in self.records:
             if size > 1:
-                out[dim] += FACTOR[kind](size) * payload
+                out[dim] += RING_FACTOR[kind](size) * payload
         return dict(out)

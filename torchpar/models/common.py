@@ -1,0 +1,144 @@
+"""What every model family gives the rest of torchpar: the model protocol and its adapter.
+
+A model is single-device code. The parallel code and the planner know it only through
+
+* the module itself: ``layers`` (an ``nn.ModuleDict`` of blocks keyed by global index, so a
+  pipeline stage keeps its blocks' names), ``args`` (a frozen dataclass with at least ``dim``,
+  ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len`` and ``tie_embeddings``),
+  ``block_args()`` (the extra positional inputs every block takes after the hidden states),
+  ``tie_weights()`` and ``init_weights()`` (:class:`SeededInit`); its forward skips top-level
+  modules that a pipeline split set to ``None``;
+* its :class:`ModelAdapter`: flavours, the tensor-parallel plan in words, which top-level
+  modules belong to the first and to the last pipeline stage, every parameter's shape and TP
+  split for the planner, and the counts (parameters, FLOPs per token).
+
+Nothing here imports ``torch.distributed``: the TP plan is a table of style names that
+``torchpar.parallel.tensor`` turns into DTensor styles.
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+# Tensor-parallel styles a plan may name (the words of the plan, not DTensor objects):
+#   embedding  rows (vocabulary or positions) sharded; replicated ids in, the residual stream out
+#   head       output projection, column-wise: residual stream in, vocab-sharded logits out
+#   colwise    linear with its output features sharded (replicated input)
+#   rowwise    linear with its input features sharded; partial sums reduced into the residual stream
+#   norm       a norm over the residual stream: sequence-sharded under sequence parallelism
+#   input      a sub-module whose first input is the residual stream, converted once to replicated
+#              (one collective per sub-module instead of one per column-wise linear inside it)
+TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the unwrapped model: wrapper segments (activation checkpointing,
+    compile, FSDP) start with '_', model modules never do."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
+
+class SeededInit(nn.Module):
+    """Deterministic initialization from ``(seed, canonical parameter name)`` alone, so any split
+    or sharding of the model starts from exactly the numbers of the whole model. A model says
+    per parameter what it starts as — ``init_std(name)``: the std of a normal init, or
+    ``"ones"`` / ``"zeros"`` — and rebuilds its buffers in :meth:`reset_buffers`."""
+
+    def reset_buffers(self, device: torch.device | None) -> None:
+        """Recompute non-persistent buffers (e.g. RoPE tables) on ``device``."""
+
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        std = self.init_std(name)
+        if std == "ones":
+            return torch.ones(shape)
+        if std == "zeros":
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen).mul_(std)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
+                     values: dict[str, torch.Tensor] | None = None) -> None:
+        """Fill every parameter and rebuild the buffers.
+
+        ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
+        piece of a sharded parameter this process holds; by default the whole tensor.
+        ``values`` (full tensors by canonical name, e.g. exported weights) replaces the random init.
+        """
+        for name, p in self.named_parameters():
+            name = canonical_name(name)
+            full = values[name] if values is not None else self.initial_value(name, tuple(p.shape), seed)
+            dst, src = local_part(p, full) if local_part is not None else (p, full)
+            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+        self.reset_buffers(buffer_device)
+
+
+class ModelAdapter(ABC):
+    """One model family as the trainer, the parallel code and the planner see it. Subclasses set
+    the class attributes and implement the shape methods; see ``models/llama.py``."""
+
+    name: str  # the family, ``[model] name``
+    model_class: type  # built as model_class(args)
+    args_class: type  # the frozen dataclass of the model's shape
+    flavors: dict  # flavour name -> args
+    first_stage: tuple[str, ...]  # top-level modules only the first pipeline stage keeps
+    last_stage: tuple[str, ...]  # ... and only the last
+    top_plan: dict[str, str]  # top-level module -> TP style
+    block_plan: dict[str, str]  # module inside a block -> TP style
+
+    # -- args and building
+
+    def args(self, flavor: str, n_layers: int = 0):
+        """The flavour's args, with an optional layer-count override."""
+        args = self.flavors[flavor]
+        return replace(args, n_layers=n_layers) if n_layers else args
+
+    def build(self, args) -> nn.Module:
+        return self.model_class(args)
+
+    # -- tensor parallelism
+
+    @abstractmethod
+    def tp_divisors(self, args) -> dict[str, int]:
+        """Sizes the tensor-parallel degree must divide, by what they are."""
+
+    # -- shapes for the planner
+
+    @abstractmethod
+    def stage_params(self, args, first: bool, last: bool, layers: int) -> list[tuple[str, tuple[int, int], int | None]]:
+        """(name, 2-D shape, TP-sharded dim or None) of every parameter of one pipeline stage in
+        model order (first-stage modules, blocks, last-stage modules); vectors are (n, 1). A tied
+        head is left out when the embedding is on the same stage."""
+
+    def block_params(self, args) -> list[tuple[str, tuple[int, int], int | None]]:
+        """One block's entries of :meth:`stage_params`."""
+        return self.stage_params(args, False, False, 1)
+
+    # -- counts
+
+    @abstractmethod
+    def param_counts(self, args) -> dict[str, int]:
+        """Parameters per part: at least ``embedding`` (everything of the first stage),
+        ``layer`` (one block), ``layers``, ``norm`` and ``output`` (the rest of the last stage;
+        0 for a tied head)."""
+
+    def num_params(self, args) -> int:
+        c = self.param_counts(args)
+        return c["embedding"] + c["layers"] + c["norm"] + c["output"]
+
+    @abstractmethod
+    def matmul_params(self, args) -> tuple[int, int]:
+        """Weights that multiply activations: (per block, in the head). Lookups and vectors do not."""
+
+    def flops_per_token(self, args, seq_len: int) -> int:
+        """Training FLOPs per token: 3 x forward (backward = 2 x forward). Forward = 2 FLOPs per
+        multiply-accumulate of every matmul weight (the head's too, tied or not) + attention
+        scores and values, 2 x 2 x s x d per layer over the full s x s square (PaLM's count;
+        causal masking ignored)."""
+        block, head = self.matmul_params(args)
+        attention = 4 * seq_len * args.dim * args.n_layers
+        return 3 * (2 * (block * args.n_layers + head) + attention)

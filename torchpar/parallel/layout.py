@@ -1,0 +1,233 @@
+"""Layout: the one resolved description of how a job is spread over its ranks, and its mesh.
+
+Built once from the config by :func:`resolve_layout` (every check that needs no process group),
+then read by the trainer, the parallelize path and the planner alike. The planner also builds
+layouts directly, by keyword, to search them.
+
+Mesh order, outermost to innermost: ``pp, dp_replicate, dp_shard, tp``. The innermost
+dimension gets adjacent ranks, which torchrun places on the same node: TP all-reduces run on
+every layer, so they get the fastest links; ZeRO-3 all-gathers (dp_shard) come next; the
+replicas' all-reduce (once per step) and the pipeline's point-to-point sends are the lightest
+and may cross nodes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields
+
+from torchpar.config import ConfigError
+from torchpar.parallel.pipeline import V_SCHEDULES, pipeline_split
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DEGREE_FIELDS = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
+                 "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}  # [parallelism]'s order
+
+
+def effective_zero_stage(zero_stage: int, dp_shard: int) -> int:
+    """ZeRO-1/2 shard over dp_shard; with dp_shard = 1 they shard nothing and run as stage 0
+    (gradients all-reduced over the replicas). The one place this rule lives."""
+    return 0 if zero_stage in (1, 2) and dp_shard == 1 else zero_stage
+
+
+@dataclass(kw_only=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    zero_stage: int = 0  # effective: see effective_zero_stage
+    sequence_parallel: bool = False  # only ever true with tp > 1
+    loss_parallel: bool = False  # only ever true with tp > 1
+    cpu_offload: bool = False  # ZeRO-3: sharded parameters, gradients and Adam live on the CPU
+    local_batch_size: int = 1  # sequences per dp rank per micro-step
+    accum: int = 1  # gradient-accumulation micro-steps (with a pipeline: more microbatches)
+    schedule: str = "1F1B"  # pipeline schedule
+    stages_per_rank: int = 1
+    layers_per_stage: tuple[int, ...] = ()  # the pipeline split, stage by stage; () without one
+    microbatch_size: int = 1  # pipeline microbatch
+    activation_checkpoint: str = "none"  # none | full | selective (selective: planner only)
+    param_dtype: str = "float32"  # compute copy of the weights
+    reduce_dtype: str = "float32"  # gradient reduction over dp
+    compile: bool = False
+    fused_attention: bool = True  # SDPA keeps no s x s score matrix for backward (planner)
+    mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
+
+    def __post_init__(self):
+        self.zero_stage = effective_zero_stage(self.zero_stage, self.dp_shard)
+        self.sequence_parallel = self.sequence_parallel and self.tp > 1
+        self.loss_parallel = self.loss_parallel and self.tp > 1
+        self.layers_per_stage = tuple(self.layers_per_stage)
+
+    def to_dict(self) -> dict:
+        """The layout's fields without its mesh (for JSON and comparisons)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
+
+    # -- sizes
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.local_batch_size * self.accum // self.microbatch_size
+
+    @property
+    def param_dtype_bytes(self) -> int:
+        return 2 if self.param_dtype == "bfloat16" else 4
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The global pipeline stages rank ``pp_rank`` holds, in order: stage s on rank s mod pp,
+        or the V placement (rank r holds r and 2pp-1-r) of the V-shaped schedules."""
+        if self.pp == 1:
+            return [0]
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank, tp fastest."""
+        out = {}
+        for name, size in reversed(list(zip(MESH_DIMS, self.degrees))):
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    # -- the mesh (trainer only)
+
+    def build_mesh(self, device_type: str):
+        """The one DeviceMesh, plus the flattened ``dp`` view (replicate x shard)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh = mesh
+        return mesh
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along a mesh dimension (or the flattened ``dp``)."""
+        return self.mesh[name].get_local_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp")
+
+    @property
+    def dp_mesh(self):
+        """What ZeRO-3 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+
+# ---------------------------------------------------------------------- from the config
+
+
+def resolve_degrees(par, world: int) -> dict[str, int]:
+    """``par`` is the [parallelism] section: its degrees with ``-1`` resolved, checked against
+    the world size."""
+    degrees = {dim: getattr(par, key) for dim, key in DEGREE_FIELDS.items()}
+    auto = [dim for dim, v in degrees.items() if v == -1]
+    if len(auto) > 1:
+        names = [DEGREE_FIELDS[d] for d in auto]
+        raise ConfigError(f"parallelism: only one degree may be -1 (the ranks left over); got -1 for {names}")
+    for dim, v in degrees.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallelism.{DEGREE_FIELDS[dim]} = {v}: degrees are positive integers, "
+                              "or -1 for the ranks left over")
+    known = 1
+    for v in degrees.values():
+        known *= v if v != -1 else 1
+    if auto:
+        if world % known:
+            raise ConfigError(f"parallelism: the other degrees multiply to {known}, which does not divide the world "
+                              f"size {world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved")
+        degrees[auto[0]] = world // known
+    elif known != world:
+        shown = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items())
+        raise ConfigError(f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product "
+                          "equal the number of processes (NGPU), or set one degree to -1")
+    return degrees
+
+
+def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> int:
+    per_step = local_batch_size * dp
+    if global_batch_size == 0:
+        return 1
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {global_batch_size} must be local_batch_size ({local_batch_size}) x "
+            f"dp degree ({dp}) x gradient-accumulation steps; it is not a multiple of {per_step}")
+    return global_batch_size // per_step
+
+
+def _check_model(model, args, degrees: dict, par, tr) -> None:
+    tp = degrees["tp"]
+    if tp > 1:
+        for what, n in model.tp_divisors(args).items():
+            if n % tp:
+                raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} does not divide the model's {what} "
+                                  f"({n}); choose a degree that divides it")
+        if par.sequence_parallel and tr.seq_len % tp:
+            raise ConfigError(f"sequence parallelism splits training.seq_len = {tr.seq_len} over tp = {tp}: make "
+                              "it a multiple, or set parallelism.sequence_parallel = false")
+    if tr.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len = {tr.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+
+
+def _check_features(par, tr, zero: int, tp: int) -> None:
+    """Precision, compile and offload against the ZeRO stage and TP."""
+    if zero != 3 and (tr.mixed_precision_param != "float32" or tr.mixed_precision_reduce != "float32"):
+        raise ConfigError(
+            f"training.mixed_precision_param/reduce = {tr.mixed_precision_param}/{tr.mixed_precision_reduce} needs "
+            "parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in float32")
+    if tr.compile and tp > 1:
+        # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
+        # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
+        if zero != 3:
+            raise ConfigError("training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
+                              "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot "
+                              "trace); use zero_stage = 3 or compile = false")
+        if tr.activation_checkpoint != "none":
+            raise ConfigError("training.compile = true with tensor parallelism and training.activation_checkpoint = "
+                              f"{tr.activation_checkpoint!r} fails inside torch.compile; drop one of the three")
+    if par.cpu_offload and zero != 3:
+        raise ConfigError("parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy)")
+
+
+def resolve_layout(par, tr, model, args, world: int) -> Layout:
+    """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
+    args) on ``world`` ranks, after every check that needs no process group."""
+    degrees = resolve_degrees(par, world)
+    if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
+        warnings.warn(f"zero_stage {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; it runs as "
+                      "zero_stage 0 (gradients all-reduced over the replicas)", stacklevel=2)
+    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"])
+    _check_model(model, args, degrees, par, tr)
+    _check_features(par, tr, zero, degrees["tp"])
+    accum = grad_accum_steps(tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"])
+    layout = Layout(**degrees, zero_stage=zero, sequence_parallel=par.sequence_parallel,
+                    loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
+                    local_batch_size=tr.local_batch_size, accum=accum,
+                    microbatch_size=par.pipeline_parallel_microbatch_size,
+                    activation_checkpoint=tr.activation_checkpoint, param_dtype=tr.mixed_precision_param,
+                    reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile)
+    if layout.pp > 1:
+        layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(par, tr, layout, model, args)
+    return layout

@@ -1,0 +1,28 @@
+"""The planner beside a running job: its prediction for exactly this job, logged at step 1 next
+to what the trainer measured (``Trainer(cfg, on_first_step=predict_for_trainer)``)."""
+
+from __future__ import annotations
+
+from torchpar.plan.estimate import plan
+from torchpar.plan.layout import PRESETS, state_bytes
+
+
+def predict_for_trainer(trainer, measured: dict) -> dict:
+    """Each rank's predicted state bytes and the predicted device peak (state + activations +
+    transients) of the heaviest rank, as metrics; rank 0 prints its own against ``measured``.
+    A pipeline's schedule is read from the running job (no process group is made inside it)."""
+    lay, model, args = trainer.layout, trainer.model_family, trainer.args
+    pipeline = trainer.model.pipeline
+    actions = pipeline.actions() if pipeline else None
+    per_rank = [state_bytes(model, args, lay, lay.rank_coords(r)) for r in range(lay.world)]
+    peak = plan(model, args, lay, PRESETS["H100-80GB"], trainer.cfg.training.seq_len,
+                actions=actions).memory["total_bytes"]
+    out = {f"predicted_{k}_per_rank": [r[k] for r in per_rank] for k in per_rank[0]}
+    out["predicted_peak_bytes"] = peak
+    if trainer.rank == 0:
+        def mib(d):
+            return "/".join(f"{d[k] / 2**20:.2f}" for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+
+        print(f"planner: rank 0 params/grads/optimizer predicted {mib(per_rank[0])} MiB, measured "
+              f"{mib(measured)} MiB; predicted device peak {peak / 2**30:.3f} GiB", flush=True)
+    return out

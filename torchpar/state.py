@@ -1,0 +1,74 @@
+"""The trainer's stateful parts that are not stateful by themselves: each has ``state_dict`` /
+``load_state_dict`` (DCP's ``Stateful`` protocol), so the checkpointer can save and restore it
+without knowing what it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchpar.parallel.zero import ZeroState
+
+
+@dataclass
+class TrainState:
+    """Where the run is: optimizer steps taken and tokens trained on."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+class ModelState:
+    """The parameters of a rank's model parts (pipeline stages), by the unsplit model's names."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        for part in self.parts:
+            set_model_state_dict(part, {k: sd[k] for k in get_model_state_dict(part)})
+
+
+class OptimizerState:
+    """The ZeRO engine's optimizer state, per parameter name (the same format for every stage)."""
+
+    def __init__(self, state: ZeroState):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state.optimizer_state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state.load_optimizer_state_dict(sd)
+
+
+class RNGState:
+    """This rank's CPU RNG, under a key of its own. ``per_rank``: a rank that the saving layout
+    did not have finds no key and keeps its seeded RNG."""
+
+    per_rank = True
+
+    def __init__(self, rank: int):
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict:
+        return {self.key: torch.get_rng_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.key in sd:
+            torch.set_rng_state(sd[self.key])

@@ -1,0 +1,1 @@
+"""Tools beside the trainer: schedule pictures, the communication ledger, the shape-only build."""
