@@ -1,6 +1,7 @@
 """Train the shipped BPE vocabulary on the stdlib corpus's training split.
 
-    python scripts/train_tokenizer.py [--vocab-size 4096] [--max-mb 4] [--out torchpar/assets/stdlib_4096.tiktoken]
+    python scripts/train_tokenizer.py [--vocab-size 4096] [--max-mb 4] \\
+        [--out torchpar/assets/stdlib_4096.tiktoken]
 
 ``--vocab-size`` counts the two special tokens (BOS, EOS), so 4096 gives 4094 mergeable ranks
 and a model vocabulary of exactly 4096. Deterministic: the same interpreter gives the same file.
@@ -30,7 +31,10 @@ def main() -> None:
     t0 = time.time()
     ranks = train_bpe(texts, args.vocab_size - 2)
     save_bpe_ranks(ranks, args.out)
-    print(f"trained {len(ranks)} ranks (+2 specials) on {len(texts)} files, {size / 1e6:.1f} MB, in {time.time() - t0:.0f}s -> {args.out}")
+    print(
+        f"trained {len(ranks)} ranks (+2 specials) on {len(texts)} files, {size / 1e6:.1f} MB, in "
+        f"{time.time() - t0:.0f}s -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,9 @@ def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
             losses = trainer.train()
             params = trainer.full_parameters()
             gathered = [None] * world
-            trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]  # not evaluation's
+            trained = [
+                (d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)
+            ]  # not evaluation's
             dist.all_gather_object(gathered, (params, trained))
             if rank == 0:
                 merged, windows = {}, {}
@@ -106,7 +108,9 @@ def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
                     batches = [batch for _, batch in w]
                     for dp_rank in {d for d, _ in w}:
                         # The TP / pipeline ranks of one data-parallel rank read the same windows.
-                        assert windows.setdefault(dp_rank, batches) == batches, f"dp rank {dp_rank} ranks disagree"
+                        assert windows.setdefault(dp_rank, batches) == batches, (
+                            f"dp rank {dp_rank} ranks disagree"
+                        )
                 step1 = json.loads(Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()[0])
                 results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows,
                                  "val_losses": trainer.val_losses}

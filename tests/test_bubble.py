@@ -40,7 +40,11 @@ def test_every_action_of_torch_order_is_simulated():
     order, stages = schedule_order("ZBVZeroBubble", 2, 4, 2)
     actions = compute_actions(order)
     sim = simulate(actions, stages)
-    assert sum(len(t) for t in sim["timeline"].values()) == sum(len(a) for a in actions.values()) == 2 * 2 * 4 * 3
+    assert (
+        sum(len(t) for t in sim["timeline"].values())
+        == sum(len(a) for a in actions.values())
+        == 2 * 2 * 4 * 3
+    )
 
 
 def test_picture_text_and_svg(tmp_path):
@@ -56,7 +60,9 @@ def test_picture_text_and_svg(tmp_path):
 def test_picture_png_and_virtual_stages(tmp_path):
     sim = bubble("Interleaved1F1B", 2, 4, 2)
     text = text_gantt(sim)
-    assert text.splitlines()[0].startswith("rank 0 |F0s0  F1s0")  # stage named: each microbatch runs twice per rank
+    assert text.splitlines()[0].startswith(
+        "rank 0 |F0s0  F1s0"
+    )  # stage named: each microbatch runs twice per rank
     write_svg(sim, tmp_path / "i.svg", "Interleaved1F1B")
     svg = (tmp_path / "i.svg").read_text()
     # a rank's second stage (2, 3) is drawn lighter than its first (0, 1): 2 ranks x 4 forwards each

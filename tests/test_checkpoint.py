@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from harness import assert_matches, run_layouts
 
 Z = "--parallelism.zero_stage"
@@ -21,8 +20,8 @@ STEPS = ["--training.steps", "6"]
 
 
 def save(folder, *layout):
-    return [*STEPS, *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--checkpoint.folder", str(folder),
-            "--checkpoint.async_mode", "async"]
+    return [*STEPS, *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+            "--checkpoint.folder", str(folder), "--checkpoint.async_mode", "async"]
 
 
 def resume(folder, *layout):

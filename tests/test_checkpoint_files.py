@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import ROOT, TINY
 from test_train import env, run
 
@@ -100,7 +99,9 @@ def test_corrupted_file(trained, tmp_path):
 
 
 def test_another_model_shape(trained, tmp_path):
-    expect_error(train(tmp_path, trained, "--model.n_layers", "4"), "another shape", "n_layers: saved 8 vs config 4")
+    expect_error(
+        train(tmp_path, trained, "--model.n_layers", "4"), "another shape", "n_layers: saved 8 vs config 4"
+    )
 
 
 def test_another_flavor(trained, tmp_path):
@@ -116,8 +117,14 @@ def test_export_then_train_from_it_and_generate(trained, tmp_path):
     meta = json.loads(out.with_name("model.pt.json").read_text())
     assert meta["step"] == 6 and meta["model_flavor"] == "debug"
     bf16 = tmp_path / "model_bf16.pt"
-    assert run(["torchpar", "export", "--checkpoint", str(trained / "checkpoint" / "step-00000006"), "--out", str(bf16),
-                "--dtype", "bf16"], tmp_path).returncode == 0
+    assert (
+        run(
+            ["torchpar", "export", "--checkpoint", str(trained / "checkpoint" / "step-00000006"), "--out",
+             str(bf16), "--dtype", "bf16"],
+            tmp_path,
+        ).returncode
+        == 0
+    )
     small = torch.load(bf16, weights_only=True)
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, weights[k].bfloat16()) for k, v in small.items())
     # Start a new run from the exported weights; with lr 0 its final checkpoint holds them unchanged.
@@ -126,15 +133,22 @@ def test_export_then_train_from_it_and_generate(trained, tmp_path):
               "--optimizer.lr", "0", "--optimizer.weight_decay", "0")
     assert r.returncode == 0, r.stderr
     again = tmp_path / "again.pt"
-    assert run(["torchpar", "export", "--checkpoint", str(fresh), "--out", str(again)], tmp_path).returncode == 0
+    assert (
+        run(["torchpar", "export", "--checkpoint", str(fresh), "--out", str(again)], tmp_path).returncode == 0
+    )
     reloaded = torch.load(again, weights_only=True)
     assert reloaded.keys() == weights.keys()
     assert all(torch.equal(reloaded[k], weights[k]) for k in weights)
     first_loss = json.loads((fresh / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first_loss < 8.5  # trained weights, not a fresh init (which starts at ~8.8 = ln 4096 + noise)
     # A weights file of another shape is refused before training.
-    expect_error(train(tmp_path, tmp_path / "bad", "--checkpoint.initial_load_path", str(out), "--model.n_layers", "4"),
-                 "weights file", "another shape")
+    expect_error(
+        train(
+            tmp_path, tmp_path / "bad", "--checkpoint.initial_load_path", str(out), "--model.n_layers", "4"
+        ),
+        "weights file",
+        "another shape",
+    )
     # Sampling: greedy is deterministic and the same from the checkpoint and the fp32 export.
     cmd = ["torchpar", "generate", "--prompt", "import os\n", "--max-new-tokens", "12", "--temperature", "0"]
     a = run([*cmd, "--checkpoint", str(trained)], tmp_path)
@@ -153,7 +167,11 @@ def _rank_pids(local_rank: int) -> list[int]:
             environ = (d / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"torchpar.train" in cmd and b"torchrun" not in cmd and f"LOCAL_RANK={local_rank}".encode() in environ:
+        if (
+            b"torchpar.train" in cmd
+            and b"torchrun" not in cmd
+            and f"LOCAL_RANK={local_rank}".encode() in environ
+        ):
             pids.append(int(d.name))
     return pids
 
@@ -183,8 +201,10 @@ def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
     assert killed, "the run finished before a rank could be killed"
     assert proc.returncode == 0, (out + err)[-4000:]
     assert "resumed from" in out
-    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")], tmp_path)
+    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")],
+            tmp_path)
     b = run(["torchpar", "export", "--checkpoint", str(folder), "--out", str(tmp_path / "b.pt")], tmp_path)
     assert a.returncode == b.returncode == 0
-    wa, wb = torch.load(tmp_path / "a.pt", weights_only=True), torch.load(tmp_path / "b.pt", weights_only=True)
+    wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
+              torch.load(tmp_path / "b.pt", weights_only=True))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -25,26 +25,34 @@ def test_cycle_is_rejected_with_the_chain(tmp_path):
 
 
 def test_cli_overrides_both_forms_are_typed(tmp_path):
-    cfg = load_config(None, ["--training.steps", "7", "--optimizer.lr=0.25", "--metrics.enable_wandb", "true",
-                             "--metrics.wandb_tags", "a,b", "--parallelism.pipeline_parallel_layers_per_stage", "3,5"])
+    cfg = load_config(
+        None,
+        ["--training.steps", "7", "--optimizer.lr=0.25", "--metrics.enable_wandb", "true",
+         "--metrics.wandb_tags", "a,b", "--parallelism.pipeline_parallel_layers_per_stage", "3,5"],
+    )
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 0.25 and cfg.metrics.enable_wandb is True
-    assert cfg.metrics.wandb_tags == ["a", "b"] and cfg.parallelism.pipeline_parallel_layers_per_stage == [3, 5]
+    assert cfg.metrics.wandb_tags == ["a", "b"] and cfg.parallelism.pipeline_parallel_layers_per_stage == [3,
+                                                                                                           5]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--trainig.steps", "3"], "unknown section \\[trainig\\]. Did you mean 'training'"),
-    (["--training.stpes", "3"], "unknown key 'stpes' in \\[training\\]. Did you mean 'steps'"),
-    (["--training.steps", "ten"], "training.steps: got 'ten' \\(str\\), expected int"),
-    (["--parallelism.zero_stage", "4"], "zero_stage = 4 is not one of \\[0, 1, 2, 3\\]"),
-    (["--model.flavor", "debgu"], "Did you mean 'debug'"),
-    (["--training.steps"], "has no value"),
-    (["stray"], "unexpected argument"),
-    (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
-    (["--optimizer.beta2", "1"], "optimizer.beta2 must be in \\[0, 1\\), got 1.0"),
-    (["--lr_scheduler.min_lr_ratio", "2"], "min_lr_ratio must be in \\[0, 1\\]"),
-    (["--validation.steps", "0"], "validation.freq and validation.steps must be positive"),
-    (["--validation.enable", "true", "--data.dataset", "files", "--data.path", "x.txt"], "validation.path is required"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trainig.steps", "3"], "unknown section \\[trainig\\]. Did you mean 'training'"),
+        (["--training.stpes", "3"], "unknown key 'stpes' in \\[training\\]. Did you mean 'steps'"),
+        (["--training.steps", "ten"], "training.steps: got 'ten' \\(str\\), expected int"),
+        (["--parallelism.zero_stage", "4"], "zero_stage = 4 is not one of \\[0, 1, 2, 3\\]"),
+        (["--model.flavor", "debgu"], "Did you mean 'debug'"),
+        (["--training.steps"], "has no value"),
+        (["stray"], "unexpected argument"),
+        (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
+        (["--optimizer.beta2", "1"], "optimizer.beta2 must be in \\[0, 1\\), got 1.0"),
+        (["--lr_scheduler.min_lr_ratio", "2"], "min_lr_ratio must be in \\[0, 1\\]"),
+        (["--validation.steps", "0"], "validation.freq and validation.steps must be positive"),
+        (["--validation.enable", "true", "--data.dataset", "files", "--data.path", "x.txt"],
+         "validation.path is required"),
+    ],
+)
 def test_user_mistakes_give_one_clear_error(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, args)

@@ -8,14 +8,14 @@ step 1.
 
 import pytest
 import torch
-
 from harness import assert_matches, run_layouts
 
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+from torchpar.parallel.pipeline import SCHEDULES
 
 
 def pp(degree, schedule, *more):
-    return ["--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule", schedule, *more]
+    return ["--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule",
+            schedule, *more]
 
 
 Z = "--parallelism.zero_stage"
@@ -27,7 +27,8 @@ AC = "--training.activation_checkpoint=full"
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
-    "tp2_zero0": [*TP2, Z, "0", "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
+    "tp2_zero0": [*TP2, Z, "0", "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel",
+                  "false"],
     "tp2_sp_lp": [*TP2, Z, "0"],
     "tp2_tied": [*TP2, "--model.flavor", "debug-tied"],
     "dp2_accum2": [LB, "2", "--training.global_batch_size", "8", Z, "3"],
@@ -46,7 +47,10 @@ WORLD2 = {
     # Held-out loss at steps 2, 4, 5: forward-only passes through every kind of layout.
     "dp2_zero3_val": [LB, "4", Z, "3", *VAL],
     "tp2_sp_lp_val": [*TP2, Z, "0", *VAL],
-    **{f"pp2_{s}_val": pp(2, s, Z, "3", *VAL) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")},
+    **{
+        f"pp2_{s}_val": pp(2, s, Z, "3", *VAL)
+        for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+    },
     "pp2_ZBVZeroBubble_activation_checkpoint": pp(2, "ZBVZeroBubble", Z, "0", AC),
 }
 WORLD4 = {
@@ -63,7 +67,10 @@ WORLD4 = {
 }
 WORLD8 = {
     "hsdp2x2_tp2": [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", *TP2, Z, "3"],
-    **{f"pp2_dp2_tp2_{s}": pp(2, s, LB, "4", *TP2, Z, "3") for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")},
+    **{
+        f"pp2_dp2_tp2_{s}": pp(2, s, LB, "4", *TP2, Z, "3")
+        for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+    },
 }
 
 
@@ -131,7 +138,9 @@ def world8():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_accumulation_equals_one_big_batch(refs, family):
-    assert_matches(refs[f"{family}/accum4_of_1"], refs[f"{family}/batch4"], tol=1e-5, **param_tols(family + "/"))
+    assert_matches(
+        refs[f"{family}/accum4_of_1"], refs[f"{family}/batch4"], tol=1e-5, **param_tols(family + "/")
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -198,7 +207,9 @@ def test_tensor_parallel_halves_the_sharded_weights(world2, refs, family):
     model = MODELS[family]
     args = model.args("debug")
     entries = model.stage_params(args, True, True, args.n_layers)
-    whole = 4 * sum(r * c for _, (r, c), tp_dim in entries if tp_dim is None)  # norms (and biases) TP leaves whole
+    whole = 4 * sum(
+        r * c for _, (r, c), tp_dim in entries if tp_dim is None
+    )  # norms (and biases) TP leaves whole
     assert whole >= 4 * args.dim * (2 * args.n_layers + 1)
     total = refs[f"{family}/ref"]["step1"]["param_bytes"]
     for r in range(2):
@@ -217,6 +228,7 @@ def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world
     """torchpar.plan's per-rank parameter / gradient / optimizer bytes equal what each rank of the
     real trainer held at step 1, for every layout of the table (TP, FSDP, ZeRO 0-2, HSDP, PP)."""
     from harness import TINY
+
     from torchpar.config import load_config
     from torchpar.plan import layout_from_config, state_bytes
 
@@ -228,4 +240,6 @@ def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world
             for key in ("param", "grad", "optim"):
                 assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)
                 # ...and the trainer logged the same prediction itself at its first step.
-                assert runs[name]["step1"][f"predicted_{key}_bytes_per_rank"][rank] == predicted[f"{key}_bytes"]
+                assert (
+                    runs[name]["step1"][f"predicted_{key}_bytes_per_rank"][rank] == predicted[f"{key}_bytes"]
+                )

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from harness import ROOT, TINY, spawn_ranks
 
 Z = "--parallelism.zero_stage"
@@ -19,8 +18,8 @@ LEDGER_LAYOUTS = {
     "dp2_zero3": [Z, "3", "--training.local_batch_size", "4"],
     "dp2_zero3_accum2": [Z, "3", "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
     "tp2": [Z, "0", "--parallelism.tensor_parallel_degree", "2"],
-    "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel", "false",
-                     "--parallelism.loss_parallel", "false"],
+    "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
+                     "false", "--parallelism.loss_parallel", "false"],
     "pp2": [Z, "0", "--parallelism.pipeline_parallel_degree", "2"],  # rank 0: the first stage's sends
 }
 
@@ -39,7 +38,11 @@ def _ledger_worker(rank, world, out):
             trainer.model.state.zero_grad()
             with CommLedger(trainer.layout.mesh) as ledger:
                 trainer.train_step(batches)
-            results[name] = {"sent": ledger.sent_bytes(), "records": ledger.records, "unknown": ledger.unknown}
+            results[name] = {
+                "sent": ledger.sent_bytes(),
+                "records": ledger.records,
+                "unknown": ledger.unknown,
+            }
     finally:
         if rank == 0:
             torch.save(results, f"{out}/ledger.pt")
@@ -62,7 +65,9 @@ def test_planner_communication_equals_the_ledger(ledgers, name):
     assert not measured["unknown"], measured["unknown"]
     # Each of these layouts uses one mesh dimension besides the world-wide scalars; on 2 ranks
     # that dimension's group is the world group, so compare the total...
-    assert sum(c["bytes"] for c in predicted.values()) == pytest.approx(sum(measured["sent"].values()), rel=0, abs=1e-6)
+    assert sum(c["bytes"] for c in predicted.values()) == pytest.approx(
+        sum(measured["sent"].values()), rel=0, abs=1e-6
+    )
     # ...and that the bytes went over the dimension the planner says.
     dims = set(predicted) - {"world"}
     expected = {"tp"} if "tp2" in name else {"pp"} if "pp2" in name else {"dp", "dp_shard"} & dims
@@ -112,9 +117,17 @@ def _tp(n):
 BIG = {  # name: (world, overrides, ranks to build)
     "8B_dp8_tp8_zero3": (64, ["--model.flavor", "8B", *_tp(8), Z, "3"], [0, 9, 63]),
     "8B_dp8_tp8_zero1": (64, ["--model.flavor", "8B", *_tp(8), Z, "1"], [0, 37]),
-    "70B_tp8_pp8_dp8": (512, ["--model.flavor", "70B", *_tp(8), *_pp(8), Z, "3"], [0, 64 * 3 + 9, 64 * 7 + 63]),
-    "405B_tp8_pp16_dp8": (1024, ["--model.flavor", "405B", *_tp(8), *_pp(16), Z, "3",
-                                 "--parallelism.pipeline_parallel_schedule", "GPipe"], [0, 64 * 8 + 5, 64 * 15 + 63]),
+    "70B_tp8_pp8_dp8": (
+        512,
+        ["--model.flavor", "70B", *_tp(8), *_pp(8), Z, "3"],
+        [0, 64 * 3 + 9, 64 * 7 + 63],
+    ),
+    "405B_tp8_pp16_dp8": (
+        1024,
+        ["--model.flavor", "405B", *_tp(8), *_pp(16), Z, "3", "--parallelism.pipeline_parallel_schedule",
+         "GPipe"],
+        [0, 64 * 8 + 5, 64 * 15 + 63],
+    ),
 }
 
 
@@ -144,8 +157,12 @@ def test_planner_bytes_equal_the_real_model_at_scale(name):
 def seeds():
     from torchpar.plan.checks import seed_examples
 
-    return {e["example"].split(" ")[0] + ("-qkv" if "QKV" in e["example"] else "") + ("-64" if "64 GPUs" in e["example"] else ""): e["exact"]
-            for e in seed_examples()}
+    return {
+        e["example"].split(" ")[0]
+        + ("-qkv" if "QKV" in e["example"] else "")
+        + ("-64" if "64 GPUs" in e["example"] else ""): e["exact"]
+        for e in seed_examples()
+    }
 
 
 def test_seed_bert_large_data_parallel(seeds):
@@ -172,11 +189,15 @@ def test_seed_gpt3_memory_and_qkv_shard(seeds):
 
 def test_seed_pipeline_bubble_and_3d_layout(seeds):
     e = seeds["PP"]
-    assert e["bubble_GPipe"] == pytest.approx(3 / 19, abs=1e-12) and e["bubble_1F1B"] == pytest.approx(3 / 19, abs=1e-12)
+    assert e["bubble_GPipe"] == pytest.approx(3 / 19, abs=1e-12) and e["bubble_1F1B"] == pytest.approx(
+        3 / 19, abs=1e-12
+    )
     assert e["microbatch_size"] == 128
     g = seeds["175B-64"]
     d = 12288
-    assert g["params_per_gpu_middle_stage"] == 24 * (12 * d * d // 8 + 2 * d)  # TP shards matmuls, norms stay whole
+    assert g["params_per_gpu_middle_stage"] == 24 * (
+        12 * d * d // 8 + 2 * d
+    )  # TP shards matmuls, norms stay whole
     assert g["mixed_precision_GB_no_zero"] > 80 > g["mixed_precision_GB_zero1"]
 
 
@@ -206,15 +227,17 @@ def test_activation_prediction_against_a_measured_block():
 
 
 def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "torchpar.plan", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpar.plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_plan_command_json_and_exact_config():
     r = run_plan("--config", str(TINY), "--nproc", "2", "--gpu", "A100-80GB", "--json")
     assert r.returncode == 0, r.stderr
     (p,) = json.loads(r.stdout)
-    assert set(p) == {"layout", "memory", "communication", "bubble", "compute_s", "step_s", "tokens_per_sec", "mfu", "fits"}
+    assert set(p) == {"layout", "memory", "communication", "bubble", "compute_s", "step_s", "tokens_per_sec",
+                      "mfu", "fits"}
     assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
     assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
             "cpu_bytes", "total_bytes"} == set(p["memory"])
@@ -231,14 +254,18 @@ def test_search_follows_the_tutorials_reasoning():
     model = MODELS["llama3"]
     # 8B on one node of 8 x A100-80GB: data parallel + ZeRO alone fits, and wins.
     args = model.args("8B")
-    plans = search(model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096)
+    plans = search(
+        model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096
+    )
     best = plans[0]
     assert best.fits and best.layout["tp"] == 1 and best.layout["pp"] == 1
     assert "1. data parallel + ZeRO alone" in explain(model, args, plans, a100)
     assert "-> fits" in explain(model, args, plans, a100)
     # 70B on the same node: 16 bytes x 70.6B / 8 > 80 GB, so nothing without offload fits.
     args = model.args("70B")
-    plans = search(model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096)
+    plans = search(
+        model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096
+    )
     assert all(p.layout["cpu_offload"] for p in plans if p.fits) and plans[0].fits
     text = explain(model, args, plans, a100)
     assert "2. + tensor parallel inside a node" in text and "4. + CPU offload" in text

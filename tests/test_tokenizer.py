@@ -25,14 +25,11 @@ def test_trainer_learns_merges_deterministically(tmp_path):
     assert len(tok.encode(" hello", bos=False, eos=False)) == 1
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "not found"),
-    ("", "empty"),
-    ("!!notbase64 0\n", "not 'base64 rank'"),
-    ("YQ== 0 extra\n", "expected 'base64 rank'"),
-    ("YQ== 0\nYg== 5\n", "ranks must be exactly"),
-    ("YQ== 0\nYg== 1\n", "needs all 256 single bytes"),
-])
+@pytest.mark.parametrize("content, message", [(None, "not found"), ("", "empty"),
+                                              ("!!notbase64 0\n", "not 'base64 rank'"),
+                                              ("YQ== 0 extra\n", "expected 'base64 rank'"),
+                                              ("YQ== 0\nYg== 5\n", "ranks must be exactly"),
+                                              ("YQ== 0\nYg== 1\n", "needs all 256 single bytes")])
 def test_bad_files(tmp_path, content, message):
     path = tmp_path / "bad.tiktoken"
     if content is not None:

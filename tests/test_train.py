@@ -18,7 +18,9 @@ def env(tmp_path, **extra):
 
 
 def run(cmd, tmp_path, **extra):
-    return subprocess.run(cmd, cwd=ROOT, env=env(tmp_path, **extra), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env(tmp_path, **extra), capture_output=True, text=True, timeout=600
+    )
 
 
 def records(folder, kind="loss"):
@@ -48,14 +50,25 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
 
 def test_wandb_offline_writes_the_run(tmp_path):
     out = tmp_path / "wb"
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
-             "--metrics.enable_wandb", "true", "--metrics.wandb_run_name", "offline-test", "--job.dump_folder", str(out),
-             "--validation.enable", "true"], tmp_path)
+    r = run(
+        [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
+         "--metrics.enable_wandb", "true", "--metrics.wandb_run_name", "offline-test", "--job.dump_folder",
+         str(out), "--validation.enable", "true"],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     log = next(runs[0].glob("run-*.wandb")).read_bytes()  # the offline run's protobuf record log
-    for key in (b"offline-test", b"loss", b"grad_norm", b"tokens_per_sec", b"mfu", b"param_bytes", b"val_loss"):
+    for key in (
+        b"offline-test",
+        b"loss",
+        b"grad_norm",
+        b"tokens_per_sec",
+        b"mfu",
+        b"param_bytes",
+        b"val_loss",
+    ):
         assert key in log, key
     first = records(out)[0]
     assert repr(first["loss"]).encode() in log  # the logged value itself, not only its name
@@ -70,7 +83,9 @@ def test_run_train_sh_two_processes_end_to_end(tmp_path):
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 2, 4]
     assert len(recs[0]["param_bytes_per_rank"]) == 2
-    assert [x["step"] for x in records(out, "val_loss")] == [4]  # the default config evaluates after the last step
+    assert [x["step"] for x in records(out, "val_loss")] == [
+        4
+    ]  # the default config evaluates after the last step
     assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 1 x tp 2" in r.stdout
 
 
@@ -82,10 +97,17 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
 
 
 def test_print_config_and_help(tmp_path):
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--print-config", "--training.steps", "9"], tmp_path)
+    r = run(
+        [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--print-config", "--training.steps",
+         "9"],
+        tmp_path,
+    )
     assert r.returncode == 0 and "[training]\nsteps = 9\n" in r.stdout
     r = run(["torchpar", "train", "--help"], tmp_path)
-    assert r.returncode == 0 and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay." in r.stdout
+    assert (
+        r.returncode == 0
+        and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay." in r.stdout
+    )
     r = run([sys.executable, "-m", "torchpar.train", "--training.stepz", "3"], tmp_path)
     assert r.returncode == 2 and "Did you mean 'steps'" in r.stderr and "Traceback" not in r.stderr
 
@@ -93,13 +115,18 @@ def test_print_config_and_help(tmp_path):
 def test_validation_on_local_files(tmp_path):
     """[validation] path: held-out files beside the training files, evaluated under the trainer."""
     (tmp_path / "train.txt").write_text("def f(x):\n    return x + 1\n" * 200)
-    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": f"class C{i}:\n    pass\n"}) + "\n" for i in range(50)))
+    (tmp_path / "held.jsonl").write_text(
+        "".join(json.dumps({"text": f"class C{i}:\n    pass\n"}) + "\n" for i in range(50))
+    )
 
     def held_out_losses(path, folder):
-        r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
-                 "--training.seq_len", "32", "--data.dataset", "files", "--data.path", str(tmp_path / "train.txt"),
-                 "--validation.enable", "true", "--validation.path", str(path), "--validation.freq", "2",
-                 "--job.dump_folder", str(tmp_path / folder)], tmp_path)
+        r = run(
+            [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
+             "--training.seq_len", "32", "--data.dataset", "files", "--data.path",
+             str(tmp_path / "train.txt"), "--validation.enable", "true", "--validation.path", str(path),
+             "--validation.freq", "2", "--job.dump_folder", str(tmp_path / folder)],
+            tmp_path,
+        )
         assert r.returncode == 0, r.stderr
         return records(tmp_path / folder, "val_loss")
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar.config import ConfigError
+from torchpar.models import DEFAULT_FAMILY
 
 MANIFEST = "torchpar.json"
 FORMAT = 2  # 2: stateful parts (model, optimizer, lr_scheduler, train_state, dataloader, rng)
@@ -61,7 +62,11 @@ def complete_checkpoints(root: Path) -> dict[int, Path]:
 
 
 def incomplete_checkpoints(root: Path) -> list[Path]:
-    return sorted(d for d in root.glob("step-*") if d.is_dir() and not (d / MANIFEST).exists()) if root.is_dir() else []
+    return (
+        sorted(d for d in root.glob("step-*") if d.is_dir() and not (d / MANIFEST).exists())
+        if root.is_dir()
+        else []
+    )
 
 
 def _warn(message: str) -> None:
@@ -94,27 +99,36 @@ def verify_files(path: Path, manifest: dict, checksums: bool) -> None:
             raise ConfigError(f"checkpoint {path} is damaged: {name} is missing; {fix}")
         actual = f.stat().st_size
         if actual != size:
-            raise ConfigError(f"checkpoint {path} is damaged: {name} has {actual} bytes, the manifest says {size} "
-                              f"(truncated?); {fix}")
+            raise ConfigError(
+                f"checkpoint {path} is damaged: {name} has {actual} bytes, the manifest says {size} "
+                f"(truncated?); {fix}"
+            )
         if checksums and _file_crc32(f) != crc:
-            raise ConfigError(f"checkpoint {path} is damaged: {name} fails its CRC32 check (corrupted); {fix}")
+            raise ConfigError(
+                f"checkpoint {path} is damaged: {name} fails its CRC32 check (corrupted); {fix}"
+            )
 
 
 def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -> None:
     """A checkpoint or weights file (``saved``: its manifest) only loads into the model family and
     shape it was saved from."""
-    saved_name, saved_flavor, saved_args = saved.get("model_name", "llama3"), saved["model_flavor"], saved["model_args"]
+    saved_name, saved_flavor, saved_args = (saved.get("model_name", DEFAULT_FAMILY), saved["model_flavor"],
+                                            saved["model_args"])
     if saved_name != name:
         raise ConfigError(f"{where} holds a {saved_name!r} model but model.name = {name!r}; set model.name = "
                           f"{saved_name!r}, or start from a new job.dump_folder / checkpoint.folder")
     if saved_flavor != flavor:
-        raise ConfigError(f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set "
-                          f"model.flavor = {saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder")
+        raise ConfigError(
+            f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set "
+            f"model.flavor = {saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder"
+        )
     diff = {k: (v, args.to_dict()[k]) for k, v in saved_args.items() if args.to_dict().get(k) != v}
     if diff:
         pretty = ", ".join(f"{k}: saved {a} vs config {b}" for k, (a, b) in diff.items())
-        raise ConfigError(f"{where} holds a model of another shape ({pretty}); use the config it was saved with "
-                          "(e.g. model.n_layers) or a new checkpoint folder")
+        raise ConfigError(
+            f"{where} holds a model of another shape ({pretty}); use the config it was saved with "
+            "(e.g. model.n_layers) or a new checkpoint folder"
+        )
 
 
 def find_resume(cfg, args) -> Path | None:
@@ -129,9 +143,11 @@ def find_resume(cfg, args) -> Path | None:
     if ck.load_step > 0:
         if ck.load_step not in found:
             have = ", ".join(map(str, sorted(found))) or "none"
-            raise ConfigError(f"checkpoint.load_step = {ck.load_step}: no complete checkpoint "
-                              f"{step_dir(root, ck.load_step)} (complete steps there: {have}); set load_step to one "
-                              "of them, or -1 for the latest")
+            raise ConfigError(
+                f"checkpoint.load_step = {ck.load_step}: no complete checkpoint "
+                f"{step_dir(root, ck.load_step)} (complete steps there: {have}); set load_step to one "
+                "of them, or -1 for the latest"
+            )
         path = found[ck.load_step]
     elif found:
         path = found[max(found)]
@@ -139,9 +155,11 @@ def find_resume(cfg, args) -> Path | None:
         return None
     manifest = read_manifest(path)
     if manifest.get("format", 1) != FORMAT:
-        raise ConfigError(f"checkpoint {path} was written in checkpoint format {manifest.get('format', 1)}, this "
-                          f"torchpar reads format {FORMAT}; export its weights (`torchpar export`) and start from "
-                          "them with checkpoint.initial_load_path, or use a new checkpoint folder")
+        raise ConfigError(
+            f"checkpoint {path} was written in checkpoint format {manifest.get('format', 1)}, this "
+            f"torchpar reads format {FORMAT}; export its weights (`torchpar export`) and start from "
+            "them with checkpoint.initial_load_path, or use a new checkpoint folder"
+        )
     check_model_matches(f"checkpoint {path}", manifest, cfg.model.name, cfg.model.flavor, args)
     verify_files(path, manifest, ck.verify_checksums)
     return path
@@ -283,10 +301,14 @@ def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
     for key, value in walk("", state):
         saved = metadata.get(key)
         if saved is None:
-            raise ConfigError(f"checkpoint {path} has no tensor {key}; it was saved from another model or job")
+            raise ConfigError(
+                f"checkpoint {path} has no tensor {key}; it was saved from another model or job"
+            )
         if hasattr(saved, "size") and tuple(saved.size) != tuple(value.shape):
-            raise ConfigError(f"checkpoint {path}: {key} is {tuple(saved.size)} there but {tuple(value.shape)} "
-                              "here; use the config it was saved with")
+            raise ConfigError(
+                f"checkpoint {path}: {key} is {tuple(saved.size)} there but {tuple(value.shape)} "
+                "here; use the config it was saved with"
+            )
 
 
 def _snapshot(obj):

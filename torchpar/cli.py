@@ -8,10 +8,14 @@ USAGE = """usage: torchpar <command> [args]
 
 commands:
   train      train a model: torchpar train --config FILE [--section.key value ...]
-  schedule   draw a pipeline schedule and its bubble: torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
-  export     consolidate a checkpoint into one weights file: torchpar export --checkpoint DIR --out FILE [--dtype bf16]
+  schedule   draw a pipeline schedule and its bubble:
+               torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
+  export     consolidate a checkpoint into one weights file, or a Hugging Face folder:
+               torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16]
   plan       memory, communication, bubble and step time of layouts: torchpar plan --model 8B --gpu H100-80GB
   generate   sample text: torchpar generate --checkpoint DIR|FILE --prompt TEXT [--max-new-tokens N]
+  config     a DeepSpeed ds_config.json as a torchpar TOML:
+               torchpar config from-deepspeed ds_config.json [--model FLAVOR] [--nproc N] > my.toml
 """
 
 
@@ -37,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchpar.plan import main as plan_main
 
         return plan_main(rest)
+    if command == "config":
+        from torchpar.tools.deepspeed import main as config_main
+
+        return config_main(rest)
     if command == "generate":
         from torchpar.generate import main as generate_main
 

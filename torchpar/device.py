@@ -79,7 +79,8 @@ def memory_stats() -> dict[str, float]:
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"mem_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "mem_peak_rss_gib": peak_kib / 2**20}
+    return {"mem_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30,
+            "mem_peak_rss_gib": peak_kib / 2**20}
 
 
 def peak_flops(dtype: torch.dtype, matmul_dim: int) -> tuple[float, str]:
@@ -102,7 +103,8 @@ def peak_flops(dtype: torch.dtype, matmul_dim: int) -> tuple[float, str]:
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best, f"measured: best of 5 {m}x{k}x{n} {dtype} matmuls on {torch.get_num_threads()} thread(s)"
+    return (2 * m * k * n / best,
+            f"measured: best of 5 {m}x{k}x{n} {dtype} matmuls on {torch.get_num_threads()} thread(s)")
 
 
 if __name__ == "__main__":

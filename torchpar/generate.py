@@ -40,18 +40,22 @@ def sample(model, tokens: list[int], max_new_tokens: int, temperature: float, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchpar.weights import load_model
     from torchpar.device import local_device
     from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+    from torchpar.weights import load_model
 
     ap = argparse.ArgumentParser(prog="torchpar generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="checkpoint step folder, checkpoint/dump folder, or export file")
+    ap.add_argument(
+        "--checkpoint", required=True, help="checkpoint step folder, checkpoint/dump folder, or export file"
+    )
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=None, help="tiktoken file; default: the one the model was trained with")
+    ap.add_argument(
+        "--tokenizer", default=None, help="tiktoken file; default: the one the model was trained with"
+    )
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         model, meta = load_model(a.checkpoint)

@@ -35,17 +35,24 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+            self.wandb.log(
+                {k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"]
+            )
         if "loss" in record:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             print(
                 f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-                f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  mfu {100 * record['mfu']:.2f}%  "
+                f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  "
+                f"mfu {100 * record['mfu']:.2f}%  "
                 f"mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s",
                 flush=True,
             )
         if "val_loss" in record:
-            print(f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}", flush=True)
+            print(
+                f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl "
+                f"{record['val_ppl']:.2f}",
+                flush=True,
+            )
 
     def close(self) -> None:
         if not self.enabled:

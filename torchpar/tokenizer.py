@@ -31,7 +31,25 @@ class TokenizerError(ValueError):
 
 
 def resolve_path(path: str) -> Path:
-    return BUILTIN if path == "builtin" else Path(path).expanduser()
+    """'builtin', a tiktoken rank file, or a model folder holding one (a Hugging Face Llama 3
+    folder has it as tokenizer.model or original/tokenizer.model)."""
+    if path == "builtin":
+        return BUILTIN
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return p
+    for candidate in (p / "tokenizer.model", p / "original" / "tokenizer.model"):
+        if candidate.is_file():
+            return candidate
+    if (p / "tokenizer.json").exists():
+        raise TokenizerError(f"{p} holds only tokenizer.json (a Hugging Face `tokenizers` file); torchpar "
+                             f"reads "
+                             "tiktoken BPE rank files: set model.tokenizer_path to the model's "
+                             "tokenizer.model (Llama 3 "
+                             "ships it in original/), or keep 'builtin' for a model trained with "
+                             "torchpar's vocabulary")
+    raise TokenizerError(f"{p} is a folder without tokenizer.model; set model.tokenizer_path to a "
+                         f"tiktoken rank file")
 
 
 def load_bpe_ranks(path: str | Path) -> dict[bytes, int]:
@@ -59,7 +77,9 @@ def load_bpe_ranks(path: str | Path) -> dict[bytes, int]:
         raise TokenizerError(f"{path}: ranks must be exactly 0..{len(ranks) - 1}, each once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise TokenizerError(f"{path}: byte-level BPE needs all 256 single bytes; {len(missing)} missing (e.g. {missing[0]})")
+        raise TokenizerError(
+            f"{path}: byte-level BPE needs all 256 single bytes; {len(missing)} missing (e.g. {missing[0]})"
+        )
     return ranks
 
 
@@ -138,5 +158,8 @@ def train_bpe(texts, n_mergeable: int, pattern: str = LLAMA3_PATTERN) -> dict[by
 
 
 def save_bpe_ranks(ranks: dict[bytes, int], path: str | Path) -> None:
-    lines = [f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(tok).decode()} {rank}"
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     Path(path).write_text("\n".join(lines) + "\n")

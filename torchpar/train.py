@@ -16,65 +16,22 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.checkpoint import Checkpointer, checkpoint_root, find_resume
+from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
-from torchpar.data import build_dataloader, build_source
+from torchpar.data import build_dataloader
 from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger
-from torchpar.models import ModelAdapter, adapter, canonical_name
+from torchpar.models import canonical_name
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model
-from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.parallel.zero import clip_grad_norm, full_value
+from torchpar.preflight import preflight
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
-from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
-from torchpar.weights import load_weights
-
-
-class Preflight(NamedTuple):
-    model: ModelAdapter
-    args: object  # the model's args dataclass
-    tokenizer: Tokenizer
-    layout: Layout
-    source: object  # training documents
-    val_source: object | None  # held-out documents when [validation] is enabled
-    resume: Path | None  # checkpoint to resume from
-    weights: dict | None  # initial weights (checkpoint.initial_load_path)
-
-
-def held_out_data(cfg: JobConfig):
-    """The [data] section with [validation]'s split/path: where the held-out documents come from."""
-    v = cfg.validation
-    return dataclasses.replace(cfg.data, split=v.split, path=v.path or cfg.data.path)
-
-
-def preflight(cfg: JobConfig, world: int) -> Preflight:
-    """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
-    resume from or the weights to start from. Raises ConfigError."""
-    model = adapter(cfg.model.name)
-    args = model.args(cfg.model.flavor, cfg.model.n_layers)
-    try:
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
-    except TokenizerError as e:
-        raise ConfigError(f"model.tokenizer_path: {e}") from None
-    if tokenizer.n_words > args.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
-                          f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour")
-    layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
-    source = build_source(cfg.data, cfg.training.seed)
-    val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
-    resume = find_resume(cfg, args)
-    weights = None
-    if resume is None and cfg.checkpoint.initial_load_path:
-        weights, _ = load_weights(cfg.checkpoint.initial_load_path, cfg.model, args)
-    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights)
 
 
 class Trainer:
@@ -110,7 +67,9 @@ class Trainer:
         self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
-        self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param), self.args.dim)
+        self.peak_flops, self.peak_source = dev.peak_flops(
+            getattr(torch, tr.mixed_precision_param), self.args.dim
+        )
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
                                          self.manifest(), pre.resume)
@@ -121,23 +80,22 @@ class Trainer:
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
-        return {
-            "model": ModelState(self.model.parts),
-            "optimizer": OptimizerState(self.model.state),
-            "lr_scheduler": self.lr_scheduler,
-            "train_state": self.train_state,
-            "dataloader": self.dataloader,
-            "rng": RNGState(self.rank),
-        }
+        return {"model": ModelState(self.model.parts), "optimizer": OptimizerState(self.model.state),
+                "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
+                "dataloader": self.dataloader, "rng": RNGState(self.rank)}
 
     def manifest(self) -> dict:
         """What a checkpoint records beside its tensors, to check a resume or an export against."""
         lay, cfg = self.layout, self.cfg
-        return {"model_name": cfg.model.name, "model_flavor": cfg.model.flavor, "model_args": self.args.to_dict(),
-                "tokenizer_path": cfg.model.tokenizer_path,
-                "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
-                           "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
-                "config": to_toml(cfg)}
+        return {
+            "model_name": cfg.model.name,
+            "model_flavor": cfg.model.flavor,
+            "model_args": self.args.to_dict(),
+            "tokenizer_path": cfg.model.tokenizer_path,
+            "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
+                       "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
+            "config": to_toml(cfg),
+        }
 
     # ------------------------------------------------------------------ one step
 
@@ -192,8 +150,9 @@ class Trainer:
         pipeline = self.model.pipeline
         lay = self.layout
         chunk = lay.microbatch_size if pipeline else tr.local_batch_size
-        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len, tr.local_batch_size * lay.accum,
-                                  lay.dp_rank, lay.dp, tr.seed, 0, self.cfg.data.lanes)
+        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len,
+                                  tr.local_batch_size * lay.accum, lay.dp_rank, lay.dp, tr.seed, 0,
+                                  self.cfg.data.lanes)
         loss_sum = torch.zeros((), device=self.device)
         with torch.no_grad(), self._loss_context():
             for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
@@ -217,11 +176,14 @@ class Trainer:
         lay, ts = self.layout, self.train_state
         if self.rank == 0:
             n = self.model_family.num_params(self.args)
-            print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-                  f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-                  f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
-                  f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
-                  f"GFLOP/s per rank ({self.peak_source})", flush=True)
+            print(
+                f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
+                f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+                f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
+                f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
+                f"GFLOP/s per rank ({self.peak_source})",
+                flush=True,
+            )
             if self.model.pipeline is not None:
                 print(self.model.pipeline.describe(), flush=True)
         losses: list[float] = []

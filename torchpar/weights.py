@@ -16,9 +16,15 @@ from pathlib import Path
 
 import torch
 
-from torchpar.checkpoint import MANIFEST, check_model_matches, complete_checkpoints, read_manifest, verify_files
+from torchpar.checkpoint import (
+    MANIFEST,
+    check_model_matches,
+    complete_checkpoints,
+    read_manifest,
+    verify_files,
+)
 from torchpar.config import ConfigError
-from torchpar.models import adapter
+from torchpar.models import DEFAULT_FAMILY, adapter
 
 
 def save_weights(state: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
@@ -30,9 +36,22 @@ def save_weights(state: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
     out.with_name(out.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def load_weights(path: str | Path, model_cfg=None, args=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read an exported weights file (never unpickles code) and, given the [model] section and
-    its args, check that it holds that model."""
+class LazyWeight:
+    """One parameter, read on demand: ``read(index)`` returns the part ``index`` (a tuple of
+    slices, one per dim; () = all) without reading the rest — how each rank of a parallel job
+    reads only its own shard of a weights file (``init_weights`` accepts these for tensors)."""
+
+    def __init__(self, shape: tuple[int, ...], read):
+        self.shape, self._read = tuple(shape), read
+
+    def read(self, index: tuple = ()) -> torch.Tensor:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        return self._read(tuple(slice(*s.indices(n)) for s, n in zip(index, self.shape)))
+
+
+def load_weights(path: str | Path, model_cfg=None, args=None) -> tuple[dict[str, LazyWeight], dict]:
+    """An exported weights file (never unpickles code), memory-mapped, as lazy fp32 weights by
+    name; given the [model] section and its args, check first that it holds that model."""
     path = Path(path)
     meta_path = path.with_name(path.name + ".json")
     if not path.exists() or not meta_path.exists():
@@ -40,12 +59,13 @@ def load_weights(path: str | Path, model_cfg=None, args=None) -> tuple[dict[str,
                           "`torchpar export --checkpoint DIR --out FILE`")
     try:
         meta = json.loads(meta_path.read_text())
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a damaged file: one line, not a traceback
-        raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); export it again") from None
+        raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); "
+                          "export it again") from None
     if args is not None:
         check_model_matches(f"weights file {path}", meta, model_cfg.name, model_cfg.flavor, args)
-    return {k: v.float() for k, v in state.items()}, meta
+    return {k: LazyWeight(v.shape, lambda index, v=v: v[index].float()) for k, v in state.items()}, meta
 
 
 # ---------------------------------------------------------------------- single-process use
@@ -62,55 +82,100 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[max(found)]
 
 
-def load_model(path: str | Path):
-    """A whole model on the CPU in fp32 from a checkpoint folder or an exported weights file,
-    with its metadata (model flavour and args, tokenizer path, step). No process group needed."""
+def open_source(path: str | Path) -> tuple[dict, object]:
+    """(metadata, read) for a checkpoint folder or an exported weights file, where
+    ``read(name)`` returns one parameter as a full fp32 tensor and reads nothing else: a DCP
+    checkpoint is read tensor by tensor, an export file is memory-mapped. No process group."""
     import torch.distributed.checkpoint as dcp
 
     p = Path(path)
     if p.is_file():
-        values, meta = load_weights(p)
-    else:
-        p = resolve_checkpoint(p)
-        meta = read_manifest(p)
-        verify_files(p, meta, checksums=True)
-    family = adapter(meta.get("model_name", "llama3"))
+        weights, meta = load_weights(p)
+        return meta, lambda name: weights[name].read()
+    p = resolve_checkpoint(p)
+    meta = read_manifest(p)
+    verify_files(p, meta, checksums=True)
+    sizes = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
+
+    def read(name: str) -> torch.Tensor:
+        sd = {"model": {name: torch.empty(tuple(sizes[f"model.{name}"].size))}}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore")
+            dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # this tensor's shards, gathered whole
+        return sd["model"][name]
+
+    return meta, read
+
+
+def load_model(path: str | Path):
+    """A whole model on the CPU in fp32 from a checkpoint folder or an exported weights file,
+    with its metadata (model family, flavour and args, tokenizer path, step)."""
+    meta, read = open_source(path)
+    family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     with torch.device("meta"):
         model = family.build(family.args_class(**meta["model_args"]))
     model.to_empty(device="cpu")
     model.tie_weights()
-    if not p.is_file():
-        sd = {"model": model.state_dict()}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore")
-            dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # reads every shard into full tensors
-        values = sd["model"]
+    values = {name: read(name) for name, _ in model.named_parameters()}
     model.init_weights(0, values=values)
     model.eval()
     return model, meta
 
 
+def _export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: float) -> str:
+    from torchpar.hf import write_hf
+    from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+
+    family = adapter(meta.get("model_name", DEFAULT_FAMILY))
+    if family.hf_architecture is None:
+        raise ConfigError(f"the {family.name} family has no Hugging Face mapping; export with --format "
+                          f"torchpar")
+    args = family.args_class(**meta["model_args"])
+    try:
+        tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    except TokenizerError:  # the tokenizer moved since training: the weights still export
+        ids = {}
+    stats = write_hf(out, family, args, read, dtype, int(max_shard_mb * 2**20), extra_config=ids)
+    return (f"{len(stats['files'])} safetensors file(s) of {stats['bytes'] / 2**20:.1f} MiB + config.json, "
+            f"peak {stats['peak_bytes'] / 2**20:.1f} MiB of tensors held")
+
+
 def export_main(argv: list[str]) -> int:
-    """torchpar export --checkpoint DIR --out FILE [--dtype bf16|fp32]"""
+    """torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16|fp32]"""
     import argparse
 
     ap = argparse.ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
-                                 "weights file (torch.save, loadable with weights_only=True) + FILE.json.")
-    ap.add_argument("--checkpoint", required=True, help="step folder, checkpoint folder or dump folder (latest step)")
-    ap.add_argument("--out", required=True, help="output file, e.g. model.pt")
+                                 "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
+                                 "or into "
+                                 "a Hugging Face folder (safetensors + config.json).")
+    ap.add_argument("--checkpoint", required=True,
+                    help="step folder, checkpoint folder or dump folder (latest step), or an export file")
+    ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
+    ap.add_argument("--format", default="torchpar", choices=("torchpar", "hf"))
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--max-shard-mb", type=float, default=5 * 1024,
+                    help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
     a = ap.parse_args(argv)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     try:
+        if a.max_shard_mb <= 0:
+            raise ConfigError(f"--max-shard-mb must be positive, got {a.max_shard_mb}")
+        if a.format == "hf":
+            meta, read = open_source(a.checkpoint)
+            what = _export_hf(meta, read, Path(a.out), dtype, a.max_shard_mb)
+            print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
+            return 0
         model, meta = load_model(a.checkpoint)
-    except ConfigError as e:
+        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+        keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
+        out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
+                    **{k: meta[k] for k in keys if k in meta}}
+        save_weights(state, out_meta, Path(a.out))
+    except (ConfigError, OSError) as e:
         print(f"torchpar: error: {e}", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-    keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
-    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
-                **{k: meta[k] for k in keys if k in meta}}
-    save_weights(state, out_meta, Path(a.out))
     n = sum(p.numel() for p in model.parameters())  # a tied table once
-    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and {a.out}.json")
+    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and "
+          f"{a.out}.json")
     return 0

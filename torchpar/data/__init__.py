@@ -3,4 +3,5 @@
 from torchpar.data.loader import PackedWindows, build_dataloader
 from torchpar.data.sources import DocumentSource, FileSource, HFSource, StdlibSource, build_source
 
-__all__ = ["DocumentSource", "FileSource", "HFSource", "PackedWindows", "StdlibSource", "build_dataloader", "build_source"]
+__all__ = ["DocumentSource", "FileSource", "HFSource", "PackedWindows", "StdlibSource", "build_dataloader",
+           "build_source"]

@@ -34,7 +34,8 @@ class PackedWindows(IterableDataset):
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_degree - 1}")
         self.source, self.tokenizer = source, tokenizer
         self.window = seq_len + 1
-        self.local_batch_size, self.dp_rank, self.dp_degree, self.seed = local_batch_size, dp_rank, dp_degree, seed
+        self.local_batch_size, self.dp_rank, self.dp_degree, self.seed = (local_batch_size, dp_rank,
+                                                                          dp_degree, seed)
         self.lanes = lanes
         self.position = {"windows_consumed": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
 
@@ -107,7 +108,9 @@ class PackedWindows(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["lanes"]) != self.lanes:
-            raise ValueError(f"data state has {len(state['lanes'])} lanes, this loader {self.lanes}: keep data.lanes")
+            raise ValueError(
+                f"data state has {len(state['lanes'])} lanes, this loader {self.lanes}: keep data.lanes"
+            )
         self.position = {"windows_consumed": int(state["windows_consumed"]),
                          "lanes": [[int(x) for x in lane] for lane in state["lanes"]]}
 
@@ -129,8 +132,17 @@ class WindowLoader(StatefulDataLoader):
         self.dataset.load_state_dict(state)
 
 
-def build_dataloader(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int, dp_degree: int, seed: int, num_workers: int = 0, lanes: int = 64) -> WindowLoader:
+def build_dataloader(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    num_workers: int = 0,
+    lanes: int = 64,
+) -> WindowLoader:
     ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes)
     return WindowLoader(ds, batch_size=None, num_workers=num_workers,
                         persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

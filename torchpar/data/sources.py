@@ -86,7 +86,9 @@ class FileSource(DocumentSource):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{f}: not valid UTF-8 at byte {e.start}; convert the file or remove it from data.path") from None
+                raise ConfigError(
+                    f"{f}: not valid UTF-8 at byte {e.start}; convert the file or remove it from data.path"
+                ) from None
             if f.suffix == ".jsonl":
                 for lineno, line in enumerate(text.splitlines(), 1):
                     if not line.strip():
@@ -97,7 +99,9 @@ class FileSource(DocumentSource):
                         raise ConfigError(f"{f}:{lineno}: not a JSON object ({e.msg})") from None
                     if not isinstance(record, dict) or text_field not in record:
                         keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-                        raise ConfigError(f"{f}:{lineno}: no field '{text_field}' (has {keys}); set data.text_field")
+                        raise ConfigError(
+                            f"{f}:{lineno}: no field '{text_field}' (has {keys}); set data.text_field"
+                        )
                     self._add(str(record[text_field]))
             else:
                 self._add(text)
@@ -130,7 +134,9 @@ class HFSource(DocumentSource):
         try:
             import datasets
         except ImportError:
-            raise ConfigError("data.dataset = 'hf' needs the 'datasets' package: pip install 'torchpar[hf]'") from None
+            raise ConfigError(
+                "data.dataset = 'hf' needs the 'datasets' package: pip install 'torchpar[hf]'"
+            ) from None
         builder = self.BUILDERS.get(Path(path).suffix)
         try:
             if builder and Path(path).exists():
@@ -140,7 +146,10 @@ class HFSource(DocumentSource):
         except Exception as e:  # datasets raises many types; the user needs the message
             raise ConfigError(f"data.path {path!r}: could not load with datasets: {e}") from None
         if text_field not in ds.column_names:
-            raise ConfigError(f"data.path {path!r}: no column '{text_field}' (columns: {ds.column_names}); set data.text_field")
+            raise ConfigError(
+                f"data.path {path!r}: no column '{text_field}' (columns: {ds.column_names}); set "
+                f"data.text_field"
+            )
         self.dataset, self.text_field = ds, text_field
 
     def __len__(self) -> int:

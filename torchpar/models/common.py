@@ -67,12 +67,16 @@ class SeededInit(nn.Module):
 
         ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
         piece of a sharded parameter this process holds; by default the whole tensor.
-        ``values`` (full tensors by canonical name, e.g. exported weights) replaces the random init.
+        ``values`` (by canonical name: full tensors, or lazy weights with ``read(index)`` that read
+        only the part asked for) replaces the random init.
         """
         for name, p in self.named_parameters():
             name = canonical_name(name)
             full = values[name] if values is not None else self.initial_value(name, tuple(p.shape), seed)
-            dst, src = local_part(p, full) if local_part is not None else (p, full)
+            if local_part is not None:
+                dst, src = local_part(p, full)
+            else:
+                dst, src = p, full.read() if hasattr(full, "read") else full
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         self.reset_buffers(buffer_device)
 
@@ -90,6 +94,10 @@ class ModelAdapter(ABC):
     top_plan: dict[str, str]  # top-level module -> TP style
     block_plan: dict[str, str]  # module inside a block -> TP style
 
+    # Hugging Face transformers' class for this family (config.json "architectures"), or None
+    # when the family has no HF mapping (then export/import in HF format is refused).
+    hf_architecture: str | None = None
+
     # -- args and building
 
     def args(self, flavor: str, n_layers: int = 0):
@@ -100,6 +108,25 @@ class ModelAdapter(ABC):
     def build(self, args) -> nn.Module:
         return self.model_class(args)
 
+    # -- Hugging Face format (families with hf_architecture)
+
+    def hf_config(self, args) -> dict:
+        """config.json fields that determine the model's math."""
+        raise TypeError(f"the {self.name} family has no Hugging Face mapping")
+
+    def hf_tensors(self, args) -> list[tuple[str, str, int | None]]:
+        """(torchpar name, HF name, heads whose rows are RoPE-permuted or None) per parameter;
+        a tied head is listed once, under the embedding."""
+        raise TypeError(f"the {self.name} family has no Hugging Face mapping")
+
+    def to_hf(self, t, heads: int | None):
+        """A torchpar tensor in HF's row order (identity unless ``heads``)."""
+        return t
+
+    def from_hf(self, t, heads: int | None):
+        """The inverse of :meth:`to_hf`."""
+        return t
+
     # -- tensor parallelism
 
     @abstractmethod
@@ -109,7 +136,9 @@ class ModelAdapter(ABC):
     # -- shapes for the planner
 
     @abstractmethod
-    def stage_params(self, args, first: bool, last: bool, layers: int) -> list[tuple[str, tuple[int, int], int | None]]:
+    def stage_params(
+        self, args, first: bool, last: bool, layers: int
+    ) -> list[tuple[str, tuple[int, int], int | None]]:
         """(name, 2-D shape, TP-sharded dim or None) of every parameter of one pipeline stage in
         model order (first-stage modules, blocks, last-stage modules); vectors are (n, 1). A tied
         head is left out when the embedding is on the same stage."""

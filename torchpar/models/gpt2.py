@@ -13,7 +13,7 @@ Shapes: b = batch, s = sequence, d = dim, h = local heads, hd = head_dim, v = vo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +50,12 @@ class GPT2Args:
         return asdict(self)
 
 
+# The same names and sizes as Llama's debug flavours, so a test switches family by name alone:
+# 8 layers (4 pipeline stages x 2), 8 heads (tp=4 divides them), vocab 4096 = the shipped tokenizer's.
+DEBUG = GPT2Args(dim=128, n_layers=8, n_heads=8, vocab_size=4096, max_seq_len=1024, tie_embeddings=False)
 FLAVORS: dict[str, GPT2Args] = {
-    # The same names and sizes as Llama's debug flavours, so a test switches family by name alone:
-    # 8 layers (4 pipeline stages x 2), 8 heads (tp=4 divides them), vocab 4096 = the shipped
-    # tokenizer's.
-    "debug": GPT2Args(dim=128, n_layers=8, n_heads=8, vocab_size=4096, max_seq_len=1024,
-                      tie_embeddings=False),
-    "debug-tied": GPT2Args(dim=128, n_layers=8, n_heads=8, vocab_size=4096, max_seq_len=1024,
-                           tie_embeddings=True),
+    "debug": DEBUG,
+    "debug-tied": replace(DEBUG, tie_embeddings=True),
     # GPT-2 small, its vocabulary of 50257 padded to a multiple of 128.
     "124M": GPT2Args(dim=768, n_layers=12, n_heads=12, vocab_size=50304, max_seq_len=1024,
                      tie_embeddings=True),

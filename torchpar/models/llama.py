@@ -11,7 +11,7 @@ Shapes: b = batch, s = sequence, d = dim, h = local heads, hd = head_dim, v = vo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,24 +49,30 @@ class ModelArgs:
         return asdict(self)
 
 
+# Tiny but shaped like the big ones: 8 layers (4 pipeline stages x 2), 8 heads and 4 KV heads
+# (tp=4 divides both), vocab 4096 = the shipped tokenizer's.
+DEBUG = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64,
+                  rope_theta=10000.0, max_seq_len=2048)
 FLAVORS: dict[str, ModelArgs] = {
-    # Tiny but shaped like the big ones: 8 layers (4 pipeline stages x 2), 8 heads and 4 KV heads
-    # (tp=4 divides both), vocab 4096 = the shipped tokenizer's.
-    "debug": ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64,
-                       rope_theta=10000.0, max_seq_len=2048),
-    "debug-tied": ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64,
-                            rope_theta=10000.0, max_seq_len=2048, tie_embeddings=True),
+    "debug": DEBUG,
+    "debug-tied": replace(DEBUG, tie_embeddings=True),
     # GPT-3 Small's shape with SwiGLU and a padded GPT-2 vocabulary; tied like GPT-3.
     "125M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=50304, multiple_of=256,
                       rope_theta=10000.0, max_seq_len=2048, tie_embeddings=True),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
                     tie_embeddings=True),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096),
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
+    ),
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
+    ),
+    "405B": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096
+    ),
     # GPT-3 175B as the tutorials size it: hidden 12288, 96 layers, 96 heads (full multi-head attention).
-    "gpt3-175B": ModelArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50304, multiple_of=256,
-                           rope_theta=10000.0, max_seq_len=2048),
+    "gpt3-175B": ModelArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50304,
+                           multiple_of=256, rope_theta=10000.0, max_seq_len=2048),
 }
 
 
@@ -213,12 +219,57 @@ class LlamaAdapter(ModelAdapter):
     # Megatron's split: q/k/v and the SwiGLU inputs column-wise (each rank its share of heads and
     # hidden units), wo and w2 row-wise; embedding and head vocab-sharded.
     top_plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
-    block_plan = {
-        "attention_norm": "norm", "attention": "input",
-        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-        "ffn_norm": "norm", "feed_forward": "input",
-        "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-    }
+    block_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
+                  "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+                  "ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
+                  "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+
+    hf_architecture = "LlamaForCausalLM"
+
+    def hf_config(self, args: ModelArgs) -> dict:
+        # RoPE as both transformers generations spell it: rope_theta (4.x), rope_parameters (5.x).
+        return {"architectures": [self.hf_architecture], "model_type": "llama", "hidden_size": args.dim,
+                "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+                "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+                "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+                "rms_norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len,
+                "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+                "mlp_bias": False}
+
+    def hf_tensors(self, args: ModelArgs) -> list[tuple[str, str, int | None]]:
+        out = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
+        for i in range(args.n_layers):
+            a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            out += [
+                (f"layers.{i}.attention_norm.weight", f"model.layers.{i}.input_layernorm.weight", None),
+                (f"layers.{i}.attention.wq.weight", f"{a}.q_proj.weight", args.n_heads),
+                (f"layers.{i}.attention.wk.weight", f"{a}.k_proj.weight", args.n_kv_heads),
+                (f"layers.{i}.attention.wv.weight", f"{a}.v_proj.weight", None),
+                (f"layers.{i}.attention.wo.weight", f"{a}.o_proj.weight", None),
+                (f"layers.{i}.ffn_norm.weight", f"model.layers.{i}.post_attention_layernorm.weight", None),
+                (f"layers.{i}.feed_forward.w1.weight", f"{m}.gate_proj.weight", None),
+                (f"layers.{i}.feed_forward.w2.weight", f"{m}.down_proj.weight", None),
+                (f"layers.{i}.feed_forward.w3.weight", f"{m}.up_proj.weight", None),
+            ]
+        out.append(("norm.weight", "model.norm.weight", None))
+        if not args.tie_embeddings:
+            out.append(("output.weight", "lm_head.weight", None))
+        return out
+
+    def to_hf(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
+        """torchpar rotates consecutive pairs (x0, x1) of a head; HF rotates x[i] with
+        x[i + hd/2]. Within each head, HF's rows are torchpar's even rows, then its odd rows."""
+        if heads is None:
+            return t
+        rows, cols = t.shape
+        return t.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    def from_hf(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
+        if heads is None:
+            return t
+        rows, cols = t.shape
+        return t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
     def tp_divisors(self, args: ModelArgs) -> dict[str, int]:
         return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
@@ -247,8 +298,8 @@ class LlamaAdapter(ModelAdapter):
         attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
         ffn = 3 * d * args.ffn_hidden  # w1, w2, w3
         layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
-        return {"embedding": args.vocab_size * d, "layer": layer, "layer_attention": attention, "layer_ffn": ffn,
-                "layers": layer * args.n_layers, "norm": d,
+        return {"embedding": args.vocab_size * d, "layer": layer, "layer_attention": attention,
+                "layer_ffn": ffn, "layers": layer * args.n_layers, "norm": d,
                 "output": 0 if args.tie_embeddings else args.vocab_size * d}
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:

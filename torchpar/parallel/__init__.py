@@ -14,16 +14,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
 from torchpar.parallel.tensor import apply_tensor_parallel
-from torchpar.parallel.zero import FlatZero, FSDPState, ZeroState, apply_fsdp, unique_params
+from torchpar.parallel.zero import FlatZero, ZeroState, unique_params
 
 
-def _local_part(p: torch.Tensor, full: torch.Tensor):
-    """(destination, source) for init: the piece of ``full`` this rank holds of a DTensor."""
+def _local_part(p: torch.Tensor, full):
+    """(destination, source) for init: the piece of ``full`` this rank holds of a DTensor.
+    ``full`` is a tensor, or a lazy weight (``read(index)``) of which only that piece is read."""
+    if hasattr(full, "read"):
+        if not isinstance(p, DTensor):
+            return p, full.read()
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return p.to_local(), full.read(tuple(slice(o, o + n) for o, n in zip(offset, shape)))
     if isinstance(p, DTensor):
         # src_data_rank=None: every rank cuts its own piece from its own copy, no communication.
-        return p.to_local(), distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        return p.to_local(), local.to_local()
     return p, full
 
 
@@ -47,7 +57,9 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         parts = [module]
     for part in parts:
         if layout.tp > 1:
-            apply_tensor_parallel(part, model, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel)
+            apply_tensor_parallel(
+                part, model, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel
+            )
         if layout.activation_checkpoint == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -59,8 +71,9 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         if layout.zero_stage == 3:
             # With a pipeline every microbatch would re-gather the blocks; and zero-bubble schedules
             # give silently wrong gradients when blocks reshard between forward and backward.
-            apply_fsdp(part, layout.dp_mesh, getattr(torch, layout.param_dtype), getattr(torch, layout.reduce_dtype),
-                       reshard_after_forward=layout.pp == 1, cpu_offload=layout.cpu_offload)
+            apply_fsdp(part, layout.dp_mesh, getattr(torch, layout.param_dtype),
+                       getattr(torch, layout.reduce_dtype), reshard_after_forward=layout.pp == 1,
+                       cpu_offload=layout.cpu_offload)
     return parts
 
 

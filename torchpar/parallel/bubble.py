@@ -56,7 +56,9 @@ def single_stage_actions(name: str, pp: int, n: int) -> dict[int, list[tuple[str
     return out
 
 
-def schedule_actions(name: str, order: dict[int, list], pp: int, n: int) -> dict[int, list[tuple[str, int, int]]]:
+def schedule_actions(
+    name: str, order: dict[int, list], pp: int, n: int
+) -> dict[int, list[tuple[str, int, int]]]:
     """Compute actions per rank for a schedule: torch's order, or the runtime rule (GPipe/1F1B)."""
     return single_stage_actions(name, pp, n) if name in ("GPipe", "1F1B") else compute_actions(order)
 

@@ -156,13 +156,17 @@ def resolve_degrees(par, world: int) -> dict[str, int]:
         known *= v if v != -1 else 1
     if auto:
         if world % known:
-            raise ConfigError(f"parallelism: the other degrees multiply to {known}, which does not divide the world "
-                              f"size {world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved")
+            raise ConfigError(
+                f"parallelism: the other degrees multiply to {known}, which does not divide the world "
+                f"size {world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved"
+            )
         degrees[auto[0]] = world // known
     elif known != world:
         shown = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items())
-        raise ConfigError(f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product "
-                          "equal the number of processes (NGPU), or set one degree to -1")
+        raise ConfigError(
+            f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product "
+            "equal the number of processes (NGPU), or set one degree to -1"
+        )
     return degrees
 
 
@@ -172,8 +176,10 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
         return 1
     if global_batch_size % per_step:
         raise ConfigError(
-            f"training.global_batch_size = {global_batch_size} must be local_batch_size ({local_batch_size}) x "
-            f"dp degree ({dp}) x gradient-accumulation steps; it is not a multiple of {per_step}")
+            f"training.global_batch_size = {global_batch_size} must be local_batch_size "
+            f"({local_batch_size}) x "
+            f"dp degree ({dp}) x gradient-accumulation steps; it is not a multiple of {per_step}"
+        )
     return global_batch_size // per_step
 
 
@@ -182,33 +188,47 @@ def _check_model(model, args, degrees: dict, par, tr) -> None:
     if tp > 1:
         for what, n in model.tp_divisors(args).items():
             if n % tp:
-                raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} does not divide the model's {what} "
-                                  f"({n}); choose a degree that divides it")
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree = {tp} does not divide the model's {what} "
+                    f"({n}); choose a degree that divides it"
+                )
         if par.sequence_parallel and tr.seq_len % tp:
-            raise ConfigError(f"sequence parallelism splits training.seq_len = {tr.seq_len} over tp = {tp}: make "
-                              "it a multiple, or set parallelism.sequence_parallel = false")
+            raise ConfigError(
+                f"sequence parallelism splits training.seq_len = {tr.seq_len} over tp = {tp}: make "
+                "it a multiple, or set parallelism.sequence_parallel = false"
+            )
     if tr.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len = {tr.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+        raise ConfigError(
+            f"training.seq_len = {tr.seq_len} exceeds the model's max_seq_len {args.max_seq_len}"
+        )
 
 
 def _check_features(par, tr, zero: int, tp: int) -> None:
     """Precision, compile and offload against the ZeRO stage and TP."""
     if zero != 3 and (tr.mixed_precision_param != "float32" or tr.mixed_precision_reduce != "float32"):
         raise ConfigError(
-            f"training.mixed_precision_param/reduce = {tr.mixed_precision_param}/{tr.mixed_precision_reduce} needs "
-            "parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in float32")
+            f"training.mixed_precision_param/reduce = "
+            f"{tr.mixed_precision_param}/{tr.mixed_precision_reduce} needs "
+            "parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in float32"
+        )
     if tr.compile and tp > 1:
         # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
         # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
         if zero != 3:
-            raise ConfigError("training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
-                              "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot "
-                              "trace); use zero_stage = 3 or compile = false")
+            raise ConfigError(
+                "training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
+                "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot "
+                "trace); use zero_stage = 3 or compile = false"
+            )
         if tr.activation_checkpoint != "none":
-            raise ConfigError("training.compile = true with tensor parallelism and training.activation_checkpoint = "
-                              f"{tr.activation_checkpoint!r} fails inside torch.compile; drop one of the three")
+            raise ConfigError(
+                "training.compile = true with tensor parallelism and training.activation_checkpoint = "
+                f"{tr.activation_checkpoint!r} fails inside torch.compile; drop one of the three"
+            )
     if par.cpu_offload and zero != 3:
-        raise ConfigError("parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy)")
+        raise ConfigError(
+            "parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy)"
+        )
 
 
 def resolve_layout(par, tr, model, args, world: int) -> Layout:
@@ -216,12 +236,17 @@ def resolve_layout(par, tr, model, args, world: int) -> Layout:
     args) on ``world`` ranks, after every check that needs no process group."""
     degrees = resolve_degrees(par, world)
     if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
-        warnings.warn(f"zero_stage {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; it runs as "
-                      "zero_stage 0 (gradients all-reduced over the replicas)", stacklevel=2)
+        warnings.warn(
+            f"zero_stage {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; it runs as "
+            "zero_stage 0 (gradients all-reduced over the replicas)",
+            stacklevel=2,
+        )
     zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"])
     _check_model(model, args, degrees, par, tr)
     _check_features(par, tr, zero, degrees["tp"])
-    accum = grad_accum_steps(tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"])
+    accum = grad_accum_steps(
+        tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
+    )
     layout = Layout(**degrees, zero_stage=zero, sequence_parallel=par.sequence_parallel,
                     loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
                     local_batch_size=tr.local_batch_size, accum=accum,
@@ -229,5 +254,7 @@ def resolve_layout(par, tr, model, args, world: int) -> Layout:
                     activation_checkpoint=tr.activation_checkpoint, param_dtype=tr.mixed_precision_param,
                     reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile)
     if layout.pp > 1:
-        layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(par, tr, layout, model, args)
+        layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
+            par, tr, layout, model, args
+        )
     return layout

@@ -19,7 +19,8 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")
 # Zero-bubble schedules run backward in two passes over one graph: input gradients, then weights.
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV")
 
 
 def stages_per_rank(par) -> int:
@@ -38,22 +39,22 @@ def balanced_split(model, args, num_stages: int) -> list[int]:
     head = head_weights / block
     L = args.n_layers
     INF = float("inf")
-    # best[s][l]: minimal max cost of putting the first l layers into the first s stages.
+    # best[s][n]: minimal max cost of putting the first n layers into the first s stages.
     best = [[INF] * (L + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for s in range(1, num_stages + 1):
-        for l in range(s, L + 1):
-            for k in range(s - 1, l):  # the first k layers go to earlier stages
-                cost = (l - k) + (head if s == num_stages else 0.0)
+        for n in range(s, L + 1):
+            for k in range(s - 1, n):  # the first k layers go to earlier stages
+                cost = (n - k) + (head if s == num_stages else 0.0)
                 value = max(best[s - 1][k], cost)
-                if value < best[s][l] - 1e-12:
-                    best[s][l], cut[s][l] = value, k
-    sizes, l = [], L
+                if value < best[s][n] - 1e-12:
+                    best[s][n], cut[s][n] = value, k
+    sizes, n = [], L
     for s in range(num_stages, 0, -1):
-        k = cut[s][l]
-        sizes.append(l - k)
-        l = k
+        k = cut[s][n]
+        sizes.append(n - k)
+        n = k
     return sizes[::-1]
 
 
@@ -63,9 +64,11 @@ def _layers_per_stage(par, num_stages: int, v: int, pp: int, model, args) -> lis
         if len(explicit) != num_stages or any(not isinstance(n, int) or n < 1 for n in explicit) \
                 or sum(explicit) != args.n_layers:
             raise ConfigError(
-                f"parallelism.pipeline_parallel_layers_per_stage = {explicit} must list {num_stages} positive layer "
+                f"parallelism.pipeline_parallel_layers_per_stage = {explicit} must list {num_stages} "
+                f"positive layer "
                 f"counts (pp {pp} x {v} stages per rank) that cover all {args.n_layers} layers "
-                f"exactly once (sum {sum(n for n in explicit if isinstance(n, int))})")
+                f"exactly once (sum {sum(n for n in explicit if isinstance(n, int))})"
+            )
         return explicit
     return balanced_split(model, args, num_stages)
 
@@ -75,12 +78,17 @@ def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | N
     an ``n_layers`` model, and (if given) ``n_micro`` microbatches; None if nothing. The
     trainer's validation and the planner's search share these rules."""
     if name in SINGLE_STAGE and v != 1:
-        return f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1"
+        return (
+            f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1"
+        )
     if name in V_SCHEDULES and v != 2:
-        return f"schedule {name} needs exactly 2 stages per rank (V shape); set pipeline_parallel_stages_per_rank = 2"
+        return (f"schedule {name} needs exactly 2 stages per rank (V shape); set "
+                "pipeline_parallel_stages_per_rank = 2")
     if pp * v > n_layers:
-        return (f"{pp * v} pipeline stages (pp {pp} x {v} per rank) but the model has only {n_layers} layers; "
-                "lower the degree or stages per rank")
+        return (
+            f"{pp * v} pipeline stages (pp {pp} x {v} per rank) but the model has only {n_layers} layers; "
+            "lower the degree or stages per rank"
+        )
     if n_micro is None:
         return None
     if name == "1F1B" and n_micro < pp:
@@ -101,7 +109,9 @@ def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, .
     schedule, stages per rank and layers per stage."""
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} is unknown.{did_you_mean(name, SCHEDULES)}"
+        )
     v, pp = stages_per_rank(par), layout.pp
     problem = schedule_problem(name, pp, v, args.n_layers)
     if problem:
@@ -113,13 +123,17 @@ def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, .
         # Measured: the losses drift from one process (6e-2 after 5 steps) when the separate input-
         # and weight-gradient passes run through compiled blocks.
         others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
-        raise ConfigError(f"training.compile = true gives wrong gradients with {name}, whose backward is split into "
-                          f"input and weight passes; set compile = false or use one of {others}")
+        raise ConfigError(
+            f"training.compile = true gives wrong gradients with {name}, whose backward is split into "
+            f"input and weight passes; set compile = false or use one of {others}"
+        )
     split = _layers_per_stage(par, pp * v, v, pp, model, args)
     mb, rows = layout.microbatch_size, layout.local_batch_size * layout.accum
     if mb < 1 or rows % mb:
-        raise ConfigError(f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
-                          f"and dp rank (local_batch_size x accumulation = {rows})")
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
+            f"and dp rank (local_batch_size x accumulation = {rows})"
+        )
     problem = schedule_problem(name, pp, v, args.n_layers, rows // mb)
     if problem:
         raise ConfigError(problem)
@@ -138,7 +152,9 @@ def split_model(module, model, layout) -> list:
         for key in list(stage.layers.keys()):
             if key not in keep:
                 del stage.layers[key]
-        for name in (model.first_stage if s != 0 else ()) + (model.last_stage if s != layout.num_stages - 1 else ()):
+        for name in (model.first_stage if s != 0 else ()) + (
+            model.last_stage if s != layout.num_stages - 1 else ()
+        ):
             setattr(stage, name, None)
         parts.append(stage)
     return parts
@@ -157,7 +173,9 @@ class Pipeline:
         self.parts = dict(zip(stage_ids, parts))  # global stage id -> this rank's module
         self.holder = {s: r for r in range(layout.pp) for s in layout.stage_ids(r)}
         num_stages = layout.num_stages
-        self.stages = [PipelineStage(part, s, num_stages, device, group=group) for part, s in zip(parts, stage_ids)]
+        self.stages = [
+            PipelineStage(part, s, num_stages, device, group=group) for part, s in zip(parts, stage_ids)
+        ]
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
         self.n_microbatches = layout.n_microbatches
@@ -208,7 +226,8 @@ class Pipeline:
             if s == self.layout.num_stages - 1:
                 loss = cross_entropy_sum(x, targets)
             elif self.holder[s + 1] != self.pp_rank:
-                dist.send(torch.tensor(x.shape, dtype=torch.long, device=inputs.device), group=self.group, group_dst=self.holder[s + 1])
+                dist.send(torch.tensor(x.shape, dtype=torch.long, device=inputs.device), group=self.group,
+                          group_dst=self.holder[s + 1])
                 dist.send(x.float().contiguous(), group=self.group, group_dst=self.holder[s + 1])
         return loss
 
@@ -222,5 +241,7 @@ class Pipeline:
         from torchpar.parallel.bubble import bubble_report
 
         lay = self.layout
-        return (f"pipeline: {lay.schedule}, {lay.num_stages} stages with layers {list(lay.layers_per_stage)}, "
-                f"{self.n_microbatches} microbatches; " + bubble_report(self.actions(), lay.num_stages))
+        return (
+            f"pipeline: {lay.schedule}, {lay.num_stages} stages with layers {list(lay.layers_per_stage)}, "
+            f"{self.n_microbatches} microbatches; " + bubble_report(self.actions(), lay.num_stages)
+        )

@@ -40,7 +40,8 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
     if word == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if word == "head":
-        return ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        return ColwiseParallel(input_layouts=between,
+                               output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                use_local_output=not loss_parallel)
     if word == "colwise":
         return ColwiseParallel()
@@ -54,7 +55,9 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
         # forward collective and one backward all-reduce of the summed input gradients of the
         # column-wise linears inside, instead of one each. Further inputs pass untouched.
         extra = (None,) * (len(inspect.signature(module.forward).parameters) - 1)
-        return PrepareModuleInput(input_layouts=(between, *extra), desired_input_layouts=(Replicate(), *extra))
+        return PrepareModuleInput(
+            input_layouts=(between, *extra), desired_input_layouts=(Replicate(), *extra)
+        )
     raise ValueError(f"unknown tensor-parallel style {word!r}")
 
 

@@ -1,6 +1,7 @@
 """The planner: per-rank memory, communication, bubble and step time of a layout, by arithmetic.
 
-    torchpar plan --model 70B --nodes 4 --gpus-per-node 8 --gpu H100-80GB --global-batch-size 512 --seq-len 4096
+    torchpar plan --model 70B --nodes 4 --gpus-per-node 8 --gpu H100-80GB \\
+        --global-batch-size 512 --seq-len 4096
     torchpar plan --config train_configs/debug_model.toml --nproc 2      # one exact config
     torchpar plan --seeds                                                 # the tutorials' worked examples
 
@@ -20,9 +21,23 @@ measured activations), ``compare`` (the prediction a running job logs beside its
 
 from torchpar.parallel.layout import Layout
 from torchpar.plan.compare import predict_for_trainer
-from torchpar.plan.estimate import (Plan, communication, in_flight, layer_activation_bytes, micro_steps,
-                                    pipeline_bubble, plan)
-from torchpar.plan.layout import PRESETS, Cluster, deepspeed_bytes, layout_from_config, rank_params, state_bytes
+from torchpar.plan.estimate import (
+                                    Plan,
+                                    communication,
+                                    in_flight,
+                                    layer_activation_bytes,
+                                    micro_steps,
+                                    pipeline_bubble,
+                                    plan,
+)
+from torchpar.plan.layout import (
+                                    PRESETS,
+                                    Cluster,
+                                    deepspeed_bytes,
+                                    layout_from_config,
+                                    rank_params,
+                                    state_bytes,
+)
 from torchpar.plan.search import explain, main, search
 
 __all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",

@@ -100,7 +100,9 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     # (and the next one, prefetched) in the compute dtype.
     mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
     block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
-    mem["gathered_bytes"] = 2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+    mem["gathered_bytes"] = (
+        2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+    )
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
     mem["total_bytes"] = sum(mem.values())
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
@@ -154,12 +156,17 @@ def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> f
 
 def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
     """A mesh dimension spans ``stride * size`` consecutive ranks: inside a node if they fit."""
-    return ("intra-node", cluster.intra_bw) if stride * size <= cluster.gpus_per_node else ("inter-node", cluster.inter_bw)
+    return (
+        ("intra-node", cluster.intra_bw)
+        if stride * size <= cluster.gpus_per_node
+        else ("inter-node", cluster.inter_bw)
+    )
 
 
 # Share of the payload a ring sends per rank (the communication ledger uses the same factors).
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0, "broadcast": lambda n: (n - 1) / n}
+               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
+               "broadcast": lambda n: (n - 1) / n}
 
 
 class _Sent(dict):
@@ -213,7 +220,9 @@ def _flat_zero(sent: _Sent, lay: Layout, local: list[tuple[int, int]]) -> None:
         sent.add("dp_shard", "all_gather", flat, n)
 
 
-def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool) -> None:
+def _fsdp(
+    sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool
+) -> None:
     """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
     collectives carry every parameter padded to a multiple of dp_shard rows."""
     n, r = lay.dp_shard, lay.dp_replicate

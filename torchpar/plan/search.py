@@ -7,11 +7,10 @@ import json
 import sys
 
 from torchpar.config import ConfigError, did_you_mean, load_config
-from torchpar.models import MODELS
+from torchpar.models import DEFAULT_FAMILY, MODELS
 from torchpar.parallel.layout import Layout
 from torchpar.plan.estimate import Plan, plan
 from torchpar.plan.layout import PRESETS, Cluster, layout_from_config
-
 
 # ------------------------------------------------------------------ search and the command
 
@@ -55,8 +54,9 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
             for schedule, v in SEARCHED_SCHEDULES:
                 # Fewer microbatches than stages is mostly bubble: not searched.
                 if n_micro >= pp and not schedule_problem(schedule, pp, v, args.n_layers, n_micro):
-                    yield Layout(**common, pp=pp, local_batch_size=per_dp, microbatch_size=mbs, schedule=schedule,
-                                 stages_per_rank=v, layers_per_stage=balanced_split(model, args, pp * v))
+                    yield Layout(**common, pp=pp, local_batch_size=per_dp, microbatch_size=mbs,
+                                 schedule=schedule, stages_per_rank=v,
+                                 layers_per_stage=balanced_split(model, args, pp * v))
 
 
 def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
@@ -75,69 +75,105 @@ def _gb(x: float) -> str:
 
 def describe_layout(lay: dict) -> str:
     micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
-    return (f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero {lay['zero_stage']}"
-            + (" +offload" if lay["cpu_offload"] else "") + f", recompute {lay['activation_checkpoint']}, micro-batch {micro}"
-            + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}"))
+    return (
+        f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero "
+        f"{lay['zero_stage']}"
+        + (" +offload" if lay["cpu_offload"] else "")
+        + f", recompute {lay['activation_checkpoint']}, micro-batch {micro}"
+        + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}")
+    )
 
 
-def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
-    """The usual order of reasoning over the searched layouts: does DP + ZeRO fit? if not, TP
-    inside a node; then PP across nodes; offload last — and what each choice costs."""
-    n = model.num_params(args)
-    world = plans[0].layout["pp"] * plans[0].layout["dp_replicate"] * plans[0].layout["dp_shard"] * plans[0].layout["tp"]
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    lines = [f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
-             f"{world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable)."]
+# The usual order of reasoning: does DP + ZeRO fit? if not, TP inside a node; then PP; offload last.
+REASONING = (
+    (
+        "1. data parallel + ZeRO alone",
+        lambda lay: lay["tp"] == 1 and lay["pp"] == 1 and not lay["cpu_offload"],
+    ),
+    ("2. + tensor parallel inside a node",
+     lambda lay: lay["tp"] > 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
+    ("3. + pipeline parallel", lambda lay: lay["pp"] > 1 and not lay["cpu_offload"]),
+    ("4. + CPU offload of the ZeRO-3 state", lambda lay: lay["cpu_offload"]),
+)
 
-    def smallest(pred):
+
+def _reasoning(plans: list[Plan]) -> list[str]:
+    """Each step of REASONING up to the first whose smallest layout fits, and its fastest layout."""
+    lines = []
+    for title, pred in REASONING:
         cands = [p for p in plans if pred(p.layout)]
-        return min(cands, key=lambda p: p.memory["total_bytes"]) if cands else None
-
-    steps = [("1. data parallel + ZeRO alone", lambda lay: lay["tp"] == 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
-             ("2. + tensor parallel inside a node", lambda lay: lay["tp"] > 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
-             ("3. + pipeline parallel", lambda lay: lay["pp"] > 1 and not lay["cpu_offload"]),
-             ("4. + CPU offload of the ZeRO-3 state", lambda lay: lay["cpu_offload"])]
-    for title, pred in steps:
-        p = smallest(pred)
-        if p is None:
+        if not cands:
             continue
+        p = min(cands, key=lambda p: p.memory["total_bytes"])
         verdict = "fits" if p.fits else "does not fit"
-        lines.append(f"{title}: smallest is {describe_layout(p.layout)} at {_gb(p.memory['total_bytes'])} per device "
-                     f"-> {verdict}")
+        lines.append(f"{title}: smallest is {describe_layout(p.layout)} at {_gb(p.memory['total_bytes'])} "
+                     f"per device -> {verdict}")
         if p.fits:
             fastest = next(q for q in plans if q.fits and pred(q.layout))
             exposed = fastest.step_s - fastest.compute_s / (1 - fastest.bubble)
-            lines.append(f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s = compute "
-                         f"{fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed communication "
-                         f"{exposed:.2f} s; {fastest.tokens_per_sec:,.0f} tokens/s")
+            lines.append(
+                f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s "
+                f"= compute {fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed "
+                f"communication {exposed:.2f} s; {fastest.tokens_per_sec:,.0f} tokens/s"
+            )
             break
-    fitting = [p for p in plans if p.fits]
-    if not fitting:
-        lines.append("nothing fits: more devices, a shorter sequence or a smaller micro-batch.")
-        return "\n".join(lines)
-    best = fitting[0]
-    lines.append(f"fastest that fits: {describe_layout(best.layout)}")
+    return lines
+
+
+def _breakdown(best: Plan) -> list[str]:
+    """Where the memory and the step time of one plan go."""
     m = best.memory
-    lines.append("  per device: " + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items()
-                                              if k != "total_bytes" and v) + f" = {_gb(m['total_bytes'])}")
+    lines = [
+        f"fastest that fits: {describe_layout(best.layout)}",
+        "  per device: "
+        + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items() if k != "total_bytes" and v)
+        + f" = {_gb(m['total_bytes'])}",
+    ]
     if best.bubble:
         lines.append(f"  pipeline bubble {100 * best.bubble:.1f}% of the step ({best.layout['schedule']})")
     for dim, c in best.communication.items():
         if c["bytes"] >= 1e6:
-            lines.append(f"  {dim}: {_gb(c['bytes'])} per device per step over {c['link']}, {1e3 * c['seconds']:.1f} ms")
+            lines.append(f"  {dim}: {_gb(c['bytes'])} per device per step over {c['link']}, "
+                         f"{1e3 * c['seconds']:.1f} ms")
     lines.append(f"  step {best.step_s:.2f} s (compute {best.compute_s:.2f} s at the assumed efficiency), "
                  f"{best.tokens_per_sec:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%")
-    return "\n".join(lines)
+    return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torchpar plan", description="Per-rank memory, communication, bubble and "
-                                 "step time of layouts, by arithmetic; the best layouts of a model on a cluster.")
+def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
+    """The searched layouts in the usual order of reasoning (REASONING), and what the fastest
+    layout that fits costs."""
+    n = model.num_params(args)
+    lay = plans[0].layout
+    world = lay["pp"] * lay["dp_replicate"] * lay["dp_shard"] * lay["tp"]
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    lines = [
+        f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
+        f"{world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable).",
+        *_reasoning(plans),
+    ]
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        lines.append("nothing fits: more devices, a shorter sequence or a smaller micro-batch.")
+        return "\n".join(lines)
+    return "\n".join(lines + _breakdown(fitting[0]))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="torchpar plan",
+        description="Per-rank memory, communication, bubble and "
+        "step time of layouts, by arithmetic; the best layouts of a model on a cluster.",
+    )
     ap.add_argument("--model", help="model flavour (search over layouts)")
-    ap.add_argument("--family", default="llama3", choices=sorted(MODELS), help="model family of --model")
+    ap.add_argument(
+        "--family", default=DEFAULT_FAMILY, choices=sorted(MODELS), help="model family of --model"
+    )
     ap.add_argument("--config", help="a training config: the prediction for exactly that layout")
     ap.add_argument("--nproc", type=int, default=0, help="ranks for --config")
-    ap.add_argument("--gpu", default="H100-80GB", choices=sorted(PRESETS), help="cluster preset (datasheet figures)")
+    ap.add_argument(
+        "--gpu", default="H100-80GB", choices=sorted(PRESETS), help="cluster preset (datasheet figures)"
+    )
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=0, help="override the preset's 8")
     ap.add_argument("--memory-gb", type=float, default=0, help="override device memory")
@@ -152,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--seeds", action="store_true", help="recompute the tutorials' worked examples")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     c = PRESETS[a.gpu]
     cluster = Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
@@ -178,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.model:
             model = MODELS[a.family]
             if a.model not in model.flavors:
-                raise ConfigError(f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}")
+                raise ConfigError(
+                    f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}"
+                )
             args = model.args(a.model)
             dtype = "bfloat16" if a.param_dtype == "bf16" else "float32"
             plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency)

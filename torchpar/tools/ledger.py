@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchpar.plan.estimate import RING_FACTOR
 
+
 def _first(args, n):  # the (full) tensor or tensor list the op reduces, gathers into, or sends
     return _nbytes(args[0])
 
@@ -32,17 +33,16 @@ def _shard_times_n(args, n):  # functional all-gather: the input is this rank's 
 
 
 # op name (c10d and functional collectives) -> (kind, payload in bytes from (args, group size))
-OPS = {
-    "allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first), "all_reduce_": ("all_reduce", _first),
-    "all_reduce_coalesced": ("all_reduce", _first),
-    "_allgather_base_": ("all_gather", _first), "allgather_": ("all_gather", _first),
-    "allgather_into_tensor_coalesced_": ("all_gather", _first),
-    "all_gather_into_tensor": ("all_gather", _shard_times_n), "all_gather_into_tensor_out": ("all_gather", _shard_times_n),
-    "_reduce_scatter_base_": ("reduce_scatter", _second), "reduce_scatter_": ("reduce_scatter", _second),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
-    "reduce_scatter_tensor": ("reduce_scatter", _first),
-    "send": ("send", _first), "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first),
-}
+OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first),
+       "all_reduce_": ("all_reduce", _first), "all_reduce_coalesced": ("all_reduce", _first),
+       "_allgather_base_": ("all_gather", _first), "allgather_": ("all_gather", _first),
+       "allgather_into_tensor_coalesced_": ("all_gather", _first),
+       "all_gather_into_tensor": ("all_gather", _shard_times_n),
+       "all_gather_into_tensor_out": ("all_gather", _shard_times_n),
+       "_reduce_scatter_base_": ("reduce_scatter", _second), "reduce_scatter_": ("reduce_scatter", _second),
+       "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
+       "reduce_scatter_tensor": ("reduce_scatter", _first), "send": ("send", _first),
+       "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first)}
 # Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
 IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_", "barrier"}
 

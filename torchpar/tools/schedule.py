@@ -18,7 +18,9 @@ from torchpar.parallel.layout import Layout
 COLOR = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 
 
-def schedule_order(name: str, pp: int, n_microbatches: int, stages_per_rank: int) -> tuple[dict[int, list], int]:
+def schedule_order(
+    name: str, pp: int, n_microbatches: int, stages_per_rank: int
+) -> tuple[dict[int, list], int]:
     """Build the real torch schedule for rank 0 on a fake process group and return its order."""
     import torch.distributed as dist
     from torch import nn
@@ -88,17 +90,27 @@ def write_svg(sim: dict, path: str, title: str) -> None:
     makespan = int(sim["makespan"])
     ranks = sorted(sim["timeline"])
     w, h = left + makespan * cell + right, top + len(ranks) * row + 40
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="monospace" font-size="10">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<text x="10" y="20" font-size="13">{title}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="monospace" '
+        f'font-size="10">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="10" y="20" font-size="13">{title}</text>',
+    ]
     for i, r in enumerate(ranks):
         y = top + i * row
         parts.append(f'<text x="10" y="{y + 15}">rank {r}</text>')
-        parts.append(f'<rect x="{left}" y="{y}" width="{makespan * cell}" height="{row - 4}" fill="#eeeeee"/>')
-        parts.append(f'<text x="{left + makespan * cell + 8}" y="{y + 15}">bubble {100 * sim["bubble_per_rank"][r]:.1f}%</text>')
+        parts.append(
+            f'<rect x="{left}" y="{y}" width="{makespan * cell}" height="{row - 4}" fill="#eeeeee"/>'
+        )
+        parts.append(
+            f'<text x="{left + makespan * cell + 8}" y="{y + 15}">'
+            f'bubble {100 * sim["bubble_per_rank"][r]:.1f}%</text>'
+        )
     for r, start, end, kind, label, colour in _cells(sim):
         x, y = left + start * cell, top + ranks.index(r) * row
-        parts.append(f'<rect x="{x}" y="{y}" width="{(end - start) * cell - 1}" height="{row - 4}" fill="{colour}"/>')
+        parts.append(
+            f'<rect x="{x}" y="{y}" width="{(end - start) * cell - 1}" height="{row - 4}" fill="{colour}"/>'
+        )
         parts.append(f'<text x="{x + 2}" y="{y + 15}" fill="white">{label}</text>')
     parts.append(f'<text x="{left}" y="{h - 12}">{LEGEND}; lighter = a later stage of the same rank</text>')
     parts.append("</svg>")
@@ -113,7 +125,9 @@ def write_png(sim: dict, path: str, title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("torchpar schedule: a .png needs matplotlib (pip install 'torchpar[plot]'); .svg needs nothing")
+        raise SystemExit(
+            "torchpar schedule: a .png needs matplotlib (pip install 'torchpar[plot]'); .svg needs nothing"
+        )
     ranks = sorted(sim["timeline"])
     per_unit = 0.4 if _has_virtual_stages(sim) else 0.25
     fig, ax = plt.subplots(figsize=(max(6, sim["makespan"] * per_unit + 1.5), 0.6 * len(ranks) + 1.4))
@@ -122,7 +136,8 @@ def write_png(sim: dict, path: str, title: str) -> None:
         ax.barh(ranks.index(r), end - start, left=start, color=colour, edgecolor="white")
         ax.text(start + 0.1, ranks.index(r), label, va="center", fontsize=7, color="white")
     for i, r in enumerate(ranks):
-        ax.text(sim["makespan"] + 0.5, i, f"bubble {100 * sim['bubble_per_rank'][r]:.1f}%", va="center", fontsize=8)
+        ax.text(sim["makespan"] + 0.5, i, f"bubble {100 * sim['bubble_per_rank'][r]:.1f}%", va="center",
+                fontsize=8)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_xlim(0, sim["makespan"] * 1.12 + 2)
     ax.invert_yaxis()
@@ -149,13 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     suffix = os.path.splitext(args.out or "")[1].lower()
     if args.out and suffix not in PICTURES:
-        print(f"torchpar schedule: --out {args.out!r}: the picture is written as .svg or .png, not {suffix or 'no suffix'!r}",
-              file=sys.stderr)
+        print(
+            f"torchpar schedule: --out {args.out!r}: the picture is written as .svg or .png, "
+            f"not {suffix or 'no suffix'!r}",
+            file=sys.stderr,
+        )
         return 2
     if args.schedule not in SCHEDULES:
         from torchpar.config import did_you_mean
 
-        print(f"torchpar schedule: unknown schedule {args.schedule!r}.{did_you_mean(args.schedule, SCHEDULES)}", file=sys.stderr)
+        print(
+            f"torchpar schedule: unknown schedule {args.schedule!r}.{did_you_mean(args.schedule, SCHEDULES)}",
+            file=sys.stderr,
+        )
         return 2
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
     try:

@@ -1,0 +1,257 @@
+"""Loading the job configuration: defaults <- TOML file chain <- command-line overrides.
+
+A config file may name a parent with ``extends = "other.toml"`` (relative to the file); the
+child's keys override the parent's, chains are allowed, cycles are refused. Command-line
+overrides ``--section.key value`` / ``--section.key=value`` come last and are typed from the
+dataclass field. Every user mistake raises :class:`ConfigError` with one readable sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, get_origin, get_type_hints
+
+from torchpar.config.sections import ConfigError, JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _sections() -> dict[str, type]:
+    return get_type_hints(JobConfig)
+
+
+def did_you_mean(word: str, options) -> str:
+    by_lower = {str(o).lower(): str(o) for o in options}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
+    return (
+        f" Did you mean '{by_lower[close[0]]}'?"
+        if close
+        else f" Known: {', '.join(sorted(map(str, options)))}."
+    )
+
+
+def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    """Convert ``value`` to ``typ`` (strings from the command line are parsed)."""
+    bad = ConfigError(
+        f"{where}: got {value!r} ({type(value).__name__}), expected {getattr(typ, '__name__', typ)}."
+    )
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in ("true", "false", "1", "0", "yes", "no"):
+            return str(value).lower() in ("true", "1", "yes")
+        raise bad
+    if typ in (int, float):
+        # A TOML float where an int is expected is refused (no silent truncation); bool is an int
+        # subclass in Python but never a number here.
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int,) if typ is int else (int, float)):
+            return typ(value)
+        if from_cli:
+            try:
+                return typ(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typ is list or get_origin(typ) is list:
+        if from_cli and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+            value = [int(v) if v.lstrip("-").isdigit() else v for v in value]
+        if isinstance(value, list):
+            return value
+        raise bad
+    raise bad  # pragma: no cover
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _read_toml(path: Path, chain: list[Path]) -> dict:
+    """Read ``path`` and merge it over its ``extends`` ancestors."""
+    path = path.resolve()
+    if path in chain:
+        loop = " -> ".join(str(p) for p in chain + [path])
+        raise ConfigError(f"config 'extends' forms a cycle: {loop}")
+    if not path.is_file():
+        via = f" (extended by {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file not found: {path}{via}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: 'extends' must be a file path string, got {parent!r}")
+    merged = _read_toml(path.parent / parent, chain + [path])
+    for section, values in data.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values
+    return merged
+
+
+def _apply(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, origin: str) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"{origin}: unknown section [{section}].{did_you_mean(section, sections)}")
+    types = _field_types(sections[section])
+    if key not in types:
+        raise ConfigError(f"{origin}: unknown key '{key}' in [{section}].{did_you_mean(key, types)}")
+    where = f"{origin}: {section}.{key}"
+    value = _coerce(where, value, types[key], from_cli)
+    choices = next(f for f in dataclasses.fields(sections[section]) if f.name == key).metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(
+            f"{where} = {value!r} is not one of {list(choices)}."
+            + did_you_mean(str(value), [str(c) for c in choices])
+        )
+    setattr(getattr(cfg, section), key, value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--a.b', 'v', '--c.d=w']`` -> ``[('a.b', 'v'), ('c.d', 'w')]``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --section.key value or --section.key=value"
+            )
+        if "=" in arg:
+            k, v = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            k, v = arg[2:], args[i + 1]
+            i += 2
+        out.append((k, v))
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Build the job config: defaults <- file chain <- command-line overrides."""
+    cfg = JobConfig()
+    if path is not None:
+        origin = str(path)
+        for section, values in _read_toml(Path(path), []).items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{origin}: top-level key '{section}' must be a [section] "
+                    f"table.{did_you_mean(section, _sections())}"
+                )
+            for key, value in values.items():
+                _apply(cfg, section, key, value, from_cli=False, origin=origin)
+    for dotted, value in parse_overrides(overrides or []):
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value, from_cli=True, origin="command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no world size; layout checks live in ParallelDims."""
+    t = cfg.training
+    for name in ("steps", "local_batch_size", "seq_len"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"training.{name} must be positive, got {getattr(t, name)}")
+    if t.global_batch_size < 0:
+        raise ConfigError(
+            f"training.global_batch_size must be >= 0 (0 = no accumulation), got {t.global_batch_size}"
+        )
+    if cfg.data.lanes <= 0 or cfg.data.num_workers < 0:
+        raise ConfigError(
+            f"data.lanes must be positive and data.num_workers >= 0 (got {cfg.data.lanes}, "
+            f"{cfg.data.num_workers})"
+        )
+    if cfg.metrics.log_freq <= 0:
+        raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
+    if not 0 <= cfg.lr_scheduler.min_lr_ratio <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {cfg.lr_scheduler.min_lr_ratio}")
+    if t.max_norm < 0:
+        raise ConfigError(f"training.max_norm must be >= 0 (0 = no clipping), got {t.max_norm}")
+    # Checked here so a bad value stops before launch instead of inside torch.optim on every rank.
+    o = cfg.optimizer
+    for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
+                           ("beta2", 0 <= o.beta2 < 1, "in [0, 1)"), ("eps", o.eps > 0, "> 0"),
+                           ("weight_decay", o.weight_decay >= 0, ">= 0")):
+        if not ok:
+            raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
+    from torchpar.models import MODELS
+
+    flavors = MODELS[cfg.model.name].flavors
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} flavour."
+                          f"{did_you_mean(cfg.model.flavor, flavors)}")
+    if cfg.model.n_layers < 0:
+        raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavour's), got {cfg.model.n_layers}")
+    ck = cfg.checkpoint
+    if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
+        raise ConfigError(f"checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
+                          f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
+    if cfg.data.dataset != "stdlib" and not cfg.data.path:
+        raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")
+    v = cfg.validation
+    if v.freq <= 0 or v.steps <= 0:
+        raise ConfigError(f"validation.freq and validation.steps must be positive (got {v.freq}, {v.steps})")
+    if v.enable and cfg.data.dataset == "files" and not v.path:
+        raise ConfigError(
+            "validation.path is required with data.dataset = 'files' (held-out files, not the training ones)"
+        )
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged config as TOML (what --print-config shows)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for f in dataclasses.fields(cfg):
+        lines.append(f"[{f.name}]")
+        for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
+            lines.append(f"{k} = {fmt(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """Every field with its type, default and docstring."""
+    lines = ["Config fields (set in TOML or override with --section.key value):", ""]
+    for section, cls in _sections().items():
+        lines.append(f"[{section}]")
+        types = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            tname = getattr(types[f.name], "__name__", str(types[f.name]))
+            choices = f.metadata.get("choices")
+            extra = f" One of {list(choices)}." if choices else ""
+            lines.append(
+                f"  --{section}.{f.name} ({tname}, default {default!r}): {f.metadata['help']}{extra}"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""The job configuration's sections: one dataclass per TOML section, a docstring per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file, an override or a layout; printed without a traceback."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None):
+    """A config field with its docstring (shown by ``--help``) and optional allowed values."""
+    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(metadata={"help": help, "choices": choices}, **kw)
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Job:
+    dump_folder: str = opt("./outputs", "Folder for metrics.jsonl, wandb files and checkpoints.")
+    description: str = opt("torchpar job", "Free text describing the run; logged with the config.")
+
+
+@dataclass
+class Model:
+    name: str = opt(
+        "llama3",
+        "Model family: 'llama3' (RMSNorm, RoPE, GQA, SwiGLU) or 'gpt2' (learned positions, "
+        "LayerNorm, GELU MLP, biases).",
+        ("llama3", "gpt2"),
+    )
+    flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
+    tokenizer_path: str = opt(
+        "builtin",
+        "tiktoken BPE rank file (Llama-3 tokenizer.model format); 'builtin' = the 4k vocabulary "
+        "shipped in torchpar/assets, trained by scripts/train_tokenizer.py.",
+    )
+    n_layers: int = opt(0, "Override the flavour's layer count (0 keeps the flavour's).")
+
+
+@dataclass
+class Data:
+    dataset: str = opt(
+        "stdlib",
+        "'stdlib' = the Python standard library's own sources (no download); 'files' = local "
+        ".txt/.jsonl files or globs in `path`; 'hf' = a Hugging Face `datasets` dataset.",
+        ("stdlib", "files", "hf"),
+    )
+    path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path.")
+    text_field: str = opt("text", "Key of the text in .jsonl records and HF rows.")
+    split: str = opt(
+        "train", "'train' or the held-out 'validation' split of the stdlib corpus; HF split name for 'hf'."
+    )
+    lanes: int = opt(
+        64,
+        "Documents are read through this many interleaved streams so a batch mixes files; 1 = one file "
+        "after another.",
+    )
+    num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process).")
+
+
+@dataclass
+class Training:
+    steps: int = opt(300, "Optimizer steps to run.")
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-step.")
+    global_batch_size: int = opt(
+        0,
+        "Sequences per optimizer step over all data-parallel ranks; must equal local_batch_size x "
+        "grad_accum_steps x dp degree. 0 = local_batch_size x dp degree (no accumulation).",
+    )
+    seq_len: int = opt(128, "Tokens per training sequence.")
+    seed: int = opt(0, "Seed for weight init and data order; the same on every rank.")
+    max_norm: float = opt(1.0, "Gradient clipping threshold on the global norm (0 = no clipping).")
+    mixed_precision_param: str = opt("float32", "Dtype of parameters in compute.", DTYPES)
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype of gradient reduction across data-parallel ranks.", DTYPES
+    )
+    activation_checkpoint: str = opt(
+        "none", "Recompute each block's activations in backward.", ("none", "full")
+    )
+    compile: bool = opt(False, "torch.compile each transformer block.")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer.", ("AdamW",))
+    lr: float = opt(3e-3, "Peak learning rate.")
+    beta1: float = opt(0.9, "Adam beta1.")
+    beta2: float = opt(0.95, "Adam beta2.")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay.")
+    implementation: str = opt(
+        "auto", "'auto' = fused on CUDA, foreach elsewhere.", ("auto", "fused", "foreach", "for-loop")
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(30, "Linear warmup steps from ~0 to the peak lr.")
+    decay_type: str = opt("cosine", "Decay after warmup.", ("cosine", "linear", "constant"))
+    min_lr_ratio: float = opt(0.1, "Final lr as a fraction of the peak.")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "Data-parallel replicas (HSDP outer dimension).")
+    data_parallel_shard_degree: int = opt(
+        -1, "Ranks that shard ZeRO state inside a replica; -1 = the ranks left over."
+    )
+    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree (innermost mesh dimension).")
+    pipeline_parallel_degree: int = opt(1, "Pipeline stages over ranks (outermost mesh dimension).")
+    zero_stage: int = opt(
+        0,
+        "0: DDP; 1: + optimizer states sharded; 2: + gradients sharded; 3: + parameters sharded (FSDP2).",
+        (0, 1, 2, 3),
+    )
+    sequence_parallel: bool = opt(True, "With TP: norms and residual stream sharded along the sequence.")
+    loss_parallel: bool = opt(True, "With TP: cross-entropy on vocab-sharded logits, never gathered.")
+    cpu_offload: bool = opt(
+        False, "ZeRO-3 only: parameters, gradients and optimizer step on the CPU (FSDP2 CPUOffloadPolicy)."
+    )
+    pipeline_parallel_schedule: str = opt("1F1B", "Schedule from torch.distributed.pipelining.")
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "Sequences per pipeline microbatch; microbatches = local batch / this."
+    )
+    pipeline_parallel_stages_per_rank: int = opt(
+        0, "Virtual stages per rank; 0 = 1 for single-stage schedules, 2 for multi-stage."
+    )
+    pipeline_parallel_layers_per_stage: list = opt(
+        [], "Explicit split: layers in each stage, in stage order (must sum to n_layers); empty = balanced."
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log every N steps (step 1 always).")
+    enable_wandb: bool = opt(False, "Log to Weights & Biases (set WANDB_MODE=offline without network).")
+    wandb_project: str = opt("torchpar", "wandb project.")
+    wandb_run_name: str = opt("", "wandb run name; empty = wandb's own.")
+    wandb_tags: list = opt([], "wandb tags (TOML list, or comma-separated on the command line).")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save DCP checkpoints and resume from the latest complete one at start.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder (or absolute).")
+    interval: int = opt(500, "Save every N steps; the last step is always saved.")
+    keep_latest_k: int = opt(
+        0, "Keep only the newest K complete checkpoints (0 = keep all); the newest is never deleted."
+    )
+    async_mode: str = opt("off",
+                          "'async' = stage to memory, write in a background thread while training goes on.",
+                          ("off", "async"))
+    load_step: int = opt(
+        -1, "Step to resume from; -1 = the latest complete checkpoint (if any); 0 = never resume."
+    )
+    initial_load_path: str = opt(
+        "", "Model-only weights to start from when no checkpoint exists yet: a `torchpar export` file, or a "
+        "Hugging Face model folder (config.json + safetensors).")
+    initial_load_format: str = opt(
+        "auto", "Format of initial_load_path: 'torchpar' (an export file), 'hf' (a Hugging Face folder), "
+        "'auto' = 'hf' for a folder with config.json.", ("auto", "torchpar", "hf"))
+    verify_checksums: bool = opt(
+        True,
+        "Before loading, check every file's CRC32 against the manifest (reads the checkpoint once more); "
+        "sizes are always checked.",
+    )
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Measure the loss on held-out text every `freq` steps and after the last step.")
+    freq: int = opt(100, "Steps between evaluations.")
+    steps: int = opt(
+        10,
+        "Global batches per evaluation. Each evaluation reads the same windows from the start of "
+        "the held-out stream, so successive values compare, and any layout gives the same number.",
+    )
+    split: str = opt(
+        "validation", "Held-out split: 'validation' for the stdlib corpus; a split name for 'hf'."
+    )
+    path: str = opt(
+        "",
+        "For data.dataset = 'files' (required there): held-out .txt/.jsonl files or globs; for 'hf' "
+        "another dataset; empty = data.path.",
+    )
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)

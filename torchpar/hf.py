@@ -1,0 +1,243 @@
+"""Hugging Face format: safetensors + config.json in and out, for families with an HF mapping.
+
+Writing streams tensor by tensor: each file's header (names, dtypes, shapes, offsets) is known
+from the shapes alone and written first, then every tensor is read from its source, converted
+and written before the next is read — host memory peaks at about two copies of the largest
+tensor (the fp32 value and its converted copy), whatever the model's size.
+
+Reading is lazy: a :class:`~torchpar.weights.LazyWeight` reads only the rows and columns asked
+of it (safetensors slices), so each rank of a parallel job reads just its own shard of every
+tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+
+from torchpar.config import ConfigError
+from torchpar.weights import LazyWeight
+
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").exists()
+
+
+# ---------------------------------------------------------------------- writing
+
+
+class _Accounting:
+    """Bytes of tensors held at once while writing (the streaming claim, checked in tests)."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        self.held = sum(t.numel() * t.element_size() for t in tensors)
+        self.peak = max(self.peak, self.held)
+
+
+def _shards(entries: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list]:
+    shards, size = [[]], 0
+    for name, shape, dtype in entries:
+        n = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape, dtype))
+        size += n
+    return shards
+
+
+def _write_file(path: Path, entries: list, produce, acct: _Accounting) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in entries:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype in entries:
+            t = produce(name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}")
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            acct.hold()
+    tmp.replace(path)
+
+
+def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+             extra_config: dict | None = None) -> dict:
+    """Write ``model`` (an adapter with an HF mapping) with ``args`` to the folder ``out``:
+    safetensors (sharded above ``max_shard_bytes``, with an index), config.json (+
+    ``extra_config``, e.g. the tokenizer's BOS/EOS ids) and generation_config.json.
+    ``read(torchpar_name)`` returns one full fp32 tensor at a time.
+    Returns the files written, their total bytes and the peak bytes held."""
+    out.mkdir(parents=True, exist_ok=True)
+    mapping = model.hf_tensors(args)
+    shapes = full_shapes(model, args)
+    entries = [(hf, shapes[tp], dtype) for tp, hf, _ in mapping]
+    source = {hf: (tp, heads) for tp, hf, heads in mapping}
+    acct = _Accounting()
+
+    def produce(hf_name: str) -> torch.Tensor:
+        tp_name, heads = source[hf_name]
+        value = read(tp_name)
+        converted = model.to_hf(value, heads).to(dtype)
+        acct.hold(value, converted)
+        return converted
+
+    shards = _shards(entries, max_shard_bytes)
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        _write_file(out / file, shard, produce, acct)
+    total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name, _, _ in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = {**model.hf_config(args), "torch_dtype": {torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
+              **(extra_config or {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return {"files": files, "bytes": total, "peak_bytes": acct.peak}
+
+
+def full_shapes(model, args) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape by canonical name, from a meta-device build (no memory)."""
+    with torch.device("meta"):
+        module = model.build(args)
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path}/config.json cannot be read ({e}); is this a Hugging Face model folder?"
+        ) from None
+
+
+def _rope(config: dict) -> tuple[object, str]:
+    """(theta, type) of RoPE however transformers spelled it (4.x: rope_theta + rope_scaling;
+    5.x: rope_parameters)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = config.get("rope_theta", params.get("rope_theta"))
+    return theta, params.get("rope_type", params.get("type", "default"))
+
+
+def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
+    """config.json against the model torchpar builds: one line naming the first field that differs."""
+    if (config.get("architectures") or [None])[0] != model.hf_architecture:
+        raise ConfigError(
+            f"{path}/config.json: architectures = {config.get('architectures')}, but model.name = "
+            f"{model.name!r} reads {model.hf_architecture}"
+        )
+    expected = model.hf_config(args)
+    theta, kind = _rope(config)
+    if kind != "default":
+        raise ConfigError(
+            f"{path}/config.json: RoPE type {kind!r} (scaled positions); torchpar implements the "
+            "default RoPE only"
+        )
+    have_all = {**config, "rope_theta": theta}
+    optional = {"head_dim", "attention_bias", "mlp_bias"}  # transformers' defaults equal torchpar's
+    for key, want in expected.items():
+        if key in ("architectures", "model_type", "max_position_embeddings", "rope_parameters"):
+            continue  # the position limit changes no math below it; RoPE is checked above
+        have = have_all.get(key, want if key in optional else None)
+        close = (
+            isinstance(want, float)
+            and isinstance(have, (int, float))
+            and math.isclose(have, want, rel_tol=1e-9)
+        )
+        if have != want and not close:
+            raise ConfigError(
+                f"{path}/config.json: {key} = {have!r}, but model.flavor = {flavor!r} has {want!r}; "
+                "choose the flavour (and model.n_layers) that matches the checkpoint"
+            )
+
+
+class HFWeights:
+    """A Hugging Face folder's tensors as a mapping from torchpar names to :class:`LazyWeight`."""
+
+    def __init__(self, path: str | Path, model, args, flavor: str):
+        from safetensors import safe_open
+
+        self.path, self.model = Path(path), model
+        check_config(self.path, read_config(self.path), model, args, flavor)
+        index = self.path / "model.safetensors.index.json"
+        try:
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+            else:
+                with safe_open(self.path / "model.safetensors", framework="pt") as f:
+                    weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        except Exception as e:  # a damaged file: one line, not a traceback
+            raise ConfigError(f"{self.path}: cannot read the safetensors index or file ({type(e).__name__}: "
+                              f"{e}); is the download complete?") from None
+        shapes = full_shapes(model, args)
+        self.entries = {}
+        for tp_name, hf_name, heads in model.hf_tensors(args):
+            if hf_name not in weight_map:
+                raise ConfigError(f"{self.path}: no tensor {hf_name} in the checkpoint; it holds another "
+                                  f"model")
+            self.entries[tp_name] = (weight_map[hf_name], hf_name, heads, shapes[tp_name])
+        if args.tie_embeddings and "output.weight" in shapes:
+            self.entries["output.weight"] = self.entries["tok_embeddings.weight"]
+        self._files = {}
+
+    def _slice(self, file: str, name: str):
+        from safetensors import safe_open
+
+        if file not in self._files:
+            self._files[file] = safe_open(self.path / file, framework="pt")
+        try:
+            return self._files[file].get_slice(name)
+        except Exception as e:
+            raise ConfigError(f"{self.path / file}: cannot read {name} ({type(e).__name__}: {e})") from None
+
+    def __getitem__(self, name: str) -> LazyWeight:
+        file, hf_name, heads, shape = self.entries[name]
+
+        def read(index: tuple[slice, ...]) -> torch.Tensor:
+            part = self._slice(file, hf_name)
+            if tuple(part.get_shape()) != shape:
+                raise ConfigError(f"{self.path / file}: {hf_name} is {tuple(part.get_shape())}, torchpar "
+                                  f"expects "
+                                  f"{shape}")
+            if heads is None:
+                return part[index]
+            # Rows are permuted within each head: read the whole heads the rows fall in.
+            rows, cols = index
+            head_rows = shape[0] // heads
+            first, last = rows.start // head_rows, -(-rows.stop // head_rows)
+            block = part[first * head_rows:last * head_rows, cols]
+            block = self.model.from_hf(block, last - first)
+            return block[rows.start - first * head_rows:rows.stop - first * head_rows]
+
+        return LazyWeight(shape, read)
+
+    def keys(self):
+        return self.entries.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries

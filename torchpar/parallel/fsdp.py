@@ -1,0 +1,83 @@
+"""ZeRO-3 through FSDP2: ``fully_shard`` per block, then the root; HSDP over a 2-D dp mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchpar.parallel.zero import local, merged_view, nbytes, optimizer_state_bytes, replicas, unique_params
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """ZeRO-3: each block is one all-gather / reduce-scatter unit; the root takes the rest
+    (embedding, final norm, head). ``dp_mesh`` is 1-D (dp_shard) or 2-D (dp_replicate, dp_shard)
+    for HSDP, where FSDP2 shards inside dp_shard and all-reduces across dp_replicate."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # Pinned host memory needs an accelerator; on a CPU-only run offload keeps the same code path
+    # (sharded states and the optimizer step on the host) without pinning.
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    kw = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=offload,
+    )
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    # The root's parameters are used last in forward and first in backward: keeping them
+    # gathered saves one all-gather per step.
+    fully_shard(model, reshard_after_forward=False, **kw)
+
+
+class FSDPState:
+    """ZeRO-3 through FSDP2: gradients are already reduce-scattered when backward returns."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int):
+        self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
+        self.params = unique_params(model_parts)
+
+    def set_sync(self, enabled: bool) -> None:
+        for m in self.model_parts:
+            m.set_requires_gradient_sync(enabled)
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        # Every FSDP2 parameter is a DTensor over (dp..., tp) dims; its Replicate dims hold copies.
+        return [(local(p.grad), replicas(p.grad, self.tp)) for p in self.params if p.grad is not None]
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        torch._foreach_mul_([local(p.grad) for p in self.params if p.grad is not None], coef)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"param_bytes": sum(nbytes(p) for p in self.params),
+                "grad_bytes": sum(nbytes(p.grad) for p in self.params),
+                "optim_bytes": optimizer_state_bytes(self.optimizer)}
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        sd = get_optimizer_state_dict(merged_view(self.model_parts), self.optimizer, options=self._options())
+        # Hyperparameters come from the config and the lr from the scheduler, not the checkpoint.
+        return {k: v for k, v in sd.items() if k.startswith("state.")}
+
+    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        view = merged_view(self.model_parts)
+        full = get_optimizer_state_dict(view, self.optimizer, options=self._options())
+        full.update(loaded)
+        set_optimizer_state_dict(view, self.optimizer, full, options=self._options())

@@ -1,0 +1,83 @@
+"""Everything a user can get wrong, checked before any process group exists: the model, the
+tokenizer, the layout, the data, the checkpoint to resume from or the weights to start from.
+
+``torchpar.train --check`` (which ``run_train.sh`` runs once before torchrun) and every rank of
+the trainer run the same checks, so a mistake is one line, never a hang or a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import NamedTuple
+
+from torchpar.checkpoint import find_resume
+from torchpar.config import ConfigError, JobConfig
+from torchpar.data import build_source
+from torchpar.models import ModelAdapter, adapter
+from torchpar.parallel.layout import Layout, resolve_layout
+from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.weights import load_weights
+
+
+class Preflight(NamedTuple):
+    model: ModelAdapter
+    args: object  # the model's args dataclass
+    tokenizer: Tokenizer
+    layout: Layout
+    source: object  # training documents
+    val_source: object | None  # held-out documents when [validation] is enabled
+    resume: Path | None  # checkpoint to resume from
+    weights: object | None  # initial weights by name (checkpoint.initial_load_path): tensors or LazyWeights
+
+
+def held_out_data(cfg: JobConfig):
+    """The [data] section with [validation]'s split/path: where the held-out documents come from."""
+    v = cfg.validation
+    return dataclasses.replace(cfg.data, split=v.split, path=v.path or cfg.data.path)
+
+
+def preflight(cfg: JobConfig, world: int) -> Preflight:
+    """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
+    resume from or the weights to start from. Raises ConfigError."""
+    model = adapter(cfg.model.name)
+    args = model.args(cfg.model.flavor, cfg.model.n_layers)
+    try:
+        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+    except TokenizerError as e:
+        raise ConfigError(f"model.tokenizer_path: {e}") from None
+    if tokenizer.n_words > args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
+            f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
+        )
+    layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
+    source = build_source(cfg.data, cfg.training.seed)
+    val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
+    resume = find_resume(cfg, args)
+    weights = None
+    if resume is None and cfg.checkpoint.initial_load_path:
+        weights = initial_weights(cfg, model, args)
+    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights)
+
+
+def initial_weights(cfg: JobConfig, model: ModelAdapter, args):
+    """``checkpoint.initial_load_path`` as a mapping from parameter names to full tensors (an
+    export file) or to lazily read weights (a Hugging Face folder: each rank reads its shards)."""
+    from torchpar.hf import HFWeights, is_hf_dir
+
+    ck = cfg.checkpoint
+    fmt = ck.initial_load_format
+    if fmt == "auto":
+        fmt = "hf" if is_hf_dir(ck.initial_load_path) else "torchpar"
+    if fmt == "torchpar":
+        return load_weights(ck.initial_load_path, cfg.model, args)[0]  # each rank reads its shards
+    if not is_hf_dir(ck.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path = {ck.initial_load_path!r} is not a Hugging Face "
+                          f"model "
+                          "folder (no config.json there)")
+    if model.hf_architecture is None:
+        raise ConfigError(f"model.name = {model.name!r} has no Hugging Face mapping; start it from a "
+                          f"torchpar "
+                          "export instead")
+    return HFWeights(ck.initial_load_path, model, args, cfg.model.flavor)
