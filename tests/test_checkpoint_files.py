@@ -52,24 +52,104 @@ def test_saves_are_complete_and_pruned(trained):
     assert earlier["step"] == 4 and earlier["tokens_seen"] == 4 * 8 * 32
 
 
-def test_interrupted_save_is_ignored_with_a_warning(trained, tmp_path):
+def folder_digest(folder: Path) -> dict:
+    """Every file under ``folder`` with its bytes' hash: to show that nothing in it changed."""
+    import hashlib
+
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_interrupted_save_is_removed_and_anything_else_left_alone(trained, tmp_path):
+    """Only a .partial folder that torchpar started (its marker inside) is removed; a complete-
+    looking folder without a manifest, or a .partial without the marker, is reported and kept."""
+    from torchpar.checkpoint import PARTIAL_MARKER
+
     run_dir = copy_run(trained, tmp_path)
     partial = run_dir / "checkpoint" / "step-00000008.partial"
     partial.mkdir()
+    (partial / PARTIAL_MARKER).write_text("step 8\n")
     (partial / "__0_0.distcp").write_bytes(b"half a checkpoint")
-    no_manifest = run_dir / "checkpoint" / "step-00000010"  # renamed by hand, never finished
+    foreign = run_dir / "checkpoint" / "step-00000009.partial"  # not torchpar's
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    no_manifest = run_dir / "checkpoint" / "step-00000010"  # a manifest deleted by hand
     shutil.copytree(run_dir / "checkpoint" / "step-00000006", no_manifest)
     (no_manifest / "torchpar.json").unlink()
+    kept = {d: folder_digest(d) for d in (foreign, no_manifest)}
     r = train(tmp_path, run_dir, "--training.steps", "7")
     assert r.returncode == 0, r.stderr
     assert "ignoring incomplete checkpoint" in r.stderr and "step-00000008.partial" in r.stderr
+    assert "step-00000010 has no manifest" in r.stderr and "left alone" in r.stderr
     assert "resumed from" in r.stdout and "step-00000006 at step 6" in r.stdout
     assert "step     7  loss" in r.stdout
     assert not partial.exists()
+    assert {d: folder_digest(d) for d in kept} == kept
 
 
-def expect_error(r, *fragments):
-    assert r.returncode == 2, r.stdout + r.stderr
+def test_resume_from_an_older_step_keeps_the_newer_checkpoints(trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path)
+    newer = folder_digest(run_dir / "checkpoint" / "step-00000006")
+    r = train(tmp_path, run_dir, "--training.steps", "8", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "2", "--checkpoint.load_step", "4")
+    assert r.returncode == 0, r.stderr
+    assert "starts at step 4" in r.stderr and "later checkpoints (steps 6)" in r.stderr
+    (aside,) = (run_dir / "checkpoint").glob("superseded-*-from-step-4")
+    assert folder_digest(aside / "step-00000006") == newer  # the old timeline's step 6, untouched
+    assert sorted(d.name for d in (run_dir / "checkpoint").glob("step-*")) == [
+        "step-00000006",
+        "step-00000008",
+    ]
+    branch = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"branch"' in x]
+    assert branch == [{"step": 4, "event": "branch", "branch_from_step": 4, "moved_steps": [6],
+                       "moved_to": str(aside)}]
+
+
+def test_keep_latest_k_never_deletes_this_runs_checkpoints_for_older_ones(trained, tmp_path):
+    """A fresh start (load_step 0) in a folder holding steps 4 and 6 of an earlier run: those are
+    set aside, and keep_latest_k keeps this run's newest, not the earlier run's higher steps."""
+    run_dir = copy_run(trained, tmp_path)
+    before = folder_digest(run_dir / "checkpoint")
+    r = train(tmp_path, run_dir, "--training.steps", "3", "--checkpoint.interval", "1",
+              "--checkpoint.keep_latest_k", "2", "--checkpoint.load_step", "0")
+    assert r.returncode == 0, r.stderr
+    assert sorted(d.name for d in (run_dir / "checkpoint").glob("step-*")) == [
+        "step-00000002",
+        "step-00000003",
+    ]
+    (aside,) = (run_dir / "checkpoint").glob("superseded-*-from-step-0")
+    assert folder_digest(aside) == before
+
+
+def test_one_run_per_dump_folder(trained, tmp_path):
+    from torchpar.preflight import RunLock
+
+    run_dir = copy_run(trained, tmp_path)
+    held = RunLock(run_dir)  # as a live run's rank 0 holds it
+    try:
+        before = folder_digest(run_dir)
+        for extra in (["--check"], ["--training.steps", "7"]):
+            r = train(tmp_path, run_dir, *extra)
+            expect_error(r, f"job.dump_folder {run_dir} is in use by another run", f"pid {os.getpid()}")
+        assert folder_digest(run_dir) == before
+    finally:
+        held.release()
+    r = train(tmp_path, run_dir, "--training.steps", "7")  # a lock of a process that ended is no lock
+    assert r.returncode == 0, r.stderr
+
+
+def test_dump_or_checkpoint_folder_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    for field, extra in (("job.dump_folder", ["--job.dump_folder", str(tmp_path / "file")]),
+                         ("checkpoint.folder", ["--checkpoint.folder", str(tmp_path / "file")])):
+        r = run([*TRAIN, "--checkpoint.enable", "true", "--job.dump_folder", str(tmp_path / "run"), *extra,
+                 "--training.steps", "2"], tmp_path)
+        expect_error(r, f"{field}: {tmp_path / 'file'} is a file, not a folder")
+        assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def expect_error(r, *fragments, code=2):
+    assert r.returncode == code, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("torchpar: error: "), r.stderr

@@ -38,6 +38,7 @@ from torchpar.config import ConfigError
 from torchpar.models import DEFAULT_FAMILY
 
 MANIFEST = "torchpar.json"
+PARTIAL_MARKER = "torchpar.partial"  # written into step-N.partial when a save starts
 FORMAT = 2  # 2: stateful parts (model, optimizer, lr_scheduler, train_state, dataloader, rng)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -59,6 +60,20 @@ def complete_checkpoints(root: Path) -> dict[int, Path]:
             if m and d.is_dir() and (d / MANIFEST).exists():
                 out[int(m.group(1))] = d
     return out
+
+
+def interrupted_saves(root: Path) -> list[Path]:
+    """``step-N.partial`` folders that torchpar itself started (they hold its marker file): the
+    only folders it ever deletes besides checkpoints pruned by keep_latest_k."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.glob("step-*.partial") if d.is_dir() and (d / PARTIAL_MARKER).exists())
+
+
+def unexpected_folders(root: Path) -> list[Path]:
+    """``step-*`` folders that are neither a complete checkpoint nor an interrupted save of
+    torchpar's (e.g. a manifest deleted by hand): reported and left alone, never loaded."""
+    return sorted(d for d in incomplete_checkpoints(root) if d not in interrupted_saves(root))
 
 
 def incomplete_checkpoints(root: Path) -> list[Path]:
@@ -137,8 +152,12 @@ def find_resume(cfg, args) -> Path | None:
     if not ck.enable or ck.load_step == 0:
         return None
     root = checkpoint_root(cfg)
-    for d in incomplete_checkpoints(root):
+    for d in interrupted_saves(root):
         _warn(f"ignoring incomplete checkpoint {d} (a save was interrupted); it will be removed")
+    for d in unexpected_folders(root):
+        _warn(
+            f"{d} has no manifest ({MANIFEST}); it is not a checkpoint torchpar can load, and is left alone"
+        )
     found = complete_checkpoints(root)
     if ck.load_step > 0:
         if ck.load_step not in found:
@@ -188,25 +207,56 @@ class Checkpointer:
         if cfg.enable and cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
             self.async_group = dist.new_group(backend="gloo")
+        self.branch: dict | None = None  # where a resume from an older step moved the newer checkpoints
         if cfg.enable and self.rank == 0:
-            for d in incomplete_checkpoints(root):
+            for d in interrupted_saves(root):
                 shutil.rmtree(d, ignore_errors=True)
+            self.branch = self._set_newer_aside(int(read_manifest(resume_from)["step"]) if resume_from else 0)
         if cfg.enable:
-            dist.barrier()  # nobody writes before stale partial folders are gone
+            dist.barrier()  # nobody writes before stale partial folders are gone and the timeline is set
 
     def _state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts.items()}
 
+    def _set_newer_aside(self, start: int) -> dict | None:
+        """This run's timeline starts at ``start``: complete checkpoints of later steps (a resume
+        from an older step, or a fresh start in a folder with checkpoints) are moved, never
+        deleted, into ``superseded-<time>-from-step-<start>/`` so that neither keep_latest_k nor this
+        run's saves can touch them."""
+        newer = {s: d for s, d in complete_checkpoints(self.root).items() if s > start}
+        if not newer:
+            return None
+        aside = self.root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-from-step-{start}"
+        aside.mkdir()
+        for d in newer.values():
+            os.replace(d, aside / d.name)
+        steps = ", ".join(map(str, sorted(newer)))
+        _warn(f"this run starts at step {start} but {self.root} held later checkpoints (steps {steps}); "
+              f"they are "
+              f"kept in {aside} and a new timeline starts here")
+        return {"branch_from_step": start, "moved_steps": sorted(newer), "moved_to": str(aside)}
+
     # -- save
+
+    def due(self, step: int, force: bool = False) -> bool:
+        return self.cfg.enable and (force or step % self.cfg.interval == 0)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of this folder (after any save in flight)."""
+        found = complete_checkpoints(self.root) if self.cfg.enable else {}
+        return found[max(found)] if found else None
 
     def maybe_save(self, step: int, force: bool = False, **extra) -> None:
         """Save at every ``interval`` steps (or when ``force``); ``extra`` goes into the manifest."""
         self._poll()
-        if not self.cfg.enable or not (force or step % self.cfg.interval == 0):
+        if not self.due(step, force):
             return
         self.wait()  # one save in flight at a time
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + ".partial")
+        if self.rank == 0:  # marks the folder as torchpar's own, so an interrupted save may be removed
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / PARTIAL_MARKER).write_text(f"step {step}\n")
         state = self._state()
         if self.cfg.async_mode == "async":
             # Our own staging (CPU copies the next steps cannot touch), then DCP's ordinary save in a
@@ -243,14 +293,15 @@ class Checkpointer:
         # DCP returns on the coordinator only after every rank's files and the metadata are written.
         if self.rank != 0:
             return
+        (partial / PARTIAL_MARKER).unlink(missing_ok=True)
         files = {f.name: [f.stat().st_size, _file_crc32(f)] for f in sorted(partial.iterdir()) if f.is_file()}
         manifest = {"format": FORMAT, "step": step, **extra, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                     **self.manifest, "files": files}
         tmp = partial / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, partial / MANIFEST)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
+            os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
         os.replace(partial, final)  # the commit point
         print(f"torchpar: saved checkpoint {final}", flush=True)
         if self.cfg.keep_latest_k > 0:

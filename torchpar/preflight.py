@@ -8,6 +8,10 @@ the trainer run the same checks, so a mistake is one line, never a hang or a tra
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
+import socket
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -81,3 +85,58 @@ def initial_weights(cfg: JobConfig, model: ModelAdapter, args):
                           f"torchpar "
                           "export instead")
     return HFWeights(ck.initial_load_path, model, args, cfg.model.flavor)
+
+
+LOCK_FILE = "torchpar.lock"
+
+
+class RunLock:
+    """One run per dump folder: an advisory ``flock`` on ``<dump_folder>/torchpar.lock``, held by
+    rank 0 for the run's life. The kernel drops it when the process ends however it ends, so a
+    lock is never stale; the file says who holds it."""
+
+    def __init__(self, dump_folder: Path):
+        self.path = dump_folder / LOCK_FILE
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            owner = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ConfigError(f"job.dump_folder {dump_folder} is in use by another run ({owner}); wait "
+                              f"for it to "
+                              "end, or choose another job.dump_folder") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(
+            f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def claim_folders(cfg: JobConfig, rank: int) -> RunLock | None:
+    """The dump folder (and the checkpoint folder) exist and are writable folders, before
+    training rather than at the first save; rank 0 takes the run lock."""
+    from torchpar.checkpoint import checkpoint_root
+
+    folders = [("job.dump_folder", Path(cfg.job.dump_folder))]
+    if cfg.checkpoint.enable:
+        folders.append(("checkpoint.folder", checkpoint_root(cfg)))
+    for field, folder in folders:
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{field}: {folder} is a file, not a folder; choose another {field}")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"{field}: cannot create {folder} ({e.strerror}); choose another {field}"
+            ) from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"{field}: {folder} is not writable; choose another {field}")
+    return RunLock(Path(cfg.job.dump_folder)) if rank == 0 else None

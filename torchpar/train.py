@@ -24,13 +24,14 @@ from torchpar import device as dev
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchpar.data import build_dataloader
+from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
 from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger
 from torchpar.models import canonical_name
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model
 from torchpar.parallel.zero import clip_grad_norm, full_value
-from torchpar.preflight import preflight
+from torchpar.preflight import claim_folders, preflight
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
 
 
@@ -43,6 +44,8 @@ class Trainer:
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         pre = preflight(cfg, world)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        self.run_lock = claim_folders(cfg, rank)
         self.model_family, self.args, self.tokenizer, self.layout, self.val_source = (
             pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source)
         lay = self.layout
@@ -61,6 +64,7 @@ class Trainer:
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
+        self.guard = DivergenceGuard(tr)
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -73,6 +77,9 @@ class Trainer:
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
                                          self.manifest(), pre.resume)
+        if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
+            self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
+                             **self.checkpointer.branch})
         resumed = self.checkpointer.load()
         if resumed is not None and self.rank == 0:
             print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
@@ -106,7 +113,8 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def train_step(self, batches) -> tuple[float, float]:
+    def train_step(self, batches) -> tuple[float, float, str | None]:
+        """One optimizer step: (global loss, gradient norm, why it was not applied or None)."""
         state = self.model.state
         # Gradients of the globally normalized loss: the dp average taken by the reduction
         # undoes the factor dp here.
@@ -128,10 +136,41 @@ class Trainer:
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())
         state.reduce_gradients()
-        grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
-        state.step()
-        self.lr_scheduler.step()
-        return self._global_sum(loss_sum) / self.global_tokens, grad_norm.item()
+        grad_norm = clip_grad_norm(state, self.cfg.training.max_norm).item()
+        loss = self._global_sum(loss_sum) / self.global_tokens
+        problem = self.guard.problem(loss, grad_norm)  # global figures: every rank decides alike
+        if problem is None:
+            state.step()
+            self.lr_scheduler.step()
+        return loss, grad_norm, problem
+
+    def _diverged(self, problem: str) -> None:
+        """A step that was not applied: stop with one line, or skip it (counted and logged)."""
+        step = self.train_state.step
+        if self.cfg.training.on_divergence == "stop":
+            self.checkpointer.wait()
+            last = self.checkpointer.latest()
+            raise TrainingStopped(f"step {step}: {problem}; the update was not applied and nothing after "
+                                  f"it was "
+                                  f"saved; last good checkpoint: {last or 'none'} (training.on_divergence "
+                                  f"= 'skip' "
+                                  "drops such batches instead)")
+        self.guard.skipped += 1
+        self.logger.log({"step": step, "skipped_steps": self.guard.skipped, "skip_reason": problem})
+        if self.rank == 0:
+            print(f"torchpar: warning: step {step} skipped: {problem}", file=sys.stderr, flush=True)
+
+    def _save(self, final: bool) -> None:
+        """Save if one is due, never weights that are not finite."""
+        if not self.checkpointer.due(self.train_state.step, final):
+            return
+        if not weights_finite([p for part in self.model.parts for p in part.parameters()]):
+            raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
+                                  f"they were "
+                                  f"not saved; last good checkpoint: {self.checkpointer.latest() or 'none'}")
+        self.checkpointer.maybe_save(
+            self.train_state.step, force=final, tokens_seen=self.train_state.tokens_seen
+        )
 
     def _global_sum(self, loss_sum: torch.Tensor) -> float:
         # One all-reduce over the world: each dp rank's loss counted once.
@@ -195,8 +234,10 @@ class Trainer:
         while ts.step < tr.steps:
             ts.step += 1
             lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(batches)
+            loss, grad_norm, problem = self.train_step(batches)
             ts.tokens_seen += self.global_tokens
+            if problem is not None:
+                self._diverged(problem)
             losses.append(loss)
             steps_since += 1
             if ts.step == first or ts.step % cfg.metrics.log_freq == 0 or ts.step == tr.steps:
@@ -223,9 +264,11 @@ class Trainer:
                 self.val_losses.append((ts.step, val_loss))
                 self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
                 t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
-            self.checkpointer.maybe_save(ts.step, force=ts.step == tr.steps, tokens_seen=ts.tokens_seen)
+            self._save(final=ts.step == tr.steps)
         self.checkpointer.close()
         self.logger.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
         return losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -274,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if check:  # run_train.sh calls this once before torchrun starts any rank
             preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
             return 0
         from torchpar.plan import predict_for_trainer
 
@@ -285,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except TrainingStopped as e:
+        trainer.checkpointer.close()
+        trainer.logger.close()
+        if trainer.rank == 0:
+            print(f"torchpar: error: {e}", file=sys.stderr, flush=True)
+        return 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

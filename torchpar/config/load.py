@@ -188,6 +188,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {cfg.lr_scheduler.min_lr_ratio}")
     if t.max_norm < 0:
         raise ConfigError(f"training.max_norm must be >= 0 (0 = no clipping), got {t.max_norm}")
+    if t.loss_spike_factor < 0 or t.loss_spike_window < 1:
+        raise ConfigError(f"training.loss_spike_factor must be >= 0 and loss_spike_window >= 1 "
+                          f"(got {t.loss_spike_factor}, {t.loss_spike_window})")
     # Checked here so a bad value stops before launch instead of inside torch.optim on every rank.
     o = cfg.optimizer
     for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),

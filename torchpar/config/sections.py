@@ -83,6 +83,15 @@ class Training:
         "none", "Recompute each block's activations in backward.", ("none", "full")
     )
     compile: bool = opt(False, "torch.compile each transformer block.")
+    on_divergence: str = opt(
+        "stop", "A step whose loss or gradient norm is not finite (or spikes, see loss_spike_factor) is "
+                "never "
+        "applied: 'stop' = end the run with one line naming the step and the last good checkpoint; 'skip' = "
+        "drop that batch's update and go on (counted in metrics as skipped_steps).", ("stop", "skip"))
+    loss_spike_factor: float = opt(
+        0.0, "Treat a loss above this factor x the mean of the last loss_spike_window steps as divergence "
+        "(0 = only non-finite values).")
+    loss_spike_window: int = opt(20, "Steps whose mean loss the spike check compares with.")
 
 
 @dataclass
