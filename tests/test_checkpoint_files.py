@@ -288,3 +288,82 @@ def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
     wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
               torch.load(tmp_path / "b.pt", weights_only=True))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
+    """SIGTERM to the launcher mid-run (what SLURM sends before a kill): every rank finishes the same
+    step, a checkpoint of it is written, the ranks exit with 128 + 15 and one line; running the same
+    command again ends with the weights of an uninterrupted run, bit for bit."""
+    steps = ["--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "4",
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "100",
+             "--metrics.log_freq", "1"]
+    ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    folder = tmp_path / "stopped"
+    cmd = ["./run_train.sh", *steps, "--job.dump_folder", str(folder)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(tmp_path, NGPU="2", LOG_RANK="0,1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        metrics = folder / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            proc.send_signal(signal.SIGTERM)  # run_train.sh is torchrun by now (exec)
+            break
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=300)
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
+    assert stopped, (out + err)[-4000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert 5 <= step < 20 and f"step-{step:08d}" in stopped[0]
+    assert "KeyboardInterrupt" not in err and err.count("torchpar: stopped by SIGTERM") == 1  # rank 0 says it
+    assert sorted(d.name for d in (folder / "checkpoint").glob("step-*")) == [f"step-{step:08d}"]
+    again = run(cmd, tmp_path, NGPU="2")
+    assert again.returncode == 0 and f"resumed from {folder}/checkpoint/step-{step:08d}" in again.stdout, \
+        again.stderr[-3000:]
+    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")],
+            tmp_path)
+    b = run(["torchpar", "export", "--checkpoint", str(folder), "--out", str(tmp_path / "b.pt")], tmp_path)
+    assert a.returncode == b.returncode == 0
+    wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
+              torch.load(tmp_path / "b.pt", weights_only=True))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
+    folder = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            *TRAIN,
+            "--job.dump_folder",
+            str(folder),
+            "--checkpoint.enable",
+            "true",
+            "--training.steps",
+            "500",
+            "--metrics.log_freq",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((folder / "metrics.jsonl").exists() and
+                                          len((folder / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "torchpar: stopped by SIGTERM after"
+    )
+    (saved,) = (folder / "checkpoint").glob("step-*")
+    assert saved.name in err.strip().splitlines()[-1]

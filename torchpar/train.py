@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
 import os
+import signal
 import sys
 import time
 
@@ -24,6 +24,7 @@ from torchpar import device as dev
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from torchpar.data import build_dataloader
+from torchpar.evaluate import held_out_loss
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
 from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger
@@ -32,6 +33,7 @@ from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
+from torchpar.signals import Preempted, StopSignals
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
 
 
@@ -65,6 +67,7 @@ class Trainer:
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr)
+        self.signals, self.stop_requested = StopSignals(), False
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -106,7 +109,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _loss_context(self):
+    def loss_context(self):
         if self.layout.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -124,20 +127,20 @@ class Trainer:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device)
             state.set_sync(True)
-            with self._loss_context():
+            with self.loss_context():
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
         else:
             for micro in range(self.layout.accum):
                 batch = next(batches).to(self.device)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 state.set_sync(micro == self.layout.accum - 1)
-                with self._loss_context():
+                with self.loss_context():
                     loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())
         state.reduce_gradients()
         grad_norm = clip_grad_norm(state, self.cfg.training.max_norm).item()
-        loss = self._global_sum(loss_sum) / self.global_tokens
+        loss = self.global_sum(loss_sum) / self.global_tokens
         problem = self.guard.problem(loss, grad_norm)  # global figures: every rank decides alike
         if problem is None:
             state.step()
@@ -160,6 +163,16 @@ class Trainer:
         if self.rank == 0:
             print(f"torchpar: warning: step {step} skipped: {problem}", file=sys.stderr, flush=True)
 
+    def _preempted(self) -> None:
+        """A stop signal reached some rank during this (complete) step: save, then stop everywhere."""
+        step, signum = self.train_state.step, self.signals.received or signal.SIGTERM
+        saved = ""
+        if self.cfg.checkpoint.save_on_signal and self.cfg.checkpoint.enable:
+            self._save(final=True)
+            self.checkpointer.wait()
+            saved = f"; saved checkpoint {self.checkpointer.latest()}, run the same command to resume"
+        raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step}{saved}", signum)
+
     def _save(self, final: bool) -> None:
         """Save if one is due, never weights that are not finite."""
         if not self.checkpointer.due(self.train_state.step, final):
@@ -172,35 +185,19 @@ class Trainer:
             self.train_state.step, force=final, tokens_seen=self.train_state.tokens_seen
         )
 
-    def _global_sum(self, loss_sum: torch.Tensor) -> float:
-        # One all-reduce over the world: each dp rank's loss counted once.
-        if not self.holds_loss:
-            loss_sum.zero_()
-        dist.all_reduce(loss_sum)
-        return loss_sum.item()
+    def global_sum(self, loss_sum: torch.Tensor) -> float:
+        # One all-reduce over the world: each dp rank's loss counted once, and beside it whether
+        # any rank received a stop signal (so that all stop at the same step).
+        both = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
+                            torch.tensor(float(self.signals.received > 0), device=loss_sum.device)])
+        dist.all_reduce(both)
+        loss, stopping = both.tolist()
+        self.stop_requested = stopping > 0
+        return loss
 
     def evaluate(self) -> float:
-        """Mean loss per target token over the first ``validation.steps`` global batches of the
-        held-out stream: the same windows at every evaluation and under every layout."""
-        tr, steps = self.cfg.training, self.cfg.validation.steps
-        # Per dp rank and step, local_batch_size x accumulation rows, as in training; run in
-        # the chunks training runs (micro-steps, or pipeline microbatches), so that evaluation
-        # needs no more memory than a training forward.
-        pipeline = self.model.pipeline
-        lay = self.layout
-        chunk = lay.microbatch_size if pipeline else tr.local_batch_size
-        loader = build_dataloader(self.val_source, self.tokenizer, tr.seq_len,
-                                  tr.local_batch_size * lay.accum, lay.dp_rank, lay.dp, tr.seed, 0,
-                                  self.cfg.data.lanes)
-        loss_sum = torch.zeros((), device=self.device)
-        with torch.no_grad(), self._loss_context():
-            for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
-                inputs, targets = rows[:, :-1].to(self.device), rows[:, 1:].to(self.device)
-                if pipeline is not None:
-                    loss_sum += full_value(pipeline.forward_only(inputs, targets))
-                else:
-                    loss_sum += full_value(cross_entropy_sum(self.model.parts[0](inputs), targets))
-        return self._global_sum(loss_sum) / (steps * self.global_tokens)
+        """The held-out loss (``torchpar.evaluate``)."""
+        return held_out_loss(self)
 
     # ------------------------------------------------------------------ the loop
 
@@ -264,6 +261,8 @@ class Trainer:
                 self.val_losses.append((ts.step, val_loss))
                 self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
                 t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
+            if self.stop_requested and ts.step < tr.steps:
+                self._preempted()
             self._save(final=ts.step == tr.steps)
         self.checkpointer.close()
         self.logger.close()
@@ -327,15 +326,18 @@ def main(argv: list[str] | None = None) -> int:
         if rank == "0":
             print(f"torchpar: error: {e}", file=sys.stderr)
         return 2
+    trainer.signals.install()
     try:
         trainer.train()
-    except TrainingStopped as e:
+    except (TrainingStopped, Preempted) as e:
         trainer.checkpointer.close()
         trainer.logger.close()
         if trainer.rank == 0:
-            print(f"torchpar: error: {e}", file=sys.stderr, flush=True)
-        return 3
+            kind = "" if isinstance(e, Preempted) else "error: "
+            print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
+        return e.code if isinstance(e, Preempted) else 3
     finally:
+        trainer.signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

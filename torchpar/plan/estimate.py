@@ -259,8 +259,10 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     layers = sum(split[s] for s in stages)
     first, last = 0 in stages, len(split) - 1 in stages
     sent = _Sent()
-    # The trainer's own: the loss and the global gradient norm, one fp32 scalar each, over all ranks.
-    sent.add("world", "all_reduce", 4, lay.world, times=2)
+    # The trainer's own, over all ranks: the loss with the stop-signal flag (two fp32 values) and the
+    # global gradient norm (one).
+    sent.add("world", "all_reduce", 8, lay.world)
+    sent.add("world", "all_reduce", 4, lay.world)
     if lay.tp > 1:
         entries = [e for s in stages for e in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
         _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)

@@ -1,0 +1,35 @@
+"""Evaluation: the loss on held-out text, in the same chunks and layout as training."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from torchpar.data import build_dataloader
+from torchpar.loss import cross_entropy_sum
+from torchpar.parallel.zero import full_value
+
+
+def held_out_loss(trainer) -> float:
+    """Mean loss per target token over the first ``validation.steps`` global batches of the
+    held-out stream: the same windows at every evaluation and under every layout."""
+    tr, steps = trainer.cfg.training, trainer.cfg.validation.steps
+    # Per dp rank and step, local_batch_size x accumulation rows, as in training; run in
+    # the chunks training runs (micro-steps, or pipeline microbatches), so that evaluation
+    # needs no more memory than a training forward.
+    pipeline = trainer.model.pipeline
+    lay = trainer.layout
+    chunk = lay.microbatch_size if pipeline else tr.local_batch_size
+    loader = build_dataloader(trainer.val_source, trainer.tokenizer, tr.seq_len,
+                              tr.local_batch_size * lay.accum, lay.dp_rank, lay.dp, tr.seed, 0,
+                              trainer.cfg.data.lanes)
+    loss_sum = torch.zeros((), device=trainer.device)
+    with torch.no_grad(), trainer.loss_context():
+        for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
+            inputs, targets = rows[:, :-1].to(trainer.device), rows[:, 1:].to(trainer.device)
+            if pipeline is not None:
+                loss_sum += full_value(pipeline.forward_only(inputs, targets))
+            else:
+                loss_sum += full_value(cross_entropy_sum(trainer.model.parts[0](inputs), targets))
+    return trainer.global_sum(loss_sum) / (steps * trainer.global_tokens)
