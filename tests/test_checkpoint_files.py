@@ -256,6 +256,16 @@ def _rank_pids(local_rank: int) -> list[int]:
     return pids
 
 
+def assert_same_weights(tmp_path, ref: Path, other: Path) -> None:
+    """The latest checkpoints of two runs hold bitwise equal weights (compared as exports)."""
+    a = run(["torchpar", "export", "--checkpoint", str(ref), "--out", str(tmp_path / "a.pt")], tmp_path)
+    b = run(["torchpar", "export", "--checkpoint", str(other), "--out", str(tmp_path / "b.pt")], tmp_path)
+    assert a.returncode == b.returncode == 0
+    wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
+              torch.load(tmp_path / "b.pt", weights_only=True))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
     """SIGKILL one rank after a checkpoint; torchrun restarts the group, which resumes from the
     latest complete checkpoint and ends with the weights of an uninterrupted run."""
@@ -281,13 +291,7 @@ def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
     assert killed, "the run finished before a rank could be killed"
     assert proc.returncode == 0, (out + err)[-4000:]
     assert "resumed from" in out
-    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")],
-            tmp_path)
-    b = run(["torchpar", "export", "--checkpoint", str(folder), "--out", str(tmp_path / "b.pt")], tmp_path)
-    assert a.returncode == b.returncode == 0
-    wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
-              torch.load(tmp_path / "b.pt", weights_only=True))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_weights(tmp_path, tmp_path / "ref", folder)
 
 
 def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
@@ -326,13 +330,7 @@ def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
     again = run(cmd, tmp_path, NGPU="2")
     assert again.returncode == 0 and f"resumed from {folder}/checkpoint/step-{step:08d}" in again.stdout, \
         again.stderr[-3000:]
-    a = run(["torchpar", "export", "--checkpoint", str(tmp_path / "ref"), "--out", str(tmp_path / "a.pt")],
-            tmp_path)
-    b = run(["torchpar", "export", "--checkpoint", str(folder), "--out", str(tmp_path / "b.pt")], tmp_path)
-    assert a.returncode == b.returncode == 0
-    wa, wb = (torch.load(tmp_path / "a.pt", weights_only=True),
-              torch.load(tmp_path / "b.pt", weights_only=True))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_weights(tmp_path, tmp_path / "ref", folder)
 
 
 def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
