@@ -201,27 +201,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def state_bytes_per_rank(self) -> list[dict]:
-        mine = self.model.state.state_bytes()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return everyone
+    def _describe(self) -> None:
+        cfg, lay = self.cfg, self.layout
+        n = self.model_family.num_params(self.args)
+        print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
+              f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+              f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
+              f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
+              f"GFLOP/s per rank ({self.peak_source})", flush=True)
+        if self.model.pipeline is not None:
+            print(self.model.pipeline.describe(), flush=True)
+
+    def _first_step_figures(self) -> dict:
+        """Each rank's state bytes (and the planner's prediction, through the hook), at step 1."""
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, self.model.state.state_bytes())
+        out = {**per_rank[0], **{f"{key}_per_rank": [r[key] for r in per_rank] for key in per_rank[0]}}
+        if self.on_first_step is not None:
+            out.update(self.on_first_step(self, per_rank[0]))
+        return out
 
     def train(self) -> list[float]:
         cfg, tr = self.cfg, self.cfg.training
         lay, ts = self.layout, self.train_state
         if self.rank == 0:
-            n = self.model_family.num_params(self.args)
-            print(
-                f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-                f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-                f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
-                f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
-                f"GFLOP/s per rank ({self.peak_source})",
-                flush=True,
-            )
-            if self.model.pipeline is not None:
-                print(self.model.pipeline.describe(), flush=True)
+            self._describe()
         losses: list[float] = []
         batches = iter(self.dataloader)
         t_start = t_last = time.perf_counter()
@@ -246,12 +250,7 @@ class Trainer:
                           "mfu": self.flops_per_token * tps / (self.peak_flops * lay.world),
                           "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen, **dev.memory_stats()}
                 if ts.step == first:
-                    per_rank = self.state_bytes_per_rank()
-                    record.update(per_rank[0])
-                    for key in per_rank[0]:
-                        record[f"{key}_per_rank"] = [r[key] for r in per_rank]
-                    if self.on_first_step is not None:
-                        record.update(self.on_first_step(self, per_rank[0]))
+                    record.update(self._first_step_figures())
                 self.logger.log(record)
                 t_last, steps_since = now, 0
             self.model.state.zero_grad()
