@@ -12,7 +12,7 @@ A model is single-device code. The parallel code and the planner know it only th
   modules belong to the first and to the last pipeline stage, every parameter's shape and TP
   split for the planner, and the counts (parameters, FLOPs per token).
 
-Nothing here imports ``torch.distributed``: the TP plan is a table of style names that
+Nothing here imports the distributed package: the TP plan is a table of style names that
 ``torchpar.parallel.tensor`` turns into DTensor styles.
 """
 
