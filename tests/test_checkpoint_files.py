@@ -184,6 +184,11 @@ def test_another_model_shape(trained, tmp_path):
     )
 
 
+def test_another_shape_from_config_overrides(trained, tmp_path):
+    expect_error(train(tmp_path, trained, "--model.dim", "256", "--model.n_heads", "16"), "another shape",
+                 "dim: saved 128 vs config 256")
+
+
 def test_another_flavor(trained, tmp_path):
     expect_error(train(tmp_path, trained, "--model.flavor", "debug-tied"),
                  "holds model flavor 'debug' but model.flavor = 'debug-tied'")

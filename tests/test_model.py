@@ -91,3 +91,49 @@ def test_causal_and_tied():
     y[0, 8] = (y[0, 8] + 1) % args.vocab_size
     with torch.no_grad():
         assert torch.allclose(m(x)[0, :8], m(y)[0, :8])
+
+
+def test_shape_overrides_from_config_reach_the_model_and_the_planner():
+    import pytest
+
+    from torchpar.config import ConfigError, load_config
+    from torchpar.models import MODELS, model_args
+    from torchpar.plan import layout_from_config, state_bytes
+
+    cfg = load_config(
+        None,
+        [
+            "--model.dim",
+            "256",
+            "--model.n_heads",
+            "16",
+            "--model.n_kv_heads",
+            "8",
+            "--model.ffn_dim_multiplier",
+            "1.3",
+            "--model.rope_theta",
+            "5e5",
+            "--model.n_layers",
+            "3",
+        ],
+    )
+    args = model_args(cfg.model)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers, args.rope_theta) == (256, 16, 8, 3, 5e5)
+    assert args.vocab_size == FLAVORS["debug"].vocab_size  # the rest stays the flavour's
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert num_params(args) == sum(p.numel() for p in model.parameters())
+    lay, family, planned = layout_from_config(cfg, 1)
+    assert planned == args and state_bytes(family, planned, lay, {})["param_bytes"] == 4 * num_params(args)
+    gpt2 = model_args(
+        load_config(None, ["--model.name", "gpt2", "--model.dim", "192", "--model.n_heads", "6"]).model
+    )
+    assert (gpt2.dim, gpt2.n_heads) == (192, 6) and MODELS["gpt2"].num_params(gpt2) > 0
+    for overrides, message in (
+        (["--model.dim", "100"], "model.dim = 100 is not a multiple of model.n_heads = 8"),
+        (["--model.n_kv_heads", "3"], "not a multiple of model.n_kv_heads = 3"),
+        (["--model.name", "gpt2", "--model.rope_theta", "5"], "does not apply to the gpt2"),
+        (["--model.max_seq_len", "-1"], "model.max_seq_len must be >= 0"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            model_args(load_config(None, overrides).model)

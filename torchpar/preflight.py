@@ -18,7 +18,7 @@ from typing import NamedTuple
 from torchpar.checkpoint import find_resume
 from torchpar.config import ConfigError, JobConfig
 from torchpar.data import build_source
-from torchpar.models import ModelAdapter, adapter
+from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import load_weights
@@ -45,7 +45,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     """Every check that needs no process group: model, tokenizer, layout, data, the checkpoint to
     resume from or the weights to start from. Raises ConfigError."""
     model = adapter(cfg.model.name)
-    args = model.args(cfg.model.flavor, cfg.model.n_layers)
+    args = model_args(cfg.model)
     try:
         tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     except TokenizerError as e:

@@ -204,8 +204,6 @@ def validate(cfg: JobConfig) -> None:
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} flavour."
                           f"{did_you_mean(cfg.model.flavor, flavors)}")
-    if cfg.model.n_layers < 0:
-        raise ConfigError(f"model.n_layers must be >= 0 (0 keeps the flavour's), got {cfg.model.n_layers}")
     ck = cfg.checkpoint
     if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
         raise ConfigError(f"checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "

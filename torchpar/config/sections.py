@@ -40,6 +40,20 @@ class Model:
         "shipped in torchpar/assets, trained by scripts/train_tokenizer.py.",
     )
     n_layers: int = opt(0, "Override the flavour's layer count (0 keeps the flavour's).")
+    dim: int = opt(0, "Override the flavour's hidden size (0 keeps the flavour's).")
+    n_heads: int = opt(0, "Override the flavour's attention heads (0 keeps the flavour's).")
+    n_kv_heads: int = opt(0, "Llama: override the key/value heads (grouped-query attention; 0 keeps the "
+                             "flavour's).")
+    vocab_size: int = opt(
+        0, "Override the vocabulary size (0 keeps the flavour's); at least the tokenizer's."
+    )
+    max_seq_len: int = opt(0, "Override the longest sequence (RoPE table / position table; 0 keeps the "
+                              "flavour's).")
+    ffn_dim_multiplier: float = opt(0.0, "Llama: override the SwiGLU width multiplier (0 keeps the "
+                                         "flavour's).")
+    multiple_of: int = opt(0, "Llama: override what the SwiGLU width is rounded up to (0 keeps the "
+                              "flavour's).")
+    rope_theta: float = opt(0.0, "Llama: override the RoPE base (0 keeps the flavour's).")
 
 
 @dataclass

@@ -12,4 +12,33 @@ def adapter(name: str) -> ModelAdapter:
     return MODELS[name]
 
 
-__all__ = ["DEFAULT_FAMILY", "MODELS", "ModelAdapter", "adapter", "canonical_name"]
+SHAPE_FIELDS = (
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "max_seq_len",
+    "ffn_dim_multiplier",
+    "multiple_of",
+    "rope_theta",
+)
+
+
+def model_args(model_cfg):
+    """The args of the [model] section: the family's flavour with its shape overrides (one place
+    for the trainer, the planner and the checks)."""
+    from torchpar.config import ConfigError
+
+    shape = {k: getattr(model_cfg, k) for k in SHAPE_FIELDS}
+    bad = [k for k, v in {"n_layers": model_cfg.n_layers, **shape}.items() if v < 0]
+    if bad:
+        raise ConfigError(
+            f"model.{bad[0]} must be >= 0 (0 keeps the flavour's), got {getattr(model_cfg, bad[0])}"
+        )
+    try:
+        return MODELS[model_cfg.name].args(model_cfg.flavor, model_cfg.n_layers, **shape)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+__all__ = ["DEFAULT_FAMILY", "MODELS", "ModelAdapter", "adapter", "canonical_name", "model_args"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 from torch import nn
@@ -100,10 +100,29 @@ class ModelAdapter(ABC):
 
     # -- args and building
 
-    def args(self, flavor: str, n_layers: int = 0):
-        """The flavour's args, with an optional layer-count override."""
+    def args(self, flavor: str, n_layers: int = 0, **shape):
+        """The flavour's args with the given shape fields replaced (0 = keep the flavour's); a
+        field this family does not have, or a shape it cannot build, raises ValueError."""
         args = self.flavors[flavor]
-        return replace(args, n_layers=n_layers) if n_layers else args
+        changes = {k: v for k, v in {"n_layers": n_layers, **shape}.items() if v}
+        unknown = sorted(set(changes) - {f.name for f in fields(args)})
+        if unknown:
+            raise ValueError(f"model.{unknown[0]} does not apply to the {self.name} family; leave it at 0")
+        args = replace(args, **changes)
+        self.check_shape(args)
+        return args
+
+    def check_shape(self, args) -> None:
+        """ValueError naming the field when ``args`` cannot build a model."""
+        if args.dim % args.n_heads:
+            raise ValueError(f"model.dim = {args.dim} is not a multiple of model.n_heads = {args.n_heads}")
+        if args.n_heads % args.n_kv_heads:
+            raise ValueError(f"model.n_heads = {args.n_heads} is not a multiple of model.n_kv_heads = "
+                             f"{args.n_kv_heads}")
+        if (args.dim // args.n_heads) % 2 and hasattr(args, "rope_theta"):
+            raise ValueError(
+                f"RoPE needs an even head size; model.dim / model.n_heads = {args.dim // args.n_heads}"
+            )
 
     def build(self, args) -> nn.Module:
         return self.model_class(args)

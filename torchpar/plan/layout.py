@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from torchpar.config import JobConfig
-from torchpar.models import adapter
+from torchpar.models import adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.parallel.pipeline import balanced_split
 
@@ -45,7 +45,7 @@ def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object, obje
     """The exact layout a config gives on ``world`` ranks (resolved and checked as the trainer
     does), with the model's adapter and args."""
     model = adapter(cfg.model.name)
-    args = model.args(cfg.model.flavor, cfg.model.n_layers)
+    args = model_args(cfg.model)
     return resolve_layout(cfg.parallelism, cfg.training, model, args, world), model, args
 
 
