@@ -32,8 +32,8 @@ class DivergenceGuard:
         if self.spike_factor > 0 and len(self.recent) == self.recent.maxlen:
             mean = sum(self.recent) / len(self.recent)
             if loss > self.spike_factor * mean:
-                return f"loss {loss:.4f} is above {self.spike_factor} x the mean {mean:.4f} of the last " \
-                       f"{len(self.recent)} steps"
+                return (f"loss {loss:.4f} is above {self.spike_factor} x the mean {mean:.4f} of the last "
+                        f"{len(self.recent)} steps")
         self.recent.append(loss)
         return None
 

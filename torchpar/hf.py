@@ -155,8 +155,8 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
     theta, kind = _rope(config)
     if kind != "default":
         raise ConfigError(
-            f"{path}/config.json: RoPE type {kind!r} (scaled positions); torchpar implements the "
-            "default RoPE only"
+            f"{path}/config.json: RoPE type {kind!r} (scaled positions); torchpar implements the default "
+            "RoPE only"
         )
     have_all = {**config, "rope_theta": theta}
     optional = {"head_dim", "attention_bias", "mlp_bias"}  # transformers' defaults equal torchpar's
@@ -171,8 +171,8 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
         )
         if have != want and not close:
             raise ConfigError(
-                f"{path}/config.json: {key} = {have!r}, but model.flavor = {flavor!r} has {want!r}; "
-                "choose the flavour (and model.n_layers) that matches the checkpoint"
+                f"{path}/config.json: {key} = {have!r}, but model.flavor = {flavor!r} has {want!r}; choose "
+                "the flavour (and model.n_layers) that matches the checkpoint"
             )
 
 
@@ -199,7 +199,7 @@ class HFWeights:
         for tp_name, hf_name, heads in model.hf_tensors(args):
             if hf_name not in weight_map:
                 raise ConfigError(f"{self.path}: no tensor {hf_name} in the checkpoint; it holds another "
-                                  f"model")
+                                  "model")
             self.entries[tp_name] = (weight_map[hf_name], hf_name, heads, shapes[tp_name])
         if args.tie_embeddings and "output.weight" in shapes:
             self.entries["output.weight"] = self.entries["tok_embeddings.weight"]
@@ -222,8 +222,7 @@ class HFWeights:
             part = self._slice(file, hf_name)
             if tuple(part.get_shape()) != shape:
                 raise ConfigError(f"{self.path / file}: {hf_name} is {tuple(part.get_shape())}, torchpar "
-                                  f"expects "
-                                  f"{shape}")
+                                  f"expects {shape}")
             if heads is None:
                 return part[index]
             # Rows are permuted within each head: read the whole heads the rows fall in.

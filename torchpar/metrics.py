@@ -42,9 +42,8 @@ class MetricsLogger:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             print(
                 f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-                f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  "
-                f"mfu {100 * record['mfu']:.2f}%  "
-                f"mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s",
+                f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  mfu "
+                f"{100 * record['mfu']:.2f}%  mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s",
                 flush=True,
             )
         if "val_loss" in record:

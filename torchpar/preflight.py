@@ -52,8 +52,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
     if tokenizer.n_words > args.vocab_size:
         raise ConfigError(
-            f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} "
-            f"has vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
+            f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} has "
+            f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
     source = build_source(cfg.data, cfg.training.seed)
@@ -78,12 +78,10 @@ def initial_weights(cfg: JobConfig, model: ModelAdapter, args):
         return load_weights(ck.initial_load_path, cfg.model, args)[0]  # each rank reads its shards
     if not is_hf_dir(ck.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = {ck.initial_load_path!r} is not a Hugging Face "
-                          f"model "
-                          "folder (no config.json there)")
+                          "model folder (no config.json there)")
     if model.hf_architecture is None:
         raise ConfigError(f"model.name = {model.name!r} has no Hugging Face mapping; start it from a "
-                          f"torchpar "
-                          "export instead")
+                          "torchpar export instead")
     return HFWeights(ck.initial_load_path, model, args, cfg.model.flavor)
 
 
@@ -104,9 +102,8 @@ class RunLock:
             self.file.seek(0)
             owner = self.file.read().strip() or "another process"
             self.file.close()
-            raise ConfigError(f"job.dump_folder {dump_folder} is in use by another run ({owner}); wait "
-                              f"for it to "
-                              "end, or choose another job.dump_folder") from None
+            raise ConfigError(f"job.dump_folder {dump_folder} is in use by another run ({owner}); wait for "
+                              "it to end, or choose another job.dump_folder") from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(

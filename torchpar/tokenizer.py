@@ -43,13 +43,11 @@ def resolve_path(path: str) -> Path:
             return candidate
     if (p / "tokenizer.json").exists():
         raise TokenizerError(f"{p} holds only tokenizer.json (a Hugging Face `tokenizers` file); torchpar "
-                             f"reads "
-                             "tiktoken BPE rank files: set model.tokenizer_path to the model's "
-                             "tokenizer.model (Llama 3 "
-                             "ships it in original/), or keep 'builtin' for a model trained with "
-                             "torchpar's vocabulary")
-    raise TokenizerError(f"{p} is a folder without tokenizer.model; set model.tokenizer_path to a "
-                         f"tiktoken rank file")
+                             "reads tiktoken BPE rank files: set model.tokenizer_path to the model's "
+                             "tokenizer.model (Llama 3 ships it in original/), or keep 'builtin' for a "
+                             "model trained with torchpar's vocabulary")
+    raise TokenizerError(f"{p} is a folder without tokenizer.model; set model.tokenizer_path to a tiktoken "
+                         "rank file")
 
 
 def load_bpe_ranks(path: str | Path) -> dict[bytes, int]:

@@ -153,11 +153,9 @@ class Trainer:
         if self.cfg.training.on_divergence == "stop":
             self.checkpointer.wait()
             last = self.checkpointer.latest()
-            raise TrainingStopped(f"step {step}: {problem}; the update was not applied and nothing after "
-                                  f"it was "
-                                  f"saved; last good checkpoint: {last or 'none'} (training.on_divergence "
-                                  f"= 'skip' "
-                                  "drops such batches instead)")
+            raise TrainingStopped(f"step {step}: {problem}; the update was not applied and nothing after it "
+                                  f"was saved; last good checkpoint: {last or 'none'} "
+                                  "(training.on_divergence = 'skip' drops such batches instead)")
         self.guard.skipped += 1
         self.logger.log({"step": step, "skipped_steps": self.guard.skipped, "skip_reason": problem})
         if self.rank == 0:
@@ -179,8 +177,8 @@ class Trainer:
             return
         if not weights_finite([p for part in self.model.parts for p in part.parameters()]):
             raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
-                                  f"they were "
-                                  f"not saved; last good checkpoint: {self.checkpointer.latest() or 'none'}")
+                                  "they were not saved; last good checkpoint: "
+                                  f"{self.checkpointer.latest() or 'none'}")
         self.checkpointer.maybe_save(
             self.train_state.step, force=final, tokens_seen=self.train_state.tokens_seen
         )
@@ -205,10 +203,10 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         n = self.model_family.num_params(self.args)
         print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-              f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-              f"tp {lay.tp}, zero {lay.zero_stage}, global batch {self.global_batch} "
-              f"({lay.accum} accumulation step(s)), device {self.device}; peak {self.peak_flops / 1e9:.1f} "
-              f"GFLOP/s per rank ({self.peak_source})", flush=True)
+              f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
+              f"{lay.zero_stage}, global batch {self.global_batch} ({lay.accum} accumulation step(s)), "
+              f"device {self.device}; peak {self.peak_flops / 1e9:.1f} GFLOP/s per rank "
+              f"({self.peak_source})", flush=True)
         if self.model.pipeline is not None:
             print(self.model.pipeline.describe(), flush=True)
 

@@ -61,8 +61,8 @@ def load_weights(path: str | Path, model_cfg=None, args=None) -> tuple[dict[str,
         meta = json.loads(meta_path.read_text())
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a damaged file: one line, not a traceback
-        raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); "
-                          "export it again") from None
+        raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); export it "
+                          "again") from None
     if args is not None:
         check_model_matches(f"weights file {path}", meta, model_cfg.name, model_cfg.flavor, args)
     return {k: LazyWeight(v.shape, lambda index, v=v: v[index].float()) for k, v in state.items()}, meta
@@ -129,7 +129,7 @@ def _export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: fl
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     if family.hf_architecture is None:
         raise ConfigError(f"the {family.name} family has no Hugging Face mapping; export with --format "
-                          f"torchpar")
+                          "torchpar")
     args = family.args_class(**meta["model_args"])
     try:
         tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
@@ -147,8 +147,7 @@ def export_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
                                  "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
-                                 "or into "
-                                 "a Hugging Face folder (safetensors + config.json).")
+                                 "or into a Hugging Face folder (safetensors + config.json).")
     ap.add_argument("--checkpoint", required=True,
                     help="step folder, checkpoint folder or dump folder (latest step), or an export file")
     ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")

@@ -69,9 +69,8 @@ class Checkpointer:
         for d in newer.values():
             os.replace(d, aside / d.name)
         steps = ", ".join(map(str, sorted(newer)))
-        warn(f"this run starts at step {start} but {self.root} held later checkpoints (steps {steps}); "
-              f"they are "
-              f"kept in {aside} and a new timeline starts here")
+        warn(f"this run starts at step {start} but {self.root} held later checkpoints (steps {steps}); they "
+              f"are kept in {aside} and a new timeline starts here")
         return {"branch_from_step": start, "moved_steps": sorted(newer), "moved_to": str(aside)}
 
     # -- save
@@ -195,8 +194,8 @@ def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
             )
         if hasattr(saved, "size") and tuple(saved.size) != tuple(value.shape):
             raise ConfigError(
-                f"checkpoint {path}: {key} is {tuple(saved.size)} there but {tuple(value.shape)} "
-                "here; use the config it was saved with"
+                f"checkpoint {path}: {key} is {tuple(saved.size)} there but {tuple(value.shape)} here; use "
+                "the config it was saved with"
             )
 
 

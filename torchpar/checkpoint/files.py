@@ -76,8 +76,8 @@ def read_manifest(path: Path) -> dict:
     try:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path}: unreadable manifest {MANIFEST} ({e}); delete the folder "
-                          "or set checkpoint.load_step to another step") from None
+        raise ConfigError(f"checkpoint {path}: unreadable manifest {MANIFEST} ({e}); delete the folder or "
+                          "set checkpoint.load_step to another step") from None
 
 
 def verify_files(path: Path, manifest: dict, checksums: bool) -> None:
@@ -109,15 +109,15 @@ def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -
                           f"{saved_name!r}, or start from a new job.dump_folder / checkpoint.folder")
     if saved_flavor != flavor:
         raise ConfigError(
-            f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set "
-            f"model.flavor = {saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder"
+            f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set model.flavor = "
+            f"{saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder"
         )
     diff = {k: (v, args.to_dict()[k]) for k, v in saved_args.items() if args.to_dict().get(k) != v}
     if diff:
         pretty = ", ".join(f"{k}: saved {a} vs config {b}" for k, (a, b) in diff.items())
         raise ConfigError(
-            f"{where} holds a model of another shape ({pretty}); use the config it was saved with "
-            "(e.g. model.n_layers) or a new checkpoint folder"
+            f"{where} holds a model of another shape ({pretty}); use the config it was saved with (e.g. "
+            "model.n_layers) or a new checkpoint folder"
         )
 
 
@@ -139,8 +139,8 @@ def find_resume(cfg, args) -> Path | None:
             have = ", ".join(map(str, sorted(found))) or "none"
             raise ConfigError(
                 f"checkpoint.load_step = {ck.load_step}: no complete checkpoint "
-                f"{step_dir(root, ck.load_step)} (complete steps there: {have}); set load_step to one "
-                "of them, or -1 for the latest"
+                f"{step_dir(root, ck.load_step)} (complete steps there: {have}); set load_step to one of "
+                "them, or -1 for the latest"
             )
         path = found[ck.load_step]
     elif found:
@@ -150,9 +150,9 @@ def find_resume(cfg, args) -> Path | None:
     manifest = read_manifest(path)
     if manifest.get("format", 1) != FORMAT:
         raise ConfigError(
-            f"checkpoint {path} was written in checkpoint format {manifest.get('format', 1)}, this "
-            f"torchpar reads format {FORMAT}; export its weights (`torchpar export`) and start from "
-            "them with checkpoint.initial_load_path, or use a new checkpoint folder"
+            f"checkpoint {path} was written in checkpoint format {manifest.get('format', 1)}, this torchpar "
+            f"reads format {FORMAT}; export its weights (`torchpar export`) and start from them with "
+            "checkpoint.initial_load_path, or use a new checkpoint folder"
         )
     check_model_matches(f"checkpoint {path}", manifest, cfg.model.name, cfg.model.flavor, args)
     verify_files(path, manifest, ck.verify_checksums)

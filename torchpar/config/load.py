@@ -189,8 +189,8 @@ def validate(cfg: JobConfig) -> None:
     if t.max_norm < 0:
         raise ConfigError(f"training.max_norm must be >= 0 (0 = no clipping), got {t.max_norm}")
     if t.loss_spike_factor < 0 or t.loss_spike_window < 1:
-        raise ConfigError(f"training.loss_spike_factor must be >= 0 and loss_spike_window >= 1 "
-                          f"(got {t.loss_spike_factor}, {t.loss_spike_window})")
+        raise ConfigError("training.loss_spike_factor must be >= 0 and loss_spike_window >= 1 (got "
+                          f"{t.loss_spike_factor}, {t.loss_spike_window})")
     # Checked here so a bad value stops before launch instead of inside torch.optim on every rank.
     o = cfg.optimizer
     for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
@@ -202,11 +202,11 @@ def validate(cfg: JobConfig) -> None:
 
     flavors = MODELS[cfg.model.name].flavors
     if cfg.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} flavour."
-                          f"{did_you_mean(cfg.model.flavor, flavors)}")
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} "
+                          f"flavour.{did_you_mean(cfg.model.flavor, flavors)}")
     ck = cfg.checkpoint
     if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
-        raise ConfigError(f"checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
+        raise ConfigError("checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
                           f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
     if cfg.data.dataset != "stdlib" and not cfg.data.path:
         raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")

@@ -29,39 +29,34 @@ class Job:
 class Model:
     name: str = opt(
         "llama3",
-        "Model family: 'llama3' (RMSNorm, RoPE, GQA, SwiGLU) or 'gpt2' (learned positions, "
-        "LayerNorm, GELU MLP, biases).",
+        "Model family: 'llama3' (RMSNorm, RoPE, GQA, SwiGLU) or 'gpt2' (learned positions, LayerNorm, GELU "
+        "MLP, biases).",
         ("llama3", "gpt2"),
     )
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
         "builtin",
-        "tiktoken BPE rank file (Llama-3 tokenizer.model format); 'builtin' = the 4k vocabulary "
-        "shipped in torchpar/assets, trained by scripts/train_tokenizer.py.",
+        "tiktoken BPE rank file (Llama-3 tokenizer.model format); 'builtin' = the 4k vocabulary shipped in "
+        "torchpar/assets, trained by scripts/train_tokenizer.py.",
     )
-    n_layers: int = opt(0, "Override the flavour's layer count (0 keeps the flavour's).")
-    dim: int = opt(0, "Override the flavour's hidden size (0 keeps the flavour's).")
-    n_heads: int = opt(0, "Override the flavour's attention heads (0 keeps the flavour's).")
-    n_kv_heads: int = opt(0, "Llama: override the key/value heads (grouped-query attention; 0 keeps the "
-                             "flavour's).")
-    vocab_size: int = opt(
-        0, "Override the vocabulary size (0 keeps the flavour's); at least the tokenizer's."
-    )
-    max_seq_len: int = opt(0, "Override the longest sequence (RoPE table / position table; 0 keeps the "
-                              "flavour's).")
-    ffn_dim_multiplier: float = opt(0.0, "Llama: override the SwiGLU width multiplier (0 keeps the "
-                                         "flavour's).")
-    multiple_of: int = opt(0, "Llama: override what the SwiGLU width is rounded up to (0 keeps the "
-                              "flavour's).")
-    rope_theta: float = opt(0.0, "Llama: override the RoPE base (0 keeps the flavour's).")
+    # Shape overrides: 0 keeps the flavour's value.
+    n_layers: int = opt(0, "Override the flavour's layer count (0 = the flavour's).")
+    dim: int = opt(0, "Override the flavour's hidden size (0 = the flavour's).")
+    n_heads: int = opt(0, "Override the flavour's attention heads (0 = the flavour's).")
+    n_kv_heads: int = opt(0, "Llama: override the grouped-query key/value heads (0 = the flavour's).")
+    vocab_size: int = opt(0, "Override the vocabulary size, at least the tokenizer's (0 = the flavour's).")
+    max_seq_len: int = opt(0, "Override the longest sequence, the RoPE/position table (0 = the flavour's).")
+    ffn_dim_multiplier: float = opt(0.0, "Llama: override the SwiGLU width multiplier (0 = the flavour's).")
+    multiple_of: int = opt(0, "Llama: override what the SwiGLU width rounds up to (0 = the flavour's).")
+    rope_theta: float = opt(0.0, "Llama: override the RoPE base (0 = the flavour's).")
 
 
 @dataclass
 class Data:
     dataset: str = opt(
         "stdlib",
-        "'stdlib' = the Python standard library's own sources (no download); 'files' = local "
-        ".txt/.jsonl files or globs in `path`; 'hf' = a Hugging Face `datasets` dataset.",
+        "'stdlib' = the Python standard library's own sources (no download); 'files' = local .txt/.jsonl "
+        "files or globs in `path`; 'hf' = a Hugging Face `datasets` dataset.",
         ("stdlib", "files", "hf"),
     )
     path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path.")
@@ -99,9 +94,9 @@ class Training:
     compile: bool = opt(False, "torch.compile each transformer block.")
     on_divergence: str = opt(
         "stop", "A step whose loss or gradient norm is not finite (or spikes, see loss_spike_factor) is "
-                "never "
-        "applied: 'stop' = end the run with one line naming the step and the last good checkpoint; 'skip' = "
-        "drop that batch's update and go on (counted in metrics as skipped_steps).", ("stop", "skip"))
+                "never applied: 'stop' = end the run with one line naming the step and the last good "
+                "checkpoint; 'skip' = drop that batch's update and go on (counted in metrics as "
+                "skipped_steps).", ("stop", "skip"))
     loss_spike_factor: float = opt(
         0.0, "Treat a loss above this factor x the mean of the last loss_spike_window steps as divergence "
         "(0 = only non-finite values).")
@@ -203,16 +198,16 @@ class Validation:
     freq: int = opt(100, "Steps between evaluations.")
     steps: int = opt(
         10,
-        "Global batches per evaluation. Each evaluation reads the same windows from the start of "
-        "the held-out stream, so successive values compare, and any layout gives the same number.",
+        "Global batches per evaluation. Each evaluation reads the same windows from the start of the "
+        "held-out stream, so successive values compare, and any layout gives the same number.",
     )
     split: str = opt(
         "validation", "Held-out split: 'validation' for the stdlib corpus; a split name for 'hf'."
     )
     path: str = opt(
         "",
-        "For data.dataset = 'files' (required there): held-out .txt/.jsonl files or globs; for 'hf' "
-        "another dataset; empty = data.path.",
+        "For data.dataset = 'files' (required there): held-out .txt/.jsonl files or globs; for 'hf' another "
+        "dataset; empty = data.path.",
     )
 
 

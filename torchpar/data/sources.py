@@ -148,7 +148,7 @@ class HFSource(DocumentSource):
         if text_field not in ds.column_names:
             raise ConfigError(
                 f"data.path {path!r}: no column '{text_field}' (columns: {ds.column_names}); set "
-                f"data.text_field"
+                "data.text_field"
             )
         self.dataset, self.text_field = ds, text_field
 

@@ -149,23 +149,23 @@ def resolve_degrees(par, world: int) -> dict[str, int]:
         raise ConfigError(f"parallelism: only one degree may be -1 (the ranks left over); got -1 for {names}")
     for dim, v in degrees.items():
         if v == 0 or v < -1:
-            raise ConfigError(f"parallelism.{DEGREE_FIELDS[dim]} = {v}: degrees are positive integers, "
-                              "or -1 for the ranks left over")
+            raise ConfigError(f"parallelism.{DEGREE_FIELDS[dim]} = {v}: degrees are positive integers, or -1 "
+                              "for the ranks left over")
     known = 1
     for v in degrees.values():
         known *= v if v != -1 else 1
     if auto:
         if world % known:
             raise ConfigError(
-                f"parallelism: the other degrees multiply to {known}, which does not divide the world "
-                f"size {world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved"
+                f"parallelism: the other degrees multiply to {known}, which does not divide the world size "
+                f"{world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved"
             )
         degrees[auto[0]] = world // known
     elif known != world:
         shown = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items())
         raise ConfigError(
-            f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product "
-            "equal the number of processes (NGPU), or set one degree to -1"
+            f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product equal "
+            "the number of processes (NGPU), or set one degree to -1"
         )
     return degrees
 
@@ -176,9 +176,8 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
         return 1
     if global_batch_size % per_step:
         raise ConfigError(
-            f"training.global_batch_size = {global_batch_size} must be local_batch_size "
-            f"({local_batch_size}) x "
-            f"dp degree ({dp}) x gradient-accumulation steps; it is not a multiple of {per_step}"
+            f"training.global_batch_size = {global_batch_size} must be local_batch_size ({local_batch_size}) "
+            f"x dp degree ({dp}) x gradient-accumulation steps; it is not a multiple of {per_step}"
         )
     return global_batch_size // per_step
 
@@ -189,13 +188,13 @@ def _check_model(model, args, degrees: dict, par, tr) -> None:
         for what, n in model.tp_divisors(args).items():
             if n % tp:
                 raise ConfigError(
-                    f"parallelism.tensor_parallel_degree = {tp} does not divide the model's {what} "
-                    f"({n}); choose a degree that divides it"
+                    f"parallelism.tensor_parallel_degree = {tp} does not divide the model's {what} ({n}); "
+                    "choose a degree that divides it"
                 )
         if par.sequence_parallel and tr.seq_len % tp:
             raise ConfigError(
-                f"sequence parallelism splits training.seq_len = {tr.seq_len} over tp = {tp}: make "
-                "it a multiple, or set parallelism.sequence_parallel = false"
+                f"sequence parallelism splits training.seq_len = {tr.seq_len} over tp = {tp}: make it a "
+                "multiple, or set parallelism.sequence_parallel = false"
             )
     if tr.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -207,18 +206,18 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
     """Precision, compile and offload against the ZeRO stage and TP."""
     if zero != 3 and (tr.mixed_precision_param != "float32" or tr.mixed_precision_reduce != "float32"):
         raise ConfigError(
-            f"training.mixed_precision_param/reduce = "
-            f"{tr.mixed_precision_param}/{tr.mixed_precision_reduce} needs "
-            "parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in float32"
+            f"training.mixed_precision_param/reduce = {tr.mixed_precision_param}/{tr.mixed_precision_reduce} "
+            "needs parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in "
+            "float32"
         )
     if tr.compile and tp > 1:
         # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
         # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
         if zero != 3:
             raise ConfigError(
-                "training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 "
-                "(zero stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot "
-                "trace); use zero_stage = 3 or compile = false"
+                "training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 (zero "
+                "stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot trace); use "
+                "zero_stage = 3 or compile = false"
             )
         if tr.activation_checkpoint != "none":
             raise ConfigError(

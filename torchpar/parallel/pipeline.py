@@ -65,9 +65,8 @@ def _layers_per_stage(par, num_stages: int, v: int, pp: int, model, args) -> lis
                 or sum(explicit) != args.n_layers:
             raise ConfigError(
                 f"parallelism.pipeline_parallel_layers_per_stage = {explicit} must list {num_stages} "
-                f"positive layer "
-                f"counts (pp {pp} x {v} stages per rank) that cover all {args.n_layers} layers "
-                f"exactly once (sum {sum(n for n in explicit if isinstance(n, int))})"
+                f"positive layer counts (pp {pp} x {v} stages per rank) that cover all {args.n_layers} "
+                f"layers exactly once (sum {sum(n for n in explicit if isinstance(n, int))})"
             )
         return explicit
     return balanced_split(model, args, num_stages)
@@ -99,8 +98,8 @@ def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | N
     if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, n_micro // pp)
         if n_micro % rounds:
-            return (f"{name} needs the microbatch count ({n_micro}) to be a multiple of its rounds "
-                    f"(max(1, {n_micro} // pp {pp}) = {rounds}); choose e.g. {rounds * pp} microbatches")
+            return (f"{name} needs the microbatch count ({n_micro}) to be a multiple of its rounds (max(1, "
+                    f"{n_micro} // pp {pp}) = {rounds}); choose e.g. {rounds * pp} microbatches")
     return None
 
 
@@ -117,22 +116,22 @@ def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, .
     if problem:
         raise ConfigError(problem)
     if args.tie_embeddings:
-        raise ConfigError("tied embeddings put the same weight on the first and the last stage; "
-                          "pipeline parallelism needs an untied flavour")
+        raise ConfigError("tied embeddings put the same weight on the first and the last stage; pipeline "
+                          "parallelism needs an untied flavour")
     if tr.compile and name in SPLIT_BACKWARD:
         # Measured: the losses drift from one process (6e-2 after 5 steps) when the separate input-
         # and weight-gradient passes run through compiled blocks.
         others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
         raise ConfigError(
-            f"training.compile = true gives wrong gradients with {name}, whose backward is split into "
-            f"input and weight passes; set compile = false or use one of {others}"
+            f"training.compile = true gives wrong gradients with {name}, whose backward is split into input "
+            f"and weight passes; set compile = false or use one of {others}"
         )
     split = _layers_per_stage(par, pp * v, v, pp, model, args)
     mb, rows = layout.microbatch_size, layout.local_batch_size * layout.accum
     if mb < 1 or rows % mb:
         raise ConfigError(
-            f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step "
-            f"and dp rank (local_batch_size x accumulation = {rows})"
+            f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide the sequences per step and dp "
+            f"rank (local_batch_size x accumulation = {rows})"
         )
     problem = schedule_problem(name, pp, v, args.n_layers, rows // mb)
     if problem:

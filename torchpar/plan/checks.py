@@ -88,12 +88,11 @@ def _bert_large_data_parallel() -> dict:
                   "compute_ms_seq512_50pct": 1e3 * compute,
                   "comm_share": ring / a100.intra_bw / (compute + ring / a100.intra_bw)},
         "note": f"The ~4 GB leaves out the fp32 master copy ({4 * n / GB:.2f} GB): mixed-precision Adam "
-                f"holds 16 "
-        f"bytes per parameter, {16 * n / GB:.2f} GB. A ring all-reduce sends 2(N-1)/N x {grad / MB:.0f} MB = "
-        f"{ring / GB:.2f} GB per GPU, not {grad / MB:.0f} MB x 8; at {a100.intra_bw / GB:.0f} GB/s per "
-        f"direction "
-        f"(NVLink's 600 GB/s counts both) that is {1e3 * ring / a100.intra_bw:.2f} ms, "
-        f"{100 * ring / a100.intra_bw / compute:.1f}% of the {1e3 * compute:.0f} ms of compute.",
+                f"holds 16 bytes per parameter, {16 * n / GB:.2f} GB. A ring all-reduce sends 2(N-1)/N x "
+                f"{grad / MB:.0f} MB = {ring / GB:.2f} GB per GPU, not {grad / MB:.0f} MB x 8; at "
+                f"{a100.intra_bw / GB:.0f} GB/s per direction (NVLink's 600 GB/s counts both) that is "
+                f"{1e3 * ring / a100.intra_bw:.2f} ms, {100 * ring / a100.intra_bw / compute:.1f}% of the "
+                f"{1e3 * compute:.0f} ms of compute.",
     }
 
 
@@ -107,10 +106,9 @@ def _gpt3_memory() -> dict:
         "exact": {"params": n, "fp16_weights_GB": 2 * n / GB, "seed_components_TB": 12 * n / 1e12,
                   "mixed_precision_adam_TB": 16 * n / 1e12},
         "note": f"torchpar's gpt3-175B has {n / 1e9:.2f}B parameters (untied {args.vocab_size}-token "
-                f"embedding and "
-        f"head). The seed's own parts (fp16 weights + fp16 grads + two fp32 moments = 12 bytes/param) give "
-        f"{12 * n / 1e12:.2f} TB, and the fp32 master copy makes 16 bytes/param = {16 * n / 1e12:.2f} TB: "
-        "'over 1.2 TB' is true but less than half of it.",
+                "embedding and head). The seed's own parts (fp16 weights + fp16 grads + two fp32 moments = "
+                f"12 bytes/param) give {12 * n / 1e12:.2f} TB, and the fp32 master copy makes 16 bytes/param "
+                f"= {16 * n / 1e12:.2f} TB: 'over 1.2 TB' is true but less than half of it.",
     }
 
 
@@ -123,9 +121,8 @@ def _gpt3_qkv_under_tp() -> dict:
         "seed": "12288 x 36864 ~ 1.8 GB (fp16); each of 8 shards 12288 x 4608 ~ 226 MB",
         "exact": {"qkv_fp16_MB": 2 * qkv / MB, "qkv_fp32_MB": 4 * qkv / MB, "shard_cols": 3 * d // 8,
                   "shard_fp16_MB": 2 * qkv / 8 / MB},
-        "note": f"1.8 GB and 226 MB are the fp32 sizes ({4 * qkv / MB:.0f} and {4 * qkv / 8 / MB:.0f} "
-                f"MB); in fp16 the "
-        f"matrix is {2 * qkv / MB:.0f} MB and a shard {2 * qkv / 8 / MB:.0f} MB.",
+        "note": f"1.8 GB and 226 MB are the fp32 sizes ({4 * qkv / MB:.0f} and {4 * qkv / 8 / MB:.0f} MB); "
+                f"in fp16 the matrix is {2 * qkv / MB:.0f} MB and a shard {2 * qkv / 8 / MB:.0f} MB.",
     }
 
 
@@ -159,10 +156,9 @@ def _gpt3_on_64_gpus() -> dict:
                   "mixed_precision_GB_no_zero": sum(ds0.values()) / GB,
                   "mixed_precision_GB_zero1": sum(ds1.values()) / GB},
         "note": f"A middle stage holds 24 layers / 8 = {per_gpu / 1e9:.2f}B parameters per GPU (the first "
-                f"also 1/8 "
-        f"of the embedding). With Adam that is {sum(ds0.values()) / GB:.0f} GB without ZeRO — more than an "
-        f"80 GB GPU — and {sum(ds1.values()) / GB:.0f} GB with ZeRO-1 over the 2 data-parallel replicas, "
-        "before activations.",
+                f"also 1/8 of the embedding). With Adam that is {sum(ds0.values()) / GB:.0f} GB without ZeRO "
+                f"— more than an 80 GB GPU — and {sum(ds1.values()) / GB:.0f} GB with ZeRO-1 over the 2 "
+                "data-parallel replicas, before activations.",
     }
 
 
@@ -173,8 +169,8 @@ def _deepspeed_batch_arithmetic() -> dict:
         "example": "DeepSpeed batch arithmetic",
         "seed": "micro-batch 4 x accumulation 2 x 4 GPUs = 32",
         "exact": {"accumulation": accum, "global_batch": 4 * accum * 4},
-        "note": "torchpar: training.local_batch_size = 4, training.global_batch_size = 32 on 4 ranks gives 2 "
-                "accumulation steps (checked: other values are refused with the formula).",
+        "note": "torchpar: training.local_batch_size = 4, training.global_batch_size = 32 on 4 ranks gives "
+                "2 accumulation steps (checked: other values are refused with the formula).",
     }
 
 

@@ -112,8 +112,8 @@ def _reasoning(plans: list[Plan]) -> list[str]:
             fastest = next(q for q in plans if q.fits and pred(q.layout))
             exposed = fastest.step_s - fastest.compute_s / (1 - fastest.bubble)
             lines.append(
-                f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s "
-                f"= compute {fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed "
+                f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s = "
+                f"compute {fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed "
                 f"communication {exposed:.2f} s; {fastest.tokens_per_sec:,.0f} tokens/s"
             )
             break
@@ -148,8 +148,8 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
     world = lay["pp"] * lay["dp_replicate"] * lay["dp_shard"] * lay["tp"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [
-        f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; "
-        f"{world} devices of {_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable).",
+        f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; {world} devices of "
+        f"{_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable).",
         *_reasoning(plans),
     ]
     fitting = [p for p in plans if p.fits]
@@ -162,8 +162,8 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="torchpar plan",
-        description="Per-rank memory, communication, bubble and "
-        "step time of layouts, by arithmetic; the best layouts of a model on a cluster.",
+        description="Per-rank memory, communication, bubble and step time of layouts, by arithmetic; the "
+        "best layouts of a model on a cluster.",
     )
     ap.add_argument("--model", help="model flavour (search over layouts)")
     ap.add_argument(

@@ -41,8 +41,8 @@ def _batch(ds: dict, nproc: int, out: list[str], notes: list[tuple[str, str]]) -
     tbs = known.get("tbs") or mbs * gas * nproc
     if tbs != mbs * gas * nproc:
         raise ConfigError(f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} x "
-                          f"gradient_accumulation_steps {gas} x {nproc} ranks (--nproc); DeepSpeed "
-                          f"refuses this too")
+                          f"gradient_accumulation_steps {gas} x {nproc} ranks (--nproc); DeepSpeed refuses "
+                          "this too")
     out += ["--training.local_batch_size", str(mbs), "--training.global_batch_size", str(tbs)]
 
 

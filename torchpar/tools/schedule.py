@@ -92,7 +92,7 @@ def write_svg(sim: dict, path: str, title: str) -> None:
     w, h = left + makespan * cell + right, top + len(ranks) * row + 40
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="monospace" '
-        f'font-size="10">',
+        'font-size="10">',
         f'<rect width="{w}" height="{h}" fill="white"/>',
         f'<text x="10" y="20" font-size="13">{title}</text>',
     ]
@@ -103,8 +103,8 @@ def write_svg(sim: dict, path: str, title: str) -> None:
             f'<rect x="{left}" y="{y}" width="{makespan * cell}" height="{row - 4}" fill="#eeeeee"/>'
         )
         parts.append(
-            f'<text x="{left + makespan * cell + 8}" y="{y + 15}">'
-            f'bubble {100 * sim["bubble_per_rank"][r]:.1f}%</text>'
+            f'<text x="{left + makespan * cell + 8}" y="{y + 15}">bubble '
+            f'{100 * sim["bubble_per_rank"][r]:.1f}%</text>'
         )
     for r, start, end, kind, label, colour in _cells(sim):
         x, y = left + start * cell, top + ranks.index(r) * row
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = os.path.splitext(args.out or "")[1].lower()
     if args.out and suffix not in PICTURES:
         print(
-            f"torchpar schedule: --out {args.out!r}: the picture is written as .svg or .png, "
-            f"not {suffix or 'no suffix'!r}",
+            f"torchpar schedule: --out {args.out!r}: the picture is written as .svg or .png, not "
+            f"{suffix or 'no suffix'!r}",
             file=sys.stderr,
         )
         return 2
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchpar schedule: {e}", file=sys.stderr)
         return 2
     sim = simulate(schedule_actions(args.schedule, order, args.pp, args.microbatches), num_stages)
-    title = (f"{args.schedule}: pp={args.pp}, {args.microbatches} microbatches, {v} stage(s)/rank -> "
-             f"bubble {100 * sim['bubble']:.2f}%")
+    title = (f"{args.schedule}: pp={args.pp}, {args.microbatches} microbatches, {v} stage(s)/rank -> bubble "
+             f"{100 * sim['bubble']:.2f}%")
     print(title)
     print(text_gantt(sim))
     if args.out:
