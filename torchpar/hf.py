@@ -73,7 +73,7 @@ def _write_file(path: Path, entries: list, produce, acct: _Accounting) -> None:
             t = produce(name)
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}")
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))  # no third copy of the tensor
             acct.hold()
     tmp.replace(path)
 

@@ -48,15 +48,11 @@ def interrupted_saves(root: Path) -> list[Path]:
 def unexpected_folders(root: Path) -> list[Path]:
     """``step-*`` folders that are neither a complete checkpoint nor an interrupted save of
     torchpar's (e.g. a manifest deleted by hand): reported and left alone, never loaded."""
-    return sorted(d for d in incomplete_checkpoints(root) if d not in interrupted_saves(root))
-
-
-def incomplete_checkpoints(root: Path) -> list[Path]:
-    return (
-        sorted(d for d in root.glob("step-*") if d.is_dir() and not (d / MANIFEST).exists())
-        if root.is_dir()
-        else []
-    )
+    if not root.is_dir():
+        return []
+    ours = set(interrupted_saves(root))
+    return sorted(d for d in root.glob("step-*")
+                  if d.is_dir() and not (d / MANIFEST).exists() and d not in ours)
 
 
 def warn(message: str) -> None:
