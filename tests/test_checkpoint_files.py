@@ -194,6 +194,45 @@ def test_another_flavor(trained, tmp_path):
                  "holds model flavor 'debug' but model.flavor = 'debug-tied'")
 
 
+def test_resume_with_another_sequence_length_and_batch_says_so(trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path)
+    r = train(tmp_path, run_dir, "--training.steps", "8", "--training.seq_len", "16",
+              "--training.local_batch_size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "training.seq_len 32 -> 16 since the checkpoint" in r.stderr
+    assert "global batch 8 -> 4 sequences since the checkpoint" in r.stderr
+    manifest = json.loads((run_dir / "checkpoint" / "step-00000008" / "torchpar.json").read_text())
+    assert manifest["tokens_seen"] == 6 * 8 * 32 + 2 * 4 * 16
+    assert manifest["data"]["seq_len"] == 16 and manifest["data"]["global_batch"] == 4
+
+
+def test_another_corpus_is_refused_unless_the_position_is_reset(trained, tmp_path):
+    (tmp_path / "doc.txt").write_text("def f():\n    return 1\n" * 50)
+    corpus = ["--data.dataset", "files", "--data.path", str(tmp_path / "doc.txt")]
+    run_dir = copy_run(trained, tmp_path)
+    before = folder_digest(run_dir / "checkpoint")
+    expect_error(train(tmp_path, run_dir, "--training.steps", "7", *corpus),
+                 "data.dataset / data.path", "another corpus (stdlib:train there, files here)",
+                 "data.resume_position = false")
+    assert folder_digest(run_dir / "checkpoint") == before
+    r = train(tmp_path, run_dir, "--training.steps", "7", *corpus, "--data.resume_position", "false")
+    assert r.returncode == 0 and "the data is read from its start" in r.stderr, r.stderr
+    assert "resumed from" in r.stdout and (run_dir / "checkpoint" / "step-00000007").is_dir()
+
+
+def test_a_position_beyond_the_corpus_without_a_recorded_identity(trained, tmp_path):
+    """A checkpoint that does not record its data identity, resumed on a smaller corpus: the saved
+    document indices do not exist there — one line, not an IndexError from the loader."""
+    run_dir = copy_run(trained, tmp_path)
+    manifest_path = run_dir / "checkpoint" / "step-00000006" / "torchpar.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["data"]
+    manifest_path.write_text(json.dumps(manifest))
+    (tmp_path / "doc.txt").write_text("x = 1\n" * 400)
+    expect_error(train(tmp_path, run_dir, "--training.steps", "7", "--data.dataset", "files", "--data.path",
+                       str(tmp_path / "doc.txt")), "does not fit this corpus of 1 documents", "data.lanes = 64")
+
+
 def test_export_then_train_from_it_and_generate(trained, tmp_path):
     out = tmp_path / "model.pt"
     r = run(["torchpar", "export", "--checkpoint", str(trained), "--out", str(out)], tmp_path)

@@ -240,7 +240,7 @@ def test_plan_command_json_and_exact_config():
                       "mfu", "fits"}
     assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
     assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
-            "cpu_bytes", "total_bytes"} == set(p["memory"])
+            "cpu_bytes", "total_bytes", "host_bytes_per_node"} == set(p["memory"])
     assert p["memory"]["param_bytes"] == 10494464 // 2  # the debug model's fp32 bytes, halved by ZeRO-3
     r = run_plan("--model", "bogus")
     assert r.returncode == 2 and "torchpar: error: --model 'bogus' is not a llama3 flavour" in r.stderr
@@ -248,27 +248,30 @@ def test_plan_command_json_and_exact_config():
 
 def test_search_follows_the_tutorials_reasoning():
     from torchpar.models import MODELS
-    from torchpar.plan import PRESETS, Cluster, explain, search
+    from torchpar.plan import PRESETS, explain, search
 
     a100 = PRESETS["A100-80GB"]
     model = MODELS["llama3"]
     # 8B on one node of 8 x A100-80GB: data parallel + ZeRO alone fits, and wins.
     args = model.args("8B")
-    plans = search(
-        model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096
-    )
+    plans = search(model, args, a100, 64, 4096)
     best = plans[0]
     assert best.fits and best.layout["tp"] == 1 and best.layout["pp"] == 1
     assert "1. data parallel + ZeRO alone" in explain(model, args, plans, a100)
     assert "-> fits" in explain(model, args, plans, a100)
     # 70B on the same node: 16 bytes x 70.6B / 8 > 80 GB, so nothing without offload fits.
     args = model.args("70B")
-    plans = search(
-        model, args, Cluster(8, a100.memory, a100.peak_flops, a100.intra_bw, a100.inter_bw, 1), 64, 4096
-    )
+    plans = search(model, args, a100, 64, 4096)
     assert all(p.layout["cpu_offload"] for p in plans if p.fits) and plans[0].fits
     text = explain(model, args, plans, a100)
     assert "2. + tensor parallel inside a node" in text and "4. + CPU offload" in text
+    # A node with 512 GB of host memory cannot hold the 1.13 TB of offloaded 70B state: nothing fits.
+    pcie = PRESETS["PCIe-Ethernet"]
+    offloaded = [p for p in search(model, args, pcie, 64, 4096) if p.layout["cpu_offload"]]
+    assert offloaded and not any(p.fits for p in offloaded)
+    assert min(p.memory["host_bytes_per_node"] for p in offloaded) > pcie.host_memory
+    assert "offload needs 1129.01 GB of host memory per node, 460.80 GB usable" in explain(
+        model, args, offloaded, pcie)
     # Ranked by estimated throughput among those that fit.
     fitting = [p for p in plans if p.fits]
     assert all(x.tokens_per_sec >= y.tokens_per_sec for x, y in zip(fitting, fitting[1:]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 USAGE = """usage: torchpar <command> [args]
@@ -19,38 +20,32 @@ commands:
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+COMMANDS = {
+    "train": ("torchpar.train", "main"),
+    "schedule": ("torchpar.tools.schedule", "main"),
+    "export": ("torchpar.weights", "export_main"),
+    "plan": ("torchpar.plan.search", "main"),
+    "config": ("torchpar.tools.deepspeed", "main"),
+    "generate": ("torchpar.generate", "main"),
+}
+
+
+def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command, rest = argv[0], argv[1:]
-    if command == "train":
-        from torchpar.train import main as train_main
+    if argv[0] not in COMMANDS:
+        from torchpar.config import ConfigError, did_you_mean
 
-        return train_main(rest)
-    if command == "schedule":
-        from torchpar.tools.schedule import main as schedule_main
+        raise ConfigError(f"unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} (torchpar --help)")
+    module, name = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), name)(argv[1:])
 
-        return schedule_main(rest)
-    if command == "export":
-        from torchpar.weights import export_main
 
-        return export_main(rest)
-    if command == "plan":
-        from torchpar.plan import main as plan_main
+def main(argv: list[str] | None = None) -> int:
+    from torchpar.console import run_command
 
-        return plan_main(rest)
-    if command == "config":
-        from torchpar.tools.deepspeed import main as config_main
-
-        return config_main(rest)
-    if command == "generate":
-        from torchpar.generate import main as generate_main
-
-        return generate_main(rest)
-    print(f"torchpar: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    return run_command(dispatch, argv)
 
 
 if __name__ == "__main__":

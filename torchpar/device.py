@@ -5,6 +5,7 @@ nccl with CUDA, gloo on CPU. Nothing else in torchpar calls ``torch.cuda``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import resource
 import time
@@ -50,15 +51,27 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int]:
     """Join (or create) the default process group; returns (rank, world size).
 
     Without torchrun a one-rank group on an in-memory store is made, so a single process runs
-    the same code path as many.
+    the same code path as many. Every group is destroyed at exit at the latest, while the
+    interpreter is whole: a gloo worker thread still holding a tensor when the interpreter is torn
+    down aborts the process ("terminate called without an active exception").
     """
     if not dist.is_initialized():
+        # The flight recorder keeps the last collectives of every group (any backend), for the
+        # watchdog's dump when a job hangs; a ring buffer, cheap.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        atexit.register(shutdown_distributed)
         if "RANK" in os.environ:
             dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s), device_id=local_device()
                                     if device_type() == "cuda" else None)
         else:
             dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group (subgroups with the default one); a no-op when there is none."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def synchronize() -> None:

@@ -8,7 +8,6 @@ plenty fast for the small models this is meant to inspect.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -40,11 +39,12 @@ def sample(model, tokens: list[int], max_new_tokens: int, temperature: float, to
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torchpar.console import ArgumentParser, at_least
     from torchpar.device import local_device
     from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
     from torchpar.weights import load_model
 
-    ap = argparse.ArgumentParser(prog="torchpar generate", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="torchpar generate", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--checkpoint", required=True, help="checkpoint step folder, checkpoint/dump folder, or export file"
     )
@@ -57,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer", default=None, help="tiktoken file; default: the one the model was trained with"
     )
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    at_least("--max-new-tokens", a.max_new_tokens, 0)
+    at_least("--temperature", a.temperature, 0)  # 0 = greedy
+    at_least("--top-k", a.top_k, 0)  # 0 = no top-k cut
+    model, meta = load_model(a.checkpoint)
     try:
-        model, meta = load_model(a.checkpoint)
         tokenizer = Tokenizer(resolve_path(a.tokenizer or meta.get("tokenizer_path", "builtin")))
-    except (ConfigError, TokenizerError) as e:
-        print(f"torchpar: error: {e}", file=sys.stderr)
-        return 2
+    except TokenizerError as e:
+        raise ConfigError(f"--tokenizer: {e}") from None
     model.to(local_device())
     prompt = tokenizer.encode(a.prompt, bos=True, eos=False)
     new = sample(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tokenizer.eos_id,
@@ -72,4 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchpar.console import run_command
+
+    sys.exit(run_command(main))

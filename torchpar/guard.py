@@ -17,6 +17,8 @@ import torch.distributed as dist
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (divergence); the message is the one line to show."""
 
+    code = 3
+
 
 class DivergenceGuard:
     def __init__(self, tr):

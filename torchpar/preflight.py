@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from torchpar.checkpoint import find_resume
+from torchpar.checkpoint import find_resume, read_manifest
 from torchpar.config import ConfigError, JobConfig
-from torchpar.data import build_source
+from torchpar.console import warn
+from torchpar.data import build_source, data_identity, resume_notes
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
@@ -33,6 +34,7 @@ class Preflight(NamedTuple):
     val_source: object | None  # held-out documents when [validation] is enabled
     resume: Path | None  # checkpoint to resume from
     weights: object | None  # initial weights by name (checkpoint.initial_load_path): tensors or LazyWeights
+    data: dict  # what the data position depends on (data_identity), recorded in checkpoints
 
 
 def held_out_data(cfg: JobConfig):
@@ -58,11 +60,17 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
     source = build_source(cfg.data, cfg.training.seed)
     val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
+    tr = cfg.training
+    data = data_identity(source, tokenizer, tr.seq_len, tr.local_batch_size * layout.accum * layout.dp,
+                         cfg.data.lanes)
     resume = find_resume(cfg, args)
     weights = None
-    if resume is None and cfg.checkpoint.initial_load_path:
+    if resume is not None:
+        for note in resume_notes(read_manifest(resume).get("data"), data, cfg.data.resume_position):
+            warn(note)
+    elif cfg.checkpoint.initial_load_path:
         weights = initial_weights(cfg, model, args)
-    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights)
+    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights, data)
 
 
 def initial_weights(cfg: JobConfig, model: ModelAdapter, args):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import heapq
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -90,6 +91,8 @@ class Tokenizer:
             name=Path(path).stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens={BOS: n, EOS: n + 1}
         )
         self.n_words = self.encoding.n_vocab
+        # Which tokens a saved data position (token offsets) counts in.
+        self.fingerprint = f"{self.n_words} tokens, crc {zlib.crc32(Path(path).read_bytes()):08x}"
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         # Special-token text inside documents is encoded as ordinary text, never as a control id.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from torchpar import device as dev
 from torchpar.checkpoint import Checkpointer, checkpoint_root
-from torchpar.config import ConfigError, JobConfig, help_text, load_config, to_toml
+from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.data import build_dataloader
 from torchpar.evaluate import held_out_loss
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
@@ -35,6 +35,7 @@ from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.signals import Preempted, StopSignals
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
+from torchpar.watchdog import Watchdog
 
 
 class Trainer:
@@ -48,12 +49,12 @@ class Trainer:
         pre = preflight(cfg, world)
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.run_lock = claim_folders(cfg, rank)
-        self.model_family, self.args, self.tokenizer, self.layout, self.val_source = (
-            pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source)
+        self.model_family, self.args, self.tokenizer, self.layout, self.val_source, self.data_identity = (
+            pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source, pre.data)
         lay = self.layout
 
         # 2. Process group, mesh, model, optimizer, data.
-        self.rank, _ = dev.init_distributed()
+        self.rank, world = dev.init_distributed(cfg.comm.timeout_s)
         self.device = dev.local_device()
         lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
@@ -83,10 +84,15 @@ class Trainer:
         if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
             self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
                              **self.checkpointer.branch})
-        resumed = self.checkpointer.load()
+        resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
         if resumed is not None and self.rank == 0:
             print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
                   f"({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+        # 3. From here on a rank that stops answering or a step that never ends is a hang.
+        self.watchdog = None
+        if world > 1 and cfg.comm.watchdog_s > 0:
+            self.watchdog = Watchdog(dist.distributed_c10d._get_default_store(), self.rank, world,
+                                     cfg.comm.watchdog_s, cfg.job.dump_folder).start()
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
@@ -104,6 +110,7 @@ class Trainer:
             "tokenizer_path": cfg.model.tokenizer_path,
             "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
                        "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
+            "data": self.data_identity,
             "config": to_toml(cfg),
         }
 
@@ -175,6 +182,7 @@ class Trainer:
         """Save if one is due, never weights that are not finite."""
         if not self.checkpointer.due(self.train_state.step, final):
             return
+        self._phase(f"the checkpoint save of step {self.train_state.step}", short=False)
         if not weights_finite([p for part in self.model.parts for p in part.parameters()]):
             raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
                                   "they were not saved; last good checkpoint: "
@@ -232,6 +240,7 @@ class Trainer:
         first = ts.step + 1  # > 1 after a resume
         while ts.step < tr.steps:
             ts.step += 1
+            self._phase(f"step {ts.step}", short=ts.step != first)  # the first warms up (and compiles)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm, problem = self.train_step(batches)
             ts.tokens_seen += self.global_tokens
@@ -254,6 +263,7 @@ class Trainer:
             self.model.state.zero_grad()
             if self.val_source is not None and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
                 t_eval = time.perf_counter()
+                self._phase(f"the evaluation after step {ts.step}")
                 val_loss = self.evaluate()
                 self.val_losses.append((ts.step, val_loss))
                 self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
@@ -261,11 +271,25 @@ class Trainer:
             if self.stop_requested and ts.step < tr.steps:
                 self._preempted()
             self._save(final=ts.step == tr.steps)
-        self.checkpointer.close()
+        self.close()
+        return losses
+
+    def _phase(self, what: str, short: bool = True) -> None:
+        if self.watchdog is not None:
+            self.watchdog.phase(what, short)
+
+    def close(self, graceful: bool = True) -> None:
+        """End the run's threads and files. ``graceful`` (every rank closes at the same point):
+        also wait for a checkpoint still being written, which takes collectives."""
+        self._phase("shutdown", short=False)
+        if graceful:
+            self.checkpointer.close()
+        if self.watchdog is not None:  # before the process group goes: it reads the group's store
+            self.watchdog.stop()
         self.logger.close()
+        self.signals.restore()
         if self.run_lock is not None:
             self.run_lock.release()
-        return losses
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters as full tensors (collective over TP/FSDP), by canonical name."""
@@ -276,69 +300,40 @@ class Trainer:
         return out
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
-    config, rest, print_config, check = None, [], False, False
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-h", "--help"):
-            print(__doc__)
-            print(help_text())
-            raise SystemExit(0)
-        if a == "--print-config":
-            print_config = True
-        elif a == "--check":
-            check = True
-        elif a == "--config" or a.startswith("--config="):
-            if a == "--config":
-                if i + 1 >= len(argv):
-                    raise ConfigError("--config needs a file path")
-                config = argv[i + 1]
-                i += 1
-            else:
-                config = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    return config, rest, print_config, check
+def main(argv: list[str]) -> int:
+    """The trainer's command; ``torchpar.console.run_command`` turns its errors into one line."""
+    config, overrides, print_config, check = parse_train_args(argv, __doc__)
+    cfg = load_config(config, overrides)
+    if print_config:
+        print(to_toml(cfg))
+        return 0
+    if check:  # run_train.sh calls this once before torchrun starts any rank
+        preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
+        return 0
+    from torchpar.plan import predict_for_trainer
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    trainer = None
     try:
-        config, overrides, print_config, check = parse_args(argv)
-        cfg = load_config(config, overrides)
-        if print_config:
-            print(to_toml(cfg))
-            return 0
-        if check:  # run_train.sh calls this once before torchrun starts any rank
-            preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
-            return 0
-        from torchpar.plan import predict_for_trainer
-
         trainer = Trainer(cfg, on_first_step=predict_for_trainer)
-    except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"torchpar: error: {e}", file=sys.stderr)
-        return 2
-    trainer.signals.install()
-    try:
-        trainer.train()
-    except (TrainingStopped, Preempted) as e:
-        trainer.checkpointer.close()
-        trainer.logger.close()
+        trainer.signals.install()
+        trainer.train()  # closes the trainer at its end
+    except (TrainingStopped, Preempted) as e:  # every rank stops at the same step
+        trainer.close()
         if trainer.rank == 0:
             kind = "" if isinstance(e, Preempted) else "error: "
             print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
-        return e.code if isinstance(e, Preempted) else 3
+        return e.code
+    except BaseException:
+        if trainer is not None:
+            trainer.close(graceful=False)  # other ranks may be anywhere: no collectives
+        raise
     finally:
-        trainer.signals.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dev.shutdown_distributed()  # after the trainer's threads, before the interpreter's exit
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchpar.console import run_command
+
+    sys.exit(run_command(main))

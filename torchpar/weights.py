@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -141,13 +140,21 @@ def _export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: fl
             f"peak {stats['peak_bytes'] / 2**20:.1f} MiB of tensors held")
 
 
+def _refuse_checkpoint_target(out: Path) -> None:
+    """An export never writes into a checkpoint: it could replace the files it is made from."""
+    for folder in (out, out.parent):
+        if (folder / MANIFEST).exists() or (folder / ".metadata").exists():
+            raise ConfigError(f"--out {out} is inside checkpoint {folder}; writing there could overwrite it, "
+                              "choose a path outside the checkpoint folders")
+
+
 def export_main(argv: list[str]) -> int:
     """torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16|fp32]"""
-    import argparse
+    from torchpar.console import ArgumentParser, at_least, output_path
 
-    ap = argparse.ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
-                                 "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
-                                 "or into a Hugging Face folder (safetensors + config.json).")
+    ap = ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
+                        "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
+                        "or into a Hugging Face folder (safetensors + config.json).")
     ap.add_argument("--checkpoint", required=True,
                     help="step folder, checkpoint folder or dump folder (latest step), or an export file")
     ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
@@ -157,23 +164,22 @@ def export_main(argv: list[str]) -> int:
                     help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    try:
-        if a.max_shard_mb <= 0:
-            raise ConfigError(f"--max-shard-mb must be positive, got {a.max_shard_mb}")
-        if a.format == "hf":
-            meta, read = open_source(a.checkpoint)
-            what = _export_hf(meta, read, Path(a.out), dtype, a.max_shard_mb)
-            print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
-            return 0
-        model, meta = load_model(a.checkpoint)
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-        keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
-        out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
-                    **{k: meta[k] for k in keys if k in meta}}
-        save_weights(state, out_meta, Path(a.out))
-    except (ConfigError, OSError) as e:
-        print(f"torchpar: error: {e}", file=sys.stderr)
-        return 2
+    at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
+    out = output_path("--out", a.out, folder=a.format == "hf")
+    _refuse_checkpoint_target(out)
+    if a.format == "hf":
+        meta, read = open_source(a.checkpoint)
+        what = _export_hf(meta, read, out, dtype, a.max_shard_mb)
+        print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
+        return 0
+    if out.exists() and out.resolve() == Path(a.checkpoint).expanduser().resolve():
+        raise ConfigError(f"--out {out} is the --checkpoint being exported; choose another file")
+    model, meta = load_model(a.checkpoint)
+    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
+    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
+                **{k: meta[k] for k in keys if k in meta}}
+    save_weights(state, out_meta, out)
     n = sum(p.numel() for p in model.parameters())  # a tied table once
     print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and "
           f"{a.out}.json")

@@ -20,9 +20,9 @@ from torchpar.checkpoint.files import (
     interrupted_saves,
     read_manifest,
     step_dir,
-    warn,
 )
 from torchpar.config import ConfigError
+from torchpar.console import warn
 
 
 class Checkpointer:
@@ -159,19 +159,21 @@ class Checkpointer:
 
     # -- load
 
-    def load(self) -> Path | None:
-        """Restore every part from ``resume_from`` (validated in preflight); returns that path."""
+    def load(self, skip: tuple[str, ...] = ()) -> Path | None:
+        """Restore every part but those named in ``skip`` from ``resume_from`` (validated in
+        preflight); returns that path."""
         path = self.resume_from
         if path is None:
             return None
-        state = self._state()  # templates: DCP loads into their tensors in place
+        parts = {name: part for name, part in self.parts.items() if name not in skip}
+        state = {name: part.state_dict() for name, part in parts.items()}  # DCP loads into these in place
         metadata = self.dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        for name, part in self.parts.items():
+        for name, part in parts.items():
             if getattr(part, "per_rank", False):  # keys of ranks the saving layout did not have
                 state[name] = {k: v for k, v in state[name].items() if f"{name}.{k}" in metadata}
         _check_tensors(path, state, metadata)
         self.dcp.load(state, checkpoint_id=str(path))
-        for name, part in self.parts.items():
+        for name, part in parts.items():
             part.load_state_dict(state[name])
         return path
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import zlib
 from pathlib import Path
 
 from torchpar.config import ConfigError
+from torchpar.console import warn
 from torchpar.models import DEFAULT_FAMILY
 
 MANIFEST = "torchpar.json"
@@ -53,11 +52,6 @@ def unexpected_folders(root: Path) -> list[Path]:
     ours = set(interrupted_saves(root))
     return sorted(d for d in root.glob("step-*")
                   if d.is_dir() and not (d / MANIFEST).exists() and d not in ours)
-
-
-def warn(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(f"torchpar: warning: {message}", file=sys.stderr, flush=True)
 
 
 def file_crc32(path: Path) -> int:

@@ -1,6 +1,14 @@
 """Typed job configuration: the sections (``sections.py``) and their loading (``load.py``)."""
 
-from torchpar.config.load import did_you_mean, help_text, load_config, parse_overrides, to_toml, validate
+from torchpar.config.load import (
+    did_you_mean,
+    help_text,
+    load_config,
+    parse_overrides,
+    parse_train_args,
+    to_toml,
+    validate,
+)
 from torchpar.config.sections import (
                                       DTYPES,
                                       Checkpoint,
@@ -35,6 +43,7 @@ __all__ = [
     "did_you_mean",
     "help_text",
     "load_config",
+    "parse_train_args",
     "opt",
     "parse_overrides",
     "to_toml",

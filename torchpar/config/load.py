@@ -217,6 +217,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "validation.path is required with data.dataset = 'files' (held-out files, not the training ones)"
         )
+    c = cfg.comm
+    if c.timeout_s < 1 or not 0 <= c.watchdog_s < c.timeout_s or 0 < c.watchdog_s < 2:
+        raise ConfigError(f"comm.timeout_s must be >= 1 and comm.watchdog_s 0 (off) or in [2, timeout_s) "
+                          f"(got {c.timeout_s}, {c.watchdog_s:g})")
 
 
 def to_toml(cfg: JobConfig) -> str:
@@ -256,3 +260,31 @@ def help_text() -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def parse_train_args(argv: list[str], usage: str) -> tuple[str | None, list[str], bool, bool]:
+    """The trainer's command line: (config file, overrides, --print-config, --check); ``--help``
+    prints ``usage`` and every config field."""
+    config, rest, print_config, check = None, [], False, False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(usage)
+            print(help_text())
+            raise SystemExit(0)
+        if a == "--print-config":
+            print_config = True
+        elif a == "--check":
+            check = True
+        elif a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file path")
+            config = argv[i + 1]
+            i += 1
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest, print_config, check

@@ -70,6 +70,11 @@ class Data:
         "after another.",
     )
     num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process).")
+    resume_position: bool = opt(
+        True,
+        "On resume, continue the data where the checkpoint left it. false = read the corpus from its start "
+        "(for a new corpus, tokenizer or data.lanes); the model, optimizer and step are still restored.",
+    )
 
 
 @dataclass
@@ -212,6 +217,17 @@ class Validation:
 
 
 @dataclass
+class Comm:
+    timeout_s: int = opt(
+        600, "Seconds a collective may wait for the other ranks before it fails (the process group's "
+        "timeout); bounds checkpoint saves and loads, which the watchdog leaves alone.")
+    watchdog_s: float = opt(
+        120, "A rank that stops answering (stopped, frozen) or a step that makes no progress for this long "
+        "ends the job with one line naming the rank and what it was doing, so the launcher's restart "
+        "policy can take over; 0 = off. Must be below timeout_s.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -223,3 +239,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchpar.config import ConfigError
 from torchpar.data.sources import DocumentSource
 from torchpar.tokenizer import Tokenizer
 
@@ -107,12 +108,52 @@ class PackedWindows(IterableDataset):
         return dict(self.position)
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["lanes"]) != self.lanes:
-            raise ValueError(
-                f"data state has {len(state['lanes'])} lanes, this loader {self.lanes}: keep data.lanes"
+        lanes = [[int(x) for x in lane] for lane in state["lanes"]]
+        n = len(self.source)
+        # Documents per lane (order[lane::lanes], or every document when that is empty).
+        bad = [j for j, (_, doc, _) in enumerate(lanes) if doc >= (len(range(j, n, self.lanes)) or n)]
+        if len(lanes) != self.lanes or bad:
+            raise ConfigError(
+                f"the saved data position ({len(lanes)} lanes) does not fit this corpus of {n} documents "
+                f"in data.lanes = {self.lanes}; set data.resume_position = false to read it from its start"
             )
-        self.position = {"windows_consumed": int(state["windows_consumed"]),
-                         "lanes": [[int(x) for x in lane] for lane in state["lanes"]]}
+        self.position = {"windows_consumed": int(state["windows_consumed"]), "lanes": lanes}
+
+
+def data_identity(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, global_batch: int,
+                  lanes: int) -> dict:
+    """What a saved data position depends on; every checkpoint's manifest records it."""
+    return {"source": source.name, "documents": source.fingerprint(), "tokenizer": tokenizer.fingerprint,
+            "lanes": lanes, "seq_len": seq_len, "global_batch": global_batch}
+
+
+def resume_notes(saved: dict | None, now: dict, resume_position: bool) -> list[str]:
+    """Resuming under changed data settings: a line for each change that the saved position
+    survives (sequence length, batch size), ConfigError for one it cannot (another corpus,
+    tokenizer or number of lanes: its document indices and token offsets would mean nothing)."""
+    if not resume_position:
+        return ["data.resume_position = false: the data is read from its start"]
+    if saved is None:  # written before checkpoints recorded it: load_state_dict still checks the range
+        return []
+    fields = {"source": ("corpus", "data.dataset / data.path"),
+              "documents": ("corpus", "data.dataset / data.path"),
+              "tokenizer": ("tokenizer", "model.tokenizer_path"), "lanes": ("number of lanes", "data.lanes")}
+    for key, (what, field) in fields.items():
+        if saved[key] != now[key]:
+            raise ConfigError(
+                f"{field}: the checkpoint's data position is in another {what} ({saved[key]} there, "
+                f"{now[key]} here) and cannot apply; set data.resume_position = false to read the data from "
+                "its start (the model, optimizer and step are still restored)"
+            )
+    notes = []
+    if saved["seq_len"] != now["seq_len"]:
+        notes.append(f"training.seq_len {saved['seq_len']} -> {now['seq_len']} since the checkpoint: each "
+                     "lane goes on from its saved document and token, in windows of the new length")
+    if saved["global_batch"] != now["global_batch"]:
+        notes.append(f"global batch {saved['global_batch']} -> {now['global_batch']} sequences since the "
+                     "checkpoint: the data goes on at the first unread window, each step now taking "
+                     f"{now['global_batch']}")
+    return notes
 
 
 class WindowLoader(StatefulDataLoader):

@@ -16,7 +16,9 @@ VALIDATION_PERCENT = 3  # stdlib files whose path hashes into this bucket form t
 
 
 class DocumentSource:
-    """``len(source)`` documents, ``source[i]`` -> text; ``skipped`` counts what was left out and why."""
+    """``len(source)`` documents, ``source[i]`` -> text; ``skipped`` counts what was left out and why.
+    Each source's ``fingerprint()`` names its documents and their order, so a resume can tell
+    whether a saved position (documents by index) still applies."""
 
     def __init__(self, name: str):
         self.name = name
@@ -51,6 +53,9 @@ class StdlibSource(DocumentSource):
         self.root, self.files = root_path, chosen
         if not chosen:
             raise ConfigError(f"no standard-library sources found under {root_path}")
+
+    def fingerprint(self) -> str:
+        return f"{len(self.files)} files, crc {zlib.crc32(chr(10).join(self.files).encode()):08x}"
 
     def __len__(self) -> int:
         return len(self.files)
@@ -114,6 +119,12 @@ class FileSource(DocumentSource):
         else:
             self._skip("empty")
 
+    def fingerprint(self) -> str:
+        crc = 0
+        for doc in self.docs:
+            crc = zlib.crc32(doc.encode(), crc)
+        return f"{len(self.docs)} documents, crc {crc:08x}"
+
     def __len__(self) -> int:
         return len(self.docs)
 
@@ -151,6 +162,10 @@ class HFSource(DocumentSource):
                 "data.text_field"
             )
         self.dataset, self.text_field = ds, text_field
+
+    def fingerprint(self) -> str:
+        # datasets hashes a dataset's content and transforms into _fingerprint
+        return f"{len(self.dataset)} rows, {getattr(self.dataset, '_fingerprint', 'unknown')}"
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -2,6 +2,7 @@
 
 import sys
 
+from torchpar.console import run_command
 from torchpar.plan.search import main
 
-sys.exit(main())
+sys.exit(run_command(main))

@@ -141,8 +141,11 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
-    return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu,
-                memory["total_bytes"] <= headroom * cluster.memory)
+    # Offload moves the state into the node's CPU memory, which its ranks share.
+    memory["host_bytes_per_node"] = memory["cpu_bytes"] * min(lay.world, cluster.gpus_per_node)
+    fits = (memory["total_bytes"] <= headroom * cluster.memory
+            and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
+    return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu, fits)
 
 
 def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> float:

@@ -18,6 +18,7 @@ class Cluster:
     peak_flops: float  # dense bf16 FLOP/s per device
     intra_bw: float  # bytes/s per direction per device inside a node
     inter_bw: float  # bytes/s per direction per device across nodes
+    host_memory: float  # bytes of CPU memory per node (what CPU offload fills)
     nodes: int = 1
 
     @property
@@ -26,12 +27,13 @@ class Cluster:
 
 
 # Datasheet figures. NVLink is quoted as the total of both directions (A100: 600 GB/s); a ring
-# moves data one way, so the planner uses half of it. Inter-node: one NIC per GPU.
+# moves data one way, so the planner uses half of it. Inter-node: one NIC per GPU. Host memory:
+# the DGX systems' 2 TB; a generic PCIe server's 512 GB.
 PRESETS = {
-    "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9),  # NVLink3 600 GB/s, HDR 200 Gb/s
-    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9),  # NVLink4 900 GB/s, NDR 400 Gb/s
-    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9),
-    "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8),  # PCIe 4.0 x16; 100 GbE per node
+    "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9, 2e12),  # NVLink3 600 GB/s, HDR 200 Gb/s
+    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9, 2e12),  # NVLink4 900 GB/s, NDR 400 Gb/s
+    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9, 2e12),
+    "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8, 512e9),  # PCIe 4.0 x16; 100 GbE per node
 }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -97,7 +96,7 @@ REASONING = (
 )
 
 
-def _reasoning(plans: list[Plan]) -> list[str]:
+def _reasoning(plans: list[Plan], cluster: Cluster) -> list[str]:
     """Each step of REASONING up to the first whose smallest layout fits, and its fastest layout."""
     lines = []
     for title, pred in REASONING:
@@ -106,6 +105,9 @@ def _reasoning(plans: list[Plan]) -> list[str]:
             continue
         p = min(cands, key=lambda p: p.memory["total_bytes"])
         verdict = "fits" if p.fits else "does not fit"
+        if p.memory["host_bytes_per_node"] > 0.9 * cluster.host_memory:
+            verdict += (f" (offload needs {_gb(p.memory['host_bytes_per_node'])} of host memory per node, "
+                        f"{_gb(0.9 * cluster.host_memory)} usable)")
         lines.append(f"{title}: smallest is {describe_layout(p.layout)} at {_gb(p.memory['total_bytes'])} "
                      f"per device -> {verdict}")
         if p.fits:
@@ -150,7 +152,7 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
     lines = [
         f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; {world} devices of "
         f"{_gb(cluster.memory)} ({_gb(0.9 * cluster.memory)} usable).",
-        *_reasoning(plans),
+        *_reasoning(plans, cluster),
     ]
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -159,8 +161,10 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
     return "\n".join(lines + _breakdown(fitting[0]))
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+def _parser():
+    from torchpar.console import ArgumentParser
+
+    ap = ArgumentParser(
         prog="torchpar plan",
         description="Per-rank memory, communication, bubble and step time of layouts, by arithmetic; the "
         "best layouts of a model on a cluster.",
@@ -177,6 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=0, help="override the preset's 8")
     ap.add_argument("--memory-gb", type=float, default=0, help="override device memory")
+    ap.add_argument("--host-memory-gb", type=float, default=0,
+                    help="override CPU memory per node (what offload fills)")
     ap.add_argument("--peak-tflops", type=float, default=0, help="override dense bf16 peak")
     ap.add_argument("--intra-gbps", type=float, default=0, help="GB/s per direction inside a node")
     ap.add_argument("--inter-gbps", type=float, default=0, help="GB/s per direction across nodes")
@@ -191,13 +197,26 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = _parser()
-    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+def _cluster(a) -> Cluster:
+    """The preset with the command line's overrides; impossible figures are one line."""
+    from torchpar.console import at_least
+
+    for flag, low in (("--nodes", 1), ("--nproc", 0), ("--gpus-per-node", 0), ("--memory-gb", 0),
+                      ("--host-memory-gb", 0), ("--peak-tflops", 0), ("--intra-gbps", 0), ("--inter-gbps", 0),
+                      ("--global-batch-size", 1), ("--seq-len", 1), ("--top", 1)):
+        at_least(flag, getattr(a, flag[2:].replace("-", "_")), low)
+    if not 0 < a.efficiency <= 1:
+        raise ConfigError(f"--efficiency is the share of peak FLOP/s the matmuls reach, in (0, 1]; got "
+                          f"{a.efficiency:g}")
     c = PRESETS[a.gpu]
-    cluster = Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
-                      a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
-                      a.inter_gbps * 1e9 or c.inter_bw, a.nodes)
+    return Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
+                   a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
+                   a.inter_gbps * 1e9 or c.inter_bw, a.host_memory_gb * 1e9 or c.host_memory, a.nodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cluster = _cluster(a)
     if a.seeds:
         from torchpar.plan.checks import seed_examples
 
@@ -211,31 +230,30 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k:<34} {v:,.4g}" if isinstance(v, float) else f"  {k:<34} {v:,}")
             print(f"  note:  {e['note']}\n")
         return 0
-    try:
-        if a.config:
-            cfg = load_config(a.config, [])
-            lay, model, args = layout_from_config(cfg, a.nproc or cluster.world)
-            plans = [plan(model, args, lay, cluster, cfg.training.seq_len, a.efficiency)]
-        elif a.model:
-            model = MODELS[a.family]
-            if a.model not in model.flavors:
-                raise ConfigError(
-                    f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}"
-                )
-            args = model.args(a.model)
-            dtype = "bfloat16" if a.param_dtype == "bf16" else "float32"
-            plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency)
-        else:
-            raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
-    except ConfigError as e:
-        print(f"torchpar: error: {e}", file=sys.stderr)
-        return 2
+    if a.config:
+        cfg = load_config(a.config, [])
+        lay, model, args = layout_from_config(cfg, a.nproc or cluster.world)
+        plans = [plan(model, args, lay, cluster, cfg.training.seq_len, a.efficiency)]
+    elif a.model:
+        model = MODELS[a.family]
+        if a.model not in model.flavors:
+            raise ConfigError(
+                f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}"
+            )
+        args = model.args(a.model)
+        if a.seq_len > args.max_seq_len:
+            raise ConfigError(f"--seq-len {a.seq_len} is beyond {a.family} {a.model}'s max_seq_len "
+                              f"{args.max_seq_len}; the model has no positions past it")
+        dtype = "bfloat16" if a.param_dtype == "bf16" else "float32"
+        plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency)
+    else:
+        raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
+    if not plans:
+        raise ConfigError(f"no layout divides {cluster.world} devices, the model and --global-batch-size "
+                          f"{a.global_batch_size}; change the device count or the batch")
     if a.json:
         print(json.dumps([p.to_json() for p in plans[: a.top]], indent=1))
         return 0
-    if not plans:
-        print("no layout divides this world and model")
-        return 1
     print(f"{'layout':<84} {'mem/rank':>10} {'fits':>5} {'bubble':>7} {'tok/s':>12} {'MFU':>6}")
     for p in plans[: a.top]:
         print(f"{describe_layout(p.layout):<84} {_gb(p.memory['total_bytes']):>10} {str(p.fits):>5} "
@@ -246,4 +264,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchpar.console import run_command
+
+    sys.exit(run_command(main))

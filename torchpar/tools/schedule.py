@@ -152,38 +152,34 @@ PICTURES = {".svg": write_svg, ".png": write_png}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torchpar.config import ConfigError, did_you_mean
+    from torchpar.console import ArgumentParser, at_least, output_path
     from torchpar.parallel.pipeline import SCHEDULES, SINGLE_STAGE
 
-    ap = argparse.ArgumentParser(prog="torchpar schedule", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="torchpar schedule", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(SCHEDULES)}")
     ap.add_argument("--stages-per-rank", type=int, default=0, help="virtual stages; 0 = 1 or 2 by schedule")
     ap.add_argument("--out", help="write a picture: FILE.svg or FILE.png")
     args = ap.parse_args(argv)
+    at_least("--pp", args.pp, 1)
+    at_least("--microbatches", args.microbatches, 1)
+    at_least("--stages-per-rank", args.stages_per_rank, 0)
     suffix = os.path.splitext(args.out or "")[1].lower()
-    if args.out and suffix not in PICTURES:
-        print(
-            f"torchpar schedule: --out {args.out!r}: the picture is written as .svg or .png, not "
-            f"{suffix or 'no suffix'!r}",
-            file=sys.stderr,
-        )
-        return 2
+    if args.out:
+        if suffix not in PICTURES:
+            raise ConfigError(f"--out {args.out!r}: the picture is written as .svg or .png, not "
+                              f"{suffix or 'no suffix'!r}")
+        output_path("--out", args.out)
     if args.schedule not in SCHEDULES:
-        from torchpar.config import did_you_mean
-
-        print(
-            f"torchpar schedule: unknown schedule {args.schedule!r}.{did_you_mean(args.schedule, SCHEDULES)}",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"--schedule {args.schedule!r} is unknown.{did_you_mean(args.schedule, SCHEDULES)}")
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
     try:
         order, num_stages = schedule_order(args.schedule, args.pp, args.microbatches, v)
     except ValueError as e:
-        print(f"torchpar schedule: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
     sim = simulate(schedule_actions(args.schedule, order, args.pp, args.microbatches), num_stages)
     title = (f"{args.schedule}: pp={args.pp}, {args.microbatches} microbatches, {v} stage(s)/rank -> bubble "
              f"{100 * sim['bubble']:.2f}%")
@@ -196,4 +192,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchpar.console import run_command
+
+    sys.exit(run_command(main))

@@ -1,0 +1,86 @@
+"""How torchpar speaks to the user: warnings and errors as single lines, argument parsers whose
+mistakes are single lines too, and a runner for every command that turns what can go wrong
+(a bad input, an unwritable file, a closed pipe, Ctrl-C) into one line and an exit code.
+
+Rank 0 alone prints what every rank finds alike (the same checks run on every rank), so a job
+of 512 ranks says a mistake once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from torchpar.config import ConfigError
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def warn(message: str) -> None:
+    if is_rank0():
+        print(f"torchpar: warning: {message}", file=sys.stderr, flush=True)
+
+
+def error(message: str, every_rank: bool = False) -> None:
+    """``every_rank``: for a fault that may be this rank's alone (a file it could not write)."""
+    if every_rank and not is_rank0():
+        message = f"rank {os.environ['RANK']}: {message}"
+    if every_rank or is_rank0():
+        print(f"torchpar: error: {message}", file=sys.stderr, flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes raise ConfigError (one line) instead of printing the usage."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def at_least(flag: str, value: float, low: float, exclusive: bool = False) -> None:
+    """``flag`` must be >= low (> low when ``exclusive``)."""
+    if value < low or (exclusive and value == low):
+        raise ConfigError(f"{flag} must be {'>' if exclusive else '>='} {low:g}, got {value:g}")
+
+
+def output_path(flag: str, path: str | Path, folder: bool = False) -> Path:
+    """A path a command will write (a file, or a folder when ``folder``): its parent exists and is
+    writable, and it is not a folder where a file is meant (or the reverse) — checked before the
+    work, so a long export does not fail at its last step."""
+    p = Path(path).expanduser()
+    if not folder and p.is_dir():
+        raise ConfigError(f"{flag} {p} is a folder; give a file name")
+    if folder and p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p} is a file; give a folder")
+    parent = p if folder and p.exists() else p.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} {p}: not writable here; choose another path")
+    return p
+
+
+def run_command(main, argv: list[str] | None = None) -> int:
+    """``main(argv) -> exit code``, with every way it can fail turned into one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return main(argv)
+    except ConfigError as e:
+        error(str(e))
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`torchpar plan | head`): later writes to stdout must not fail again
+        # at interpreter exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        error("the output pipe was closed before everything was written; the output is cut short")
+        return 141  # 128 + SIGPIPE, what a shell tool killed by the closed pipe reports
+    except KeyboardInterrupt:
+        error("interrupted")
+        return 130
+    except OSError as e:  # a disk or file fault that no check could foresee
+        where = f"{e.filename}: " if e.filename else ""
+        error(f"{where}{e.strerror or e}", every_rank=True)
+        return 1
