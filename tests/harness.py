@@ -17,14 +17,13 @@ import os
 import re
 import socket
 import tempfile
-import warnings
 import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+from torch.multiprocessing.spawn import ProcessException
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "tiny.toml"
@@ -56,21 +55,15 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) 
 
 def spawn_ranks(target, world: int, *args) -> str:
     """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (one thread each,
-    in a gloo world process group) and return ``out``, the folder they wrote to. A Python error
-    in any rank fails at once, with every rank's last lines. A rank killed by a signal reruns all
-    once, with a warning that keeps its log: CI saw one gloo SIGABRT among 8 ranks on 2 cores
-    that 30 local runs of the 8-rank table did not reproduce."""
-    for attempt in (1, 2):
-        out = tempfile.mkdtemp(prefix="torchpar_ranks_")
-        try:
-            mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
-                               start_method="spawn")
-            return out
-        except ProcessException as e:
-            report = f"{e}\n{_log_tails(out, world, e.error_index)}"
-            if attempt == 2 or not isinstance(e, ProcessExitedException) or e.signal_name is None:
-                raise RuntimeError(report) from None
-            warnings.warn(f"world {world}: a rank died from a signal; running the ranks again\n{report}")
+    in a gloo world process group) and return ``out``, the folder they wrote to. A rank that fails
+    (a Python error, a signal) fails the call at once, with every rank's last lines."""
+    out = tempfile.mkdtemp(prefix="torchpar_ranks_")
+    try:
+        mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
+                           start_method="spawn")
+    except ProcessException as e:
+        raise RuntimeError(f"{e}\n{_log_tails(out, world, e.error_index)}") from None
+    return out
 
 
 def _worker(rank: int, world: int, out: str, layouts: dict) -> None:

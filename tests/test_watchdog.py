@@ -94,7 +94,8 @@ def test_survey_names_the_ranks_the_others_wait_for(beating):
     records = Records(4)
     phases = {0: "step 7", 1: "step 7", 2: "the evaluation after step 6", 3: "step 7"}
     wd = beating(records, phases, alive=range(4))
-    assert wd._survey() == "the job waits for rank 2 (in the evaluation after step 6); the others are in step 7"
+    assert wd._survey() == ("the job waits for rank 2 (in the evaluation after step 6); the others are in "
+                            "step 7")
 
 
 def test_survey_when_every_rank_waits_in_the_same_place(beating):

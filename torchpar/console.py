@@ -67,7 +67,9 @@ def run_command(main, argv: list[str] | None = None) -> int:
     """``main(argv) -> exit code``, with every way it can fail turned into one line."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return main(argv)
+        code = main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
     except ConfigError as e:
         error(str(e))
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from torchpar.parallel.bubble import schedule_actions, simulate
@@ -154,7 +155,7 @@ PICTURES = {".svg": write_svg, ".png": write_png}
 def main(argv: list[str] | None = None) -> int:
     from torchpar.config import ConfigError, did_you_mean
     from torchpar.console import ArgumentParser, at_least, output_path
-    from torchpar.parallel.pipeline import SCHEDULES, SINGLE_STAGE
+    from torchpar.parallel.pipeline import SCHEDULES, SINGLE_STAGE, schedule_problem
 
     ap = ArgumentParser(prog="torchpar schedule", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {args.schedule!r} is unknown.{did_you_mean(args.schedule, SCHEDULES)}")
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
+    problem = schedule_problem(args.schedule, args.pp, v, args.pp * v, args.microbatches)  # the trainer's
+    if problem:  # rules, in this command's words
+        raise ConfigError(re.sub(r"(parallelism\.)?pipeline_parallel_stages_per_rank", "--stages-per-rank",
+                                 problem))
     try:
         order, num_stages = schedule_order(args.schedule, args.pp, args.microbatches, v)
     except ValueError as e:

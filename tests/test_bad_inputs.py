@@ -1,0 +1,325 @@
+"""Every bad input is one line: a table of mistakes across the config, the layout, the data, the
+tokenizer, checkpoints, runtime faults and every subcommand.
+
+Each case runs ``torchpar <command> ...`` (the ``torchpar`` entry point's ``main``, in this process:
+the same code as the console script without a new interpreter per case) and asserts the exit
+code, that the last line on stderr that is not a warning is one ``torchpar: error: ...`` naming the
+field or file, that no file that was in the dump folder before changed, that nothing reached the
+user as a traceback, and a wall-time bound. A closed pipe runs as real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import ROOT, TINY
+from test_checkpoint_files import folder_digest
+from test_train import env
+
+from torchpar.cli import main
+from torchpar.preflight import RunLock
+
+STEP = "checkpoint/step-00000006"  # the latest
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A dump folder with complete checkpoints of steps 3 and 6 of the tiny model."""
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    folder = tmp / "trained"
+    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "6",
+           "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(folder)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return folder
+
+
+def write(path: Path, data: str | bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return str(path)
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    flipped = data[:500] + bytes([data[500] ^ 0xFF]) + data[501:]
+    path.write_bytes(data[:1000] if how == "truncate" else flipped)
+
+
+def edit_manifest(folder: Path, **changes) -> None:
+    p = folder / STEP / "torchpar.json"
+    manifest = json.loads(p.read_text())
+    for key, value in changes.items():
+        if value is None:
+            manifest.pop(key)
+        else:
+            manifest[key] = value
+    p.write_text(json.dumps(manifest))
+
+
+class Case:
+    """``command``: the arguments after ``torchpar``, split like a shell does, with {tiny} (the test
+    config), {t} (the case's folder) and {run} (its dump folder, t/run) filled in. ``files`` are
+    written under {t} first; ``run`` copies the trained run into {run} (``"lock"``: and holds its
+    lock as another run would); ``edit`` then changes it."""
+
+    def __init__(self, name, command, *fragments, code=2, world=None, files=None, run=False, edit=None):
+        self.name, self.command, self.fragments, self.code = name, command, fragments, code
+        self.world, self.files, self.run, self.edit = world, files or {}, run, edit
+
+    def argv(self, t: Path) -> list[str]:
+        return shlex.split(self.command.format(tiny=TINY, t=t, run=t / "run"))
+
+
+CHECK = "train --config {tiny} --check"
+TRAIN = "train --config {tiny} --training.steps 2 --validation.enable false --job.dump_folder {run}"
+CKPT = TRAIN + " --checkpoint.enable true"
+FILES = " --data.dataset files --data.path {t}/x.txt"
+X = {"x.txt": "x = 1\n" * 50}
+DS = "config from-deepspeed {t}/ds.json"
+EXPORT = "export --checkpoint {run} "
+GENERATE = "generate --checkpoint {run} --prompt x "
+PP2 = " --parallelism.pipeline_parallel_degree 2"
+
+
+def tokenizer_changed(run: Path) -> None:
+    data = json.loads((run / STEP / "torchpar.json").read_text())["data"]
+    edit_manifest(run, data={**data, "tokenizer": "1 tokens, crc 00000000"})
+
+
+CASES = [
+    # --- the config: files, overrides, types, values
+    Case("unknown section", CHECK + " --trainig.steps 3", "unknown section [trainig]", "training"),
+    Case("unknown key", CHECK + " --training.stpes 3", "unknown key 'stpes'", "steps"),
+    Case("wrong type", CHECK + " --training.steps ten", "training.steps", "expected int"),
+    Case("override without value", CHECK + " --training.steps", "--training.steps", "no value"),
+    Case("stray argument", CHECK + " stray", "unexpected argument", "stray"),
+    Case("missing config file", "train --config {t}/none.toml --check", "none.toml"),
+    Case("config without path", "train --config", "--config needs a file path"),
+    Case("TOML syntax", "train --config {t}/bad.toml --check", "bad.toml",
+         files={"bad.toml": "[training\nsteps = 3\n"}),
+    Case("extends cycle", "train --config {t}/a.toml --check", "cycle", "a.toml",
+         files={"a.toml": 'extends = "b.toml"\n', "b.toml": 'extends = "a.toml"\n'}),
+    Case("top-level key", "train --config {t}/c.toml --check", "'steps' must be a [section]",
+         files={"c.toml": "steps = 3\n"}),
+    Case("zero steps", CHECK + " --training.steps 0", "training.steps must be positive"),
+    Case("zero batch", CHECK + " --training.local_batch_size 0", "training.local_batch_size"),
+    Case("negative lr", CHECK + " --optimizer.lr -1", "optimizer.lr must be >= 0"),
+    Case("beta2 of 1", CHECK + " --optimizer.beta2 1", "optimizer.beta2 must be in [0, 1)"),
+    Case("eps of 0", CHECK + " --optimizer.eps 0", "optimizer.eps"),
+    Case("min_lr_ratio", CHECK + " --lr_scheduler.min_lr_ratio 2", "lr_scheduler.min_lr_ratio"),
+    Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
+    Case("negative max_norm", CHECK + " --training.max_norm -1", "training.max_norm"),
+    Case("bad choice", CHECK + " --training.activation_checkpoint some", "activation_checkpoint", "'some'"),
+    Case("log_freq 0", CHECK + " --metrics.log_freq 0", "metrics.log_freq must be positive"),
+    Case("checkpoint interval 0", CHECK + " --checkpoint.interval 0", "checkpoint.interval"),
+    Case("keep_latest_k -1", CHECK + " --checkpoint.keep_latest_k -1", "keep_latest_k >= 0"),
+    Case("validation freq 0", CHECK + " --validation.freq 0", "validation.freq"),
+    Case("watchdog too short", CHECK + " --comm.watchdog_s 1", "comm.watchdog_s"),
+    Case("watchdog beyond timeout", CHECK + " --comm.timeout_s 60 --comm.watchdog_s 90", "comm.timeout_s",
+         "comm.watchdog_s"),
+    Case("spike window 0", CHECK + " --training.loss_spike_window 0", "loss_spike_window"),
+    # --- the model
+    Case("unknown family", CHECK + " --model.name llama9", "model.name", "llama9"),
+    Case("unknown flavour", CHECK + " --model.flavor debgu", "model.flavor", "Did you mean 'debug'"),
+    Case("heads do not divide dim", CHECK + " --model.n_heads 7", "n_heads"),
+    Case("override the family lacks", CHECK + " --model.name gpt2 --model.rope_theta 5", "model.rope_theta"),
+    Case("sequence beyond the model", CHECK + " --training.seq_len 99999",
+         "training.seq_len = 99999 exceeds the model's max_seq_len"),
+    # --- the layout, for the world size run_train.sh checks
+    Case("tp does not divide the world", CHECK + " --parallelism.tensor_parallel_degree 3",
+         "does not divide the world size 4", world=4),
+    Case("degrees exceed the world", CHECK + " --parallelism.tensor_parallel_degree 2"
+         " --parallelism.data_parallel_shard_degree 4", "but the world size is 4", world=4),
+    Case("tp does not divide kv heads", CHECK + " --parallelism.tensor_parallel_degree 8", "n_kv_heads",
+         world=8),
+    Case("two -1 degrees", CHECK + " --parallelism.tensor_parallel_degree -1"
+         " --parallelism.data_parallel_shard_degree -1", "only one degree may be -1", world=4),
+    Case("SP splits seq_len", CHECK + " --parallelism.tensor_parallel_degree 2 --training.seq_len 33",
+         "training.seq_len = 33", world=2),
+    Case("global batch", CHECK + " --training.global_batch_size 12", "not a multiple of 16", world=2),
+    Case("bf16 on ZeRO-1", CHECK + " --training.mixed_precision_param bfloat16 --parallelism.zero_stage 1",
+         "needs parallelism.zero_stage = 3", world=2),
+    Case("offload on ZeRO-2", CHECK + " --parallelism.cpu_offload true --parallelism.zero_stage 2",
+         "cpu_offload needs", world=2),
+    Case("unknown schedule", CHECK + PP2 + " --parallelism.pipeline_parallel_schedule 2F2B",
+         "pipeline_parallel_schedule", world=2),
+    Case("split of the wrong sum", CHECK + PP2 + " --parallelism.pipeline_parallel_layers_per_stage 3,3",
+         "pipeline_parallel_layers_per_stage", world=2),
+    # --- the data and the tokenizer
+    Case("files without a path", CHECK + " --data.dataset files", "data.path is required"),
+    Case("path matches nothing", CHECK + " --data.dataset files --data.path {t}/no*.txt", "data.path",
+         "matches no file"),
+    Case("not UTF-8", CHECK + FILES, "x.txt: not valid UTF-8 at byte 3", files={"x.txt": b"ok \xff\xfe"}),
+    Case("JSONL line not JSON", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
+         "a.jsonl:2: not a JSON",
+         files={"a.jsonl": '{"text": "x"}\n{oops\n'}),
+    Case("JSONL without the field", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
+         "a.jsonl:1: no field 'text'", "data.text_field", files={"a.jsonl": '{"body": "x"}\n'}),
+    Case("only empty documents", CHECK + FILES, "no non-empty documents", files={"x.txt": "  \n"}),
+    Case("held-out files missing", CHECK + FILES + " --validation.enable true", "validation.path is required",
+         files=X),
+    Case("lanes 0", CHECK + " --data.lanes 0", "data.lanes must be positive"),
+    Case("tokenizer missing", CHECK + " --model.tokenizer_path {t}/none.tiktoken", "model.tokenizer_path",
+         "none.tiktoken"),
+    Case("tokenizer damaged", CHECK + " --model.tokenizer_path {t}/bad.tiktoken", "model.tokenizer_path",
+         "bad.tiktoken", files={"bad.tiktoken": "zz zz\n"}),
+    Case("tokenizer beyond the vocabulary", CHECK + " --model.vocab_size 300", "vocab_size 300",
+         "matching tokenizer"),
+    # --- folders and checkpoints
+    Case("dump folder is a file", TRAIN.replace("{run}", "{t}/f"), "job.dump_folder",
+         "is a file, not a folder",
+         files={"f": "x"}),
+    Case("checkpoint folder is a file", CKPT + " --checkpoint.folder {t}/f", "checkpoint.folder",
+         "is a file, not a folder", files={"f": "x"}),
+    Case("folder in use", CKPT, "is in use by another run", "host", run="lock"),
+    Case("load_step missing", CKPT + " --checkpoint.load_step 5", "checkpoint.load_step = 5",
+         "complete steps there: 3, 6", run=True),
+    Case("truncated checkpoint", CKPT, "is damaged", "truncated", run=True,
+         edit=lambda run: damage(run / STEP / "__0_0.distcp", "truncate")),
+    Case("corrupted checkpoint", CKPT, "is damaged", "CRC32", run=True,
+         edit=lambda run: damage(run / STEP / "__0_0.distcp", "flip")),
+    Case("checkpoint of another shape", CKPT + " --model.n_layers 4", "another shape",
+         "n_layers: saved 8 vs config 4", run=True),
+    Case("checkpoint of another width", CKPT + " --model.dim 256 --model.n_heads 16", "another shape",
+         "dim: saved 128 vs config 256", run=True),
+    Case("checkpoint of another flavour", CKPT + " --model.flavor debug-tied", "model.flavor = 'debug-tied'",
+         run=True),
+    Case("checkpoint of another format", CKPT, "checkpoint format 1", "torchpar export", run=True,
+         edit=lambda run: edit_manifest(run, format=1)),
+    Case("another corpus", CKPT + FILES, "data.dataset / data.path", "another corpus",
+         "data.resume_position = false", files=X, run=True),
+    Case("another number of lanes", CKPT + " --data.lanes 8", "data.lanes", "64 there, 8 here", run=True),
+    Case("another tokenizer", CKPT, "model.tokenizer_path", "another tokenizer", run=True,
+         edit=tokenizer_changed),
+    Case("position beyond the corpus", CKPT + FILES, "does not fit this corpus of 1 documents", files=X,
+         run=True, edit=lambda run: edit_manifest(run, data=None)),
+    Case("initial weights missing", TRAIN + " --checkpoint.initial_load_path {t}/w.pt", "w.pt"),
+    Case("initial weights not HF", TRAIN + " --checkpoint.initial_load_path {t}"
+         " --checkpoint.initial_load_format hf", "not a Hugging Face"),
+    # --- runtime
+    Case("divergence", TRAIN + " --optimizer.lr inf", "step 2: non-finite loss nan",
+         "the update was not applied",
+         "last good checkpoint: none", code=3),
+    # --- the other commands
+    Case("unknown command", "trian", "unknown command 'trian'", "train"),
+    Case("plan: no model", "plan", "give --model FLAVOR"),
+    Case("plan: unknown flavour", "plan --model 9B", "--model '9B' is not a llama3 flavour"),
+    Case("plan: unknown option", "plan --modle 8B", "torchpar plan", "--modle"),
+    Case("plan: unknown GPU", "plan --model 8B --gpu B300", "--gpu", "B300"),
+    Case("plan: zero nodes", "plan --model 8B --nodes 0", "--nodes must be >= 1"),
+    Case("plan: zero efficiency", "plan --model 8B --efficiency 0", "--efficiency"),
+    Case("plan: zero batch", "plan --model 8B --global-batch-size 0", "--global-batch-size must be >= 1"),
+    Case("plan: not a number", "plan --model 8B --nodes two", "--nodes", "'two'"),
+    Case("plan: sequence beyond the model", "plan --model 8B --seq-len 100000", "--seq-len 100000 is beyond",
+         "max_seq_len 8192"),
+    Case("plan: config missing", "plan --config {t}/none.toml", "none.toml"),
+    Case("plan: layout of the config", "plan --nproc 4 --config {t}/tp3.toml",
+         "does not divide the world size 4",
+         files={"tp3.toml": f'extends = "{TINY}"\n[parallelism]\ntensor_parallel_degree = 3\n'}),
+    Case("schedule: pp 0", "schedule --pp 0 --microbatches 4", "--pp must be >= 1"),
+    Case("schedule: no microbatches", "schedule --pp 2 --microbatches 0", "--microbatches must be >= 1"),
+    Case("schedule: missing option", "schedule --pp 2", "--microbatches"),
+    Case("schedule: unknown", "schedule --pp 2 --microbatches 4 --schedule ZBV", "--schedule 'ZBV'"),
+    Case("schedule: picture suffix", "schedule --pp 2 --microbatches 4 --out {t}/g.jpg", "--out",
+         "not '.jpg'"),
+    Case("schedule: picture folder missing", "schedule --pp 2 --microbatches 4 --out {t}/no/g.svg", "--out",
+         "does not exist"),
+    Case("schedule: one-stage schedule, two stages", "schedule --pp 2 --microbatches 4 --stages-per-rank 2",
+         "1F1B runs one stage per rank", "--stages-per-rank = 1"),
+    Case("schedule: V schedule, three stages",
+         "schedule --pp 2 --microbatches 4 --schedule ZBVZeroBubble --stages-per-rank 3",
+         "needs exactly 2 stages per rank"),
+    Case("schedule: too few microbatches", "schedule --pp 4 --microbatches 2",
+         "1F1B needs at least as many microbatches as stages: 2 < 4"),
+    Case("export: no checkpoint", "export --checkpoint {t}/none --out {t}/m.pt", "none"),
+    Case("export: into a checkpoint", EXPORT + "--out {run}/" + STEP + "/m.pt", "--out", "inside checkpoint",
+         run=True),
+    Case("export: folder missing", EXPORT + "--out {t}/no/m.pt", "--out", "does not exist", run=True),
+    Case("export: a folder for a file", EXPORT + "--out {t}", "--out", "is a folder", run=True),
+    Case("export: HF over a file", EXPORT + "--format hf --out {t}/f", "--out", "is a file", files={"f": "x"},
+         run=True),
+    Case("export: zero shard size", EXPORT + "--format hf --out {t}/hf --max-shard-mb 0",
+         "--max-shard-mb must be > 0", run=True),
+    Case("export: unknown dtype", EXPORT + "--out {t}/m.pt --dtype fp8", "--dtype", "fp8", run=True),
+    Case("generate: no checkpoint", "generate --checkpoint {t}/none --prompt x", "none"),
+    Case("generate: negative length", GENERATE + "--max-new-tokens -1", "--max-new-tokens must be >= 0",
+         run=True),
+    Case("generate: negative temperature", GENERATE + "--temperature -1", "--temperature must be >= 0",
+         run=True),
+    Case("generate: tokenizer missing", GENERATE + "--tokenizer {t}/none.tiktoken", "--tokenizer",
+         "none.tiktoken", run=True),
+    Case("config: file missing", DS, "ds.json: cannot read it as JSON"),
+    Case("config: not JSON", DS, "ds.json: cannot read it as JSON", files={"ds.json": "{"}),
+    Case("config: zero ranks", DS + " --nproc 0", "--nproc must be >= 1", files={"ds.json": "{}"}),
+    Case("config: ZeRO stage 5", DS, "ds.json", "zero_stage = 5",
+         files={"ds.json": '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 5}}'}),
+    Case("config: no batch size", DS, "ds.json", "train_micro_batch_size_per_gpu", files={"ds.json": "{}"}),
+    Case("config: no subcommand", "config", "torchpar config", "command"),
+]
+
+
+def error_line(stderr: str) -> str:
+    """The last line that is not a warning (torchpar's or Python's, whose second line is indented)."""
+    lines = [line for line in stderr.splitlines()
+             if line.strip() and not line.startswith(("torchpar: warning:", " ")) and "Warning" not in line]
+    return lines[-1] if lines else ""
+
+
+def test_the_table_has_sixty_cases_or_more():
+    assert len(CASES) >= 60 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_one_line(case, trained, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    if case.world:
+        monkeypatch.setenv("WORLD_SIZE", str(case.world))
+    for name, data in case.files.items():
+        write(tmp_path / name, data)
+    run = tmp_path / "run"
+    if case.run:
+        shutil.copytree(trained, run)
+    if case.edit:
+        case.edit(run)
+    lock = RunLock(run) if case.run == "lock" else None  # as a run that is still alive holds it
+    before = folder_digest(run) if run.is_dir() else {}
+    capfd.readouterr()
+    t0 = time.time()
+    try:
+        got = main(case.argv(tmp_path))
+    finally:
+        if lock is not None:
+            lock.release()
+    elapsed = time.time() - t0
+    err = capfd.readouterr().err
+    line = error_line(err)
+    assert got == case.code, f"exit {got}, stderr:\n{err}"
+    assert "Traceback" not in err, err
+    assert line.startswith("torchpar: error: "), err
+    for fragment in case.fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    after = folder_digest(run) if run.is_dir() else {}
+    # (the run lock's file names whoever holds the lock now; it is not the user's work)
+    changed = [k for k in before if after.get(k) != before[k] and k != "torchpar.lock"]
+    assert not changed, f"files that were in the dump folder changed: {changed}"
+    assert elapsed < 60, elapsed
+
+
+def test_a_closed_pipe_is_one_line(tmp_path):
+    """`torchpar plan ... | head -1`: the reader goes away; one line, no BrokenPipeError traceback."""
+    # 130 kB of output: more than a pipe holds, so the write fails while the command runs.
+    r = subprocess.run("torchpar plan --model 8B --nodes 8 --top 1000 | head -1", shell=True, cwd=ROOT,
+                       env=env(tmp_path), capture_output=True, text=True, timeout=120, executable="/bin/bash")
+    assert r.stdout.startswith("layout")
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+    assert error_line(r.stderr).startswith("torchpar: error: the output pipe was closed"), r.stderr
