@@ -14,7 +14,7 @@ however large the job. It ends the job when
   the rest wait for), else says that all wait inside one collective.
 
 Startup and checkpoint saves and loads may take long; they are left to the collective timeout.
-The flight recorder's record of this rank's recent collectives (any backend) is written to
+The flight recorder's record of this rank's recent collectives (NCCL's own on GPUs) is written to
 ``<dump_folder>/flight_recorder/``; the first rank to decide prints one line (a counter in the
 store picks it), and every rank that decides exits with EXIT_CODE, so that torchrun stops the
 others and its restart policy can take over. A rank found stopped on the decider's own host is
@@ -133,9 +133,11 @@ class Watchdog:
     def _dump_flight_recorder(self) -> str:
         """This rank's recent collectives (torch's flight recorder), for `torchfrtrace`."""
         try:
-            from torch._C._distributed_c10d import _dump_fr_trace
+            import torch._C._distributed_c10d as c10d
 
-            trace = _dump_fr_trace(True, True, False)
+            # NCCL keeps its own recorder (with CUDA event times); gloo's is the CPU one.
+            dump = getattr(c10d, "_dump_nccl_trace", None) if dist.get_backend() == "nccl" else None
+            trace = (dump or c10d._dump_fr_trace)(True, True, False)
             folder = self.dump_folder / "flight_recorder"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"rank{self.rank}.pkl").write_bytes(trace)

@@ -1,0 +1,59 @@
+"""The exit path, many times over, under CPU load: no process may abort at exit ("terminate called
+without an active exception" is a C++ thread destroyed while still joinable) whatever it did last
+— an asynchronous checkpoint save, an evaluation, a pipeline step, or a trainer never closed. A
+crash here fails the test; nothing is retried."""
+
+import subprocess
+import sys
+import time
+
+from harness import NATIVE_ERROR, ROOT, TINY, spawn_ranks
+from test_train import env
+
+LAST_ACTS = ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async", "--checkpoint.interval", "1",
+             "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1"]
+
+
+def burn_cpu():
+    """A busy process, so that the ranks' threads interleave as on a loaded machine."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_single_processes_exit_cleanly_under_load(tmp_path):
+    burner = burn_cpu()
+    try:
+        done = []
+        for pair in range(4):  # two at a time on two cores, beside the busy process
+            cmds = [[sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "2",
+                     *LAST_ACTS, "--job.dump_folder", str(tmp_path / f"run{pair}{i}")] for i in range(2)]
+            procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for cmd in cmds]
+            done += [(p, *p.communicate(timeout=300)) for p in procs]
+    finally:
+        burner.kill()
+    for proc, out, err in done:
+        assert proc.returncode == 0 and not NATIVE_ERROR.search(err), err[-3000:]
+
+
+def _exit_worker(rank, world, out):
+    from torchpar.config import load_config
+    from torchpar.train import Trainer
+
+    folder = f"{out}/run"
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--training.steps", "2", *LAST_ACTS]
+    Trainer(load_config(TINY, tp2 + ["--job.dump_folder", folder])).train()
+    # A trainer that is never closed: its watchdog thread is still running when the process group
+    # goes and when the interpreter exits.
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.steps", "1"]
+    Trainer(load_config(TINY, pp2 + ["--job.dump_folder", f"{folder}_open"]))
+
+
+def test_ranks_exit_cleanly_under_load():
+    burner = burn_cpu()
+    try:
+        for _ in range(3):
+            t0 = time.time()
+            spawn_ranks(_exit_worker, 4)  # raises with the ranks' logs if any rank dies
+            assert time.time() - t0 < 200
+    finally:
+        burner.kill()
