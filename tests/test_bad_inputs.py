@@ -263,6 +263,11 @@ CASES = [
          files={"ds.json": '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 5}}'}),
     Case("config: no batch size", DS, "ds.json", "train_micro_batch_size_per_gpu", files={"ds.json": "{}"}),
     Case("config: no subcommand", "config", "torchpar config", "command"),
+    Case("plot: no metrics there", "plot {t}", "no metrics.jsonl there", "job.dump_folder"),
+    Case("plot: picture suffix", "plot {run} --out {t}/m.jpg", "--out", ".png or .svg", run=True),
+    Case("plot: damaged record", "plot {t}", "metrics.jsonl:2: not a JSON record",
+         files={"metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n'}),
+    Case("plan: picture suffix", "plan --model 8B --out {t}/m.gif", "--out", ".png or .svg"),
 ]
 
 

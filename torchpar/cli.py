@@ -14,6 +14,8 @@ commands:
   export     consolidate a checkpoint into one weights file, or a Hugging Face folder:
                torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16]
   plan       memory, communication, bubble and step time of layouts: torchpar plan --model 8B --gpu H100-80GB
+               [--out memory.png]
+  plot       draw runs' curves from metrics.jsonl: torchpar plot DUMP_FOLDER [DUMP_FOLDER ...] [--out FILE]
   generate   sample text: torchpar generate --checkpoint DIR|FILE --prompt TEXT [--max-new-tokens N]
   config     a DeepSpeed ds_config.json as a torchpar TOML:
                torchpar config from-deepspeed ds_config.json [--model FLAVOR] [--nproc N] > my.toml
@@ -27,6 +29,7 @@ COMMANDS = {
     "plan": ("torchpar.plan.search", "main"),
     "config": ("torchpar.tools.deepspeed", "main"),
     "generate": ("torchpar.generate", "main"),
+    "plot": ("torchpar.tools.plot", "main"),
 }
 
 

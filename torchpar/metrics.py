@@ -1,61 +1,122 @@
-"""Where numbers go: the console (one line per logged step or evaluation), ``metrics.jsonl`` and wandb.
+"""Where numbers go: one logger, several sinks — the console (one line per logged step or
+evaluation), ``metrics.jsonl``, TensorBoard and wandb — each receiving the same records.
 
 Only the logging rank writes; every figure it writes is already global (all-reduced) or says
-which rank it belongs to.
+which rank it belongs to. A run has an id, kept in its checkpoints' manifests: a resumed run
+continues the same wandb run and the same TensorBoard curves (events of steps after the
+checkpoint, from an attempt that crashed, are dropped) instead of starting new ones.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 
-class MetricsLogger:
-    def __init__(self, cfg, dump_folder: str, enabled: bool, run_config: dict):
-        """``cfg`` is the [metrics] section; ``enabled`` is False on non-logging ranks."""
-        self.enabled = enabled
-        self.wandb = None
-        self.path = Path(dump_folder) / "metrics.jsonl"
-        if not enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a")
-        if cfg.enable_wandb:
-            import wandb
+def numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k != "step"}
 
-            self.wandb = wandb.init(
-                project=cfg.wandb_project, name=cfg.wandb_run_name or None, tags=list(cfg.wandb_tags) or None,
-                dir=str(self.path.parent), config=run_config, mode=os.environ.get("WANDB_MODE"),
-            )
 
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(
-                {k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"]
-            )
+class Console:
+    def write(self, record: dict) -> None:
         if "loss" in record:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
+            eta = f"  eta {_duration(record['eta_s'])}" if "eta_s" in record else ""
             print(
                 f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
                 f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  mfu "
-                f"{100 * record['mfu']:.2f}%  mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s",
+                f"{100 * record['mfu']:.2f}%  mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s{eta}",
                 flush=True,
             )
         if "val_loss" in record:
-            print(
-                f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl "
-                f"{record['val_ppl']:.2f}",
-                flush=True,
-            )
+            print(f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl "
+                  f"{record['val_ppl']:.2f}", flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
-            return
+        pass
+
+
+class Jsonl:
+    def __init__(self, path: Path):
+        self.file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
         self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+
+
+class TensorBoard:
+    """Event files under ``<dump_folder>/tb``; one scalar series per numeric key."""
+
+    def __init__(self, folder: Path, resume_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: TensorBoard hides what earlier files hold from this step on, so a resumed
+        # run's curve has no step twice.
+        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, record: dict) -> None:
+        for key, value in numbers(record).items():
+            self.writer.add_scalar(key, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    def __init__(self, cfg, folder: Path, run_id: str, run_config: dict):
+        import wandb
+
+        env = os.environ.get
+        self.run = wandb.init(
+            project=env("WANDB_PROJECT") or cfg.wandb_project, entity=env("WANDB_ENTITY"),
+            name=env("WANDB_RUN_NAME") or cfg.wandb_run_name or None, tags=list(cfg.wandb_tags) or None,
+            dir=str(folder), config=run_config, id=run_id, resume="allow", mode=env("WANDB_MODE"),
+        )
+
+    def write(self, record: dict) -> None:
+        self.run.log(numbers(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    def __init__(self, cfg, dump_folder: str, enabled: bool, run_config: dict, resumed: dict | None = None):
+        """``cfg`` is the [metrics] section; ``enabled`` is False on non-logging ranks; ``resumed``
+        the manifest of the checkpoint this run resumes from (its run id and step), if any."""
+        self.enabled = enabled
+        self.run_id = (resumed or {}).get("run_id") or uuid.uuid4().hex[:12]
+        self.sinks: list = []
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.sinks = [Console(), Jsonl(folder / "metrics.jsonl")]
+        if cfg.enable_tensorboard:
+            self.sinks.append(TensorBoard(folder / "tb", int((resumed or {}).get("step", 0))))
+        if cfg.enable_wandb:
+            self.sinks.append(Wandb(cfg, folder, self.run_id, run_config))
+
+    def log(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"

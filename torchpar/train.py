@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.checkpoint import Checkpointer, checkpoint_root
+from torchpar.checkpoint import Checkpointer, checkpoint_root, read_manifest
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.data import build_dataloader
 from torchpar.evaluate import held_out_loss
@@ -74,7 +74,8 @@ class Trainer:
         pipeline = self.model.pipeline
         self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
-                                    run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()})
+                                    run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()},
+                                    resumed=read_manifest(pre.resume) if pre.resume else None)
         self.peak_flops, self.peak_source = dev.peak_flops(
             getattr(torch, tr.mixed_precision_param), self.args.dim
         )
@@ -111,6 +112,7 @@ class Trainer:
             "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
                        "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
             "data": self.data_identity,
+            "run_id": self.logger.run_id,  # a resumed run goes on logging under it
             "config": to_toml(cfg),
         }
 
@@ -255,7 +257,9 @@ class Trainer:
                 record = {"step": ts.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                           "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / lay.world,
                           "mfu": self.flops_per_token * tps / (self.peak_flops * lay.world),
-                          "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen, **dev.memory_stats()}
+                          "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen,
+                          "eta_s": (now - t_start) / (ts.step - first + 1) * (tr.steps - ts.step),
+                          **dev.memory_stats()}
                 if ts.step == first:
                     record.update(self._first_step_figures())
                 self.logger.log(record)

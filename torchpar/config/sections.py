@@ -161,7 +161,10 @@ class Parallelism:
 @dataclass
 class Metrics:
     log_freq: int = opt(10, "Log every N steps (step 1 always).")
-    enable_wandb: bool = opt(False, "Log to Weights & Biases (set WANDB_MODE=offline without network).")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard event files under <dump_folder>/tb (the keys of "
+                                          "metrics.jsonl).")
+    enable_wandb: bool = opt(False, "Log to Weights & Biases (set WANDB_MODE=offline without network); "
+                                    "WANDB_PROJECT / WANDB_ENTITY / WANDB_RUN_NAME override the fields.")
     wandb_project: str = opt("torchpar", "wandb project.")
     wandb_run_name: str = opt("", "wandb run name; empty = wandb's own.")
     wandb_tags: list = opt([], "wandb tags (TOML list, or comma-separated on the command line).")

@@ -193,6 +193,7 @@ def _parser():
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="draw the per-rank memory of the listed layouts: FILE.png or FILE.svg")
     ap.add_argument("--seeds", action="store_true", help="recompute the tutorials' worked examples")
     return ap
 
@@ -251,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     if not plans:
         raise ConfigError(f"no layout divides {cluster.world} devices, the model and --global-batch-size "
                           f"{a.global_batch_size}; change the device count or the batch")
+    if a.out:
+        from torchpar.console import output_path
+        from torchpar.tools.plot import plot_plan_memory
+
+        if not a.out.lower().endswith((".png", ".svg")):
+            raise ConfigError(f"--out {a.out}: the picture is written as .png or .svg")
+        plot_plan_memory(plans[: a.top], describe_layout, cluster.memory, output_path("--out", a.out))
     if a.json:
         print(json.dumps([p.to_json() for p in plans[: a.top]], indent=1))
         return 0

@@ -1,0 +1,81 @@
+"""Looking at a run: TensorBoard and wandb receive what metrics.jsonl receives and go on under the
+same run after a resume; ``torchpar plot`` and ``torchpar plan --out`` draw pictures."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from harness import TINY
+from test_train import records, run
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """4 steps saved at 2 and 4, then a run that resumes from step 2 (the steps 3-4 it replaces
+    are in the event files already) and goes on to 6: TensorBoard and wandb offline on."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    out = tmp / "run"
+    common = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--job.dump_folder", str(out),
+              "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.enable_tensorboard",
+              "true", "--metrics.enable_wandb", "true"]
+    first = run([*common, "--training.steps", "4"], tmp)
+    assert first.returncode == 0, first.stderr
+    second = run([*common, "--training.steps", "6", "--checkpoint.load_step", "2"], tmp)
+    assert second.returncode == 0, second.stderr
+    return out
+
+
+def scalars(folder, key):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(key)]
+
+
+def test_tensorboard_holds_the_loss_series_of_metrics_jsonl_once_per_step(resumed):
+    logged = {}
+    for r in records(resumed):  # the resumed run's steps 3-4 replace the first run's
+        logged[r["step"]] = r["loss"]
+    tb = scalars(resumed, "loss")
+    assert [step for step, _ in tb] == [1, 2, 3, 4, 5, 6]  # no gap, no step twice
+    assert all(abs(value - logged[step]) < 1e-6 for step, value in tb)
+    assert [step for step, _ in scalars(resumed, "grad_norm")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(resumed):
+    runs = sorted((resumed / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2  # one folder per attempt, both under one run id
+    assert len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
+
+
+def picture_colours(path) -> set:
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(str(path))[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    return {tuple(p) for p in np.unique(pixels, axis=0)}
+
+
+def test_plot_draws_one_run_and_overlays_two(resumed, tmp_path):
+    from torchpar.cli import main
+
+    assert main(["plot", str(resumed), "--out", str(tmp_path / "one.png")]) == 0
+    other = tmp_path / "other"  # a second run: the same records, the losses half a nat higher
+    other.mkdir()
+    shifted = [{**r, "loss": r["loss"] + 0.5} for r in records(resumed)]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shifted))
+    assert main(["plot", str(resumed), str(other), "--out", str(tmp_path / "two.png")]) == 0
+    blue, orange = (31, 119, 180), (255, 127, 14)  # matplotlib's first two colours: one per run
+    one, two = picture_colours(tmp_path / "one.png"), picture_colours(tmp_path / "two.png")
+    assert blue in one and orange not in one
+    assert blue in two and orange in two
+    assert (tmp_path / "two.png").stat().st_size > 20_000
+
+
+def test_plan_draws_the_memory_of_its_layouts(tmp_path):
+    from torchpar.cli import main
+
+    out = tmp_path / "memory.png"
+    assert main(["plan", "--model", "70B", "--gpu", "A100-80GB", "--top", "6", "--out", str(out)]) == 0
+    assert out.stat().st_size > 20_000 and len(picture_colours(out)) > 20

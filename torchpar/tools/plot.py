@@ -1,0 +1,101 @@
+"""Pictures: ``torchpar plot`` draws runs' curves from metrics.jsonl (several runs overlaid, the
+A/B comparison of two layouts on the same data), and ``torchpar plan --out`` the per-rank memory
+of candidate layouts as stacked bars. matplotlib is an optional dependency (``torchpar[plot]``).
+
+    torchpar plot outputs/zero3 outputs/tp2 --out compare.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torchpar.config import ConfigError
+
+# (title, keys drawn in that panel: the first solid, the rest dashed)
+PANELS = (("loss", ("loss", "val_loss")), ("learning rate", ("lr",)), ("gradient norm", ("grad_norm",)),
+          ("tokens/s", ("tokens_per_sec",)), ("memory (GiB)", ("mem_max_allocated_gib", "mem_rss_gib")))
+MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes",
+                "gathered_bytes")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("pictures need matplotlib: pip install 'torchpar[plot]'") from None
+    return plt
+
+
+def read_metrics(folder: str | Path) -> list[dict]:
+    path = Path(folder) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no metrics.jsonl there; give a run's job.dump_folder")
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ConfigError(f"{path}:{lineno}: not a JSON record") from None
+    return records
+
+
+def plot_runs(runs: list[tuple[str, list[dict]]], out: Path) -> None:
+    """``runs``: (name, records) each; one panel per PANELS entry, one colour per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.2 * len(PANELS)), sharex=True)
+    for ax, (title, keys) in zip(axes, PANELS):
+        for colour, (name, records) in enumerate(runs):
+            for style, key in zip(("-", "--", ":"), keys):
+                points = [(r["step"], r[key]) for r in records if key in r]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, style, color=f"C{colour}", label=f"{name} {key}")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_plan_memory(plans, describe, device_bytes: float, out: Path) -> None:
+    """Per-rank memory of each plan as stacked bars by part, and the device's usable memory."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(plans) + 1.5))
+    labels = [describe(p.layout) for p in plans]
+    left = [0.0] * len(plans)
+    for i, part in enumerate(MEMORY_PARTS):
+        widths = [p.memory.get(part, 0) / 1e9 for p in plans]
+        ax.barh(labels, widths, left=left, color=f"C{i}", label=part.removesuffix("_bytes"))
+        left = [a + b for a, b in zip(left, widths)]
+    ax.axvline(0.9 * device_bytes / 1e9, color="black", linestyle="--", label="usable device memory")
+    ax.set_xlabel("GB per rank (the heaviest pipeline rank)")
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    from torchpar.console import ArgumentParser, output_path
+
+    ap = ArgumentParser(prog="torchpar plot", description="Draw runs' curves from their metrics.jsonl; "
+                        "several dump folders are overlaid.")
+    ap.add_argument("folders", nargs="+", help="dump folders (each with a metrics.jsonl)")
+    ap.add_argument("--out", help="FILE.png or FILE.svg; default <first folder>/metrics.png")
+    a = ap.parse_args(argv)
+    out = Path(a.out or Path(a.folders[0]) / "metrics.png")
+    if out.suffix.lower() not in (".png", ".svg"):
+        raise ConfigError(f"--out {out}: the picture is written as .png or .svg")
+    runs = [(Path(f).resolve().name, read_metrics(f)) for f in a.folders]  # all checked before drawing
+    plot_runs(runs, output_path("--out", out))
+    print(f"wrote {out}")
+    return 0
