@@ -104,9 +104,10 @@ def _worker(rank: int, world: int, out: str, layouts: dict) -> None:
                         assert windows.setdefault(dp_rank, batches) == batches, (
                             f"dp rank {dp_rank} ranks disagree"
                         )
-                step1 = json.loads(Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()[0])
-                results[name] = {"losses": losses, "params": merged, "step1": step1, "windows": windows,
-                                 "val_losses": trainer.val_losses}
+                metrics = Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines()
+                logged = [json.loads(line) for line in metrics]
+                results[name] = {"losses": losses, "params": merged, "step1": logged[0], "windows": windows,
+                                 "val_losses": trainer.val_losses, "logged": logged}
             dist.barrier()
     finally:
         if rank == 0:

@@ -126,6 +126,8 @@ CASES = [
     Case("watchdog beyond timeout", CHECK + " --comm.timeout_s 60 --comm.watchdog_s 90", "comm.timeout_s",
          "comm.watchdog_s"),
     Case("spike window 0", CHECK + " --training.loss_spike_window 0", "loss_spike_window"),
+    Case("profile period too short", CHECK + " --profiling.profile_freq 1 --profiling.profile_active 2",
+         "profiling.profile_freq must be >= profile_warmup + profile_active"),
     # --- the model
     Case("unknown family", CHECK + " --model.name llama9", "model.name", "llama9"),
     Case("unknown flavour", CHECK + " --model.flavor debgu", "model.flavor", "Did you mean 'debug'"),

@@ -79,3 +79,36 @@ def test_plan_draws_the_memory_of_its_layouts(tmp_path):
     out = tmp_path / "memory.png"
     assert main(["plan", "--model", "70B", "--gpu", "A100-80GB", "--top", "6", "--out", str(out)]) == 0
     assert out.stat().st_size > 20_000 and len(picture_colours(out)) > 20
+
+
+def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts():
+    """dp2 ZeRO-2, tp2 and pp2 (rank 0: the first stage): the bytes rank 0 sent in steps 2 and 3,
+    counted by the ledger, equal the planner's prediction logged at step 1."""
+    from harness import run_layouts
+    from test_plan import LEDGER_LAYOUTS
+
+    names = ("dp2_zero2", "tp2", "pp2")
+    counted = ["--training.steps", "3", "--metrics.log_communication", "true"]
+    runs = run_layouts(2, {name: [*LEDGER_LAYOUTS[name], *counted] for name in names})
+    for name in names:
+        step1, *later = [r for r in runs[name]["logged"] if "loss" in r]
+        assert "comm_bytes" not in step1 and [r["step"] for r in later] == [2, 3]
+        for r in later:
+            assert r["comm_bytes"] == pytest.approx(step1["predicted_comm_bytes"], rel=1e-9), name
+        for r in (step1, *later):
+            phases = [r[f"time_{p}_s"] for p in ("data", "forward_backward", "reduce_clip", "optimizer")]
+            assert all(t >= 0 for t in phases) and phases[1] > 0 and 0 <= r["data_share"] < 1
+
+
+def test_the_profiler_writes_a_trace_of_each_requested_iteration(tmp_path):
+    out = tmp_path / "run"
+    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "4",
+             "--job.dump_folder", str(out), "--profiling.enable_profiling", "true",
+             "--profiling.profile_freq", "2", "--profiling.enable_memory_snapshot", "true"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "memory snapshots exist only for CUDA" in r.stderr  # and traces are written anyway
+    for iteration in (2, 4):
+        trace_file = out / "profiling" / "traces" / f"iteration_{iteration}" / "rank0_trace.json"
+        trace = json.loads(trace_file.read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith("ProfilerStep#") for n in names) and "aten::mm" in names

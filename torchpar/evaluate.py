@@ -8,6 +8,7 @@ import torch
 
 from torchpar.data import build_dataloader
 from torchpar.loss import cross_entropy_sum
+from torchpar.parallel.tensor import loss_context
 from torchpar.parallel.zero import full_value
 
 
@@ -25,7 +26,7 @@ def held_out_loss(trainer) -> float:
                               tr.local_batch_size * lay.accum, lay.dp_rank, lay.dp, tr.seed, 0,
                               trainer.cfg.data.lanes)
     loss_sum = torch.zeros((), device=trainer.device)
-    with torch.no_grad(), trainer.loss_context():
+    with torch.no_grad(), loss_context(trainer.layout.loss_parallel):
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
             inputs, targets = rows[:, :-1].to(trainer.device), rows[:, 1:].to(trainer.device)
             if pipeline is not None:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
+from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root, read_manifest
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.data import build_dataloader
@@ -31,8 +31,10 @@ from torchpar.metrics import MetricsLogger
 from torchpar.models import canonical_name
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model
+from torchpar.parallel.tensor import loss_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
+from torchpar.profiling import Profiler
 from torchpar.signals import Preempted, StopSignals
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
 from torchpar.watchdog import Watchdog
@@ -68,6 +70,8 @@ class Trainer:
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr)
+        self.breakdown = StepBreakdown(lay.mesh, dev.synchronize)
+        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
@@ -118,13 +122,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def loss_context(self):
-        if self.layout.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
     def train_step(self, batches) -> tuple[float, float, str | None]:
         """One optimizer step: (global loss, gradient norm, why it was not applied or None)."""
         state = self.model.state
@@ -132,28 +129,33 @@ class Trainer:
         # undoes the factor dp here.
         scale = self.layout.dp / self.global_tokens
         loss_sum = torch.zeros((), device=self.device)
+        phase = self.breakdown.phase  # times the phases of logged steps
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
-            batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device)
+            with phase("data"):
+                batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device)
             state.set_sync(True)
-            with self.loss_context():
+            with phase("forward_backward"), loss_context(self.layout.loss_parallel):
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
         else:
             for micro in range(self.layout.accum):
-                batch = next(batches).to(self.device)
+                with phase("data"):
+                    batch = next(batches).to(self.device)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 state.set_sync(micro == self.layout.accum - 1)
-                with self.loss_context():
+                with phase("forward_backward"), loss_context(self.layout.loss_parallel):
                     loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())
-        state.reduce_gradients()
-        grad_norm = clip_grad_norm(state, self.cfg.training.max_norm).item()
+        with phase("reduce_clip"):
+            state.reduce_gradients()
+            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm).item()
         loss = self.global_sum(loss_sum) / self.global_tokens
         problem = self.guard.problem(loss, grad_norm)  # global figures: every rank decides alike
         if problem is None:
-            state.step()
-            self.lr_scheduler.step()
+            with phase("optimizer"):
+                state.step()
+                self.lr_scheduler.step()
         return loss, grad_norm, problem
 
     def _diverged(self, problem: str) -> None:
@@ -203,10 +205,6 @@ class Trainer:
         self.stop_requested = stopping > 0
         return loss
 
-    def evaluate(self) -> float:
-        """The held-out loss (``torchpar.evaluate``)."""
-        return held_out_loss(self)
-
     # ------------------------------------------------------------------ the loop
 
     def _describe(self) -> None:
@@ -244,13 +242,18 @@ class Trainer:
             ts.step += 1
             self._phase(f"step {ts.step}", short=ts.step != first)  # the first warms up (and compiles)
             lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm, problem = self.train_step(batches)
+            logged = ts.step == first or ts.step % cfg.metrics.log_freq == 0 or ts.step == tr.steps
+            # (the first step's traffic includes one-time set-up: counted from the second on)
+            with self.breakdown.step(logged and cfg.metrics.log_step_breakdown,
+                                     logged and cfg.metrics.log_communication and ts.step > first):
+                loss, grad_norm, problem = self.train_step(batches)
+            self.profiler.step(ts.step)
             ts.tokens_seen += self.global_tokens
             if problem is not None:
                 self._diverged(problem)
             losses.append(loss)
             steps_since += 1
-            if ts.step == first or ts.step % cfg.metrics.log_freq == 0 or ts.step == tr.steps:
+            if logged:
                 dev.synchronize()
                 now = time.perf_counter()
                 tps = self.global_tokens * steps_since / (now - t_last)
@@ -259,7 +262,7 @@ class Trainer:
                           "mfu": self.flops_per_token * tps / (self.peak_flops * lay.world),
                           "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen,
                           "eta_s": (now - t_start) / (ts.step - first + 1) * (tr.steps - ts.step),
-                          **dev.memory_stats()}
+                          **dev.memory_stats(), **self.breakdown.record()}
                 if ts.step == first:
                     record.update(self._first_step_figures())
                 self.logger.log(record)
@@ -268,7 +271,7 @@ class Trainer:
             if self.val_source is not None and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
                 t_eval = time.perf_counter()
                 self._phase(f"the evaluation after step {ts.step}")
-                val_loss = self.evaluate()
+                val_loss = held_out_loss(self)
                 self.val_losses.append((ts.step, val_loss))
                 self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
                 t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
@@ -288,6 +291,7 @@ class Trainer:
         self._phase("shutdown", short=False)
         if graceful:
             self.checkpointer.close()
+        self.profiler.close()
         if self.watchdog is not None:  # before the process group goes: it reads the group's store
             self.watchdog.stop()
         self.logger.close()
@@ -328,8 +332,10 @@ def main(argv: list[str]) -> int:
             kind = "" if isinstance(e, Preempted) else "error: "
             print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
         return e.code
-    except BaseException:
+    except BaseException as e:
         if trainer is not None:
+            if isinstance(e, torch.OutOfMemoryError):
+                trainer.profiler.memory_snapshot("out_of_memory")  # before the process dies
             trainer.close(graceful=False)  # other ranks may be anywhere: no collectives
         raise
     finally:

@@ -217,6 +217,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             "validation.path is required with data.dataset = 'files' (held-out files, not the training ones)"
         )
+    pr = cfg.profiling
+    if not (pr.profile_warmup >= 0 and pr.profile_active >= 1
+            and pr.profile_freq >= pr.profile_warmup + pr.profile_active):
+        raise ConfigError("profiling.profile_freq must be >= profile_warmup + profile_active, warmup >= 0 "
+                          f"and active >= 1 (got {pr.profile_freq}, {pr.profile_warmup}, "
+                          f"{pr.profile_active})")
     c = cfg.comm
     if c.timeout_s < 1 or not 0 <= c.watchdog_s < c.timeout_s or 0 < c.watchdog_s < 2:
         raise ConfigError(f"comm.timeout_s must be >= 1 and comm.watchdog_s 0 (off) or in [2, timeout_s) "

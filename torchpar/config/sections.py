@@ -168,6 +168,24 @@ class Metrics:
     wandb_project: str = opt("torchpar", "wandb project.")
     wandb_run_name: str = opt("", "wandb run name; empty = wandb's own.")
     wandb_tags: list = opt([], "wandb tags (TOML list, or comma-separated on the command line).")
+    log_step_breakdown: bool = opt(
+        True, "On logged steps, time data loading, forward+backward, gradient reduction and clipping, and "
+        "the optimizer step (the device is synchronized at their borders on those steps only).")
+    log_communication: bool = opt(
+        False, "On logged steps after the first, count the bytes each mesh dimension sends (a dispatch-mode "
+        "ledger that slows the steps it counts); the planner's prediction is logged at step 1.")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Write torch.profiler Chrome traces of every rank to "
+                                        "<dump_folder>/profiling/traces/iteration_N/.")
+    profile_freq: int = opt(100, "Profile (and snapshot memory) every N steps.")
+    profile_warmup: int = opt(1, "Steps the profiler runs before recording, in each period.")
+    profile_active: int = opt(1, "Steps recorded in each period.")
+    enable_memory_snapshot: bool = opt(
+        False, "CUDA only: record allocations and write memory snapshots every profile_freq steps and on "
+        "running out of memory, to <dump_folder>/profiling/memory_snapshot/.")
 
 
 @dataclass
@@ -243,3 +261,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)

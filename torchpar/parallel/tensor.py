@@ -13,6 +13,7 @@ cross-entropy is computed without gathering them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -24,6 +25,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+
+def loss_context(enabled: bool):
+    """Loss parallel's context (cross-entropy of vocab-sharded logits) when ``enabled``."""
+    if enabled:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _wait_for_embedding_output(module, inputs, output):

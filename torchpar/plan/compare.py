@@ -3,7 +3,7 @@ to what the trainer measured (``Trainer(cfg, on_first_step=predict_for_trainer)`
 
 from __future__ import annotations
 
-from torchpar.plan.estimate import plan
+from torchpar.plan.estimate import communication, plan
 from torchpar.plan.layout import PRESETS, state_bytes
 
 
@@ -19,6 +19,11 @@ def predict_for_trainer(trainer, measured: dict) -> dict:
                 actions=actions).memory["total_bytes"]
     out = {f"predicted_{k}_per_rank": [r[k] for r in per_rank] for k in per_rank[0]}
     out["predicted_peak_bytes"] = peak
+    # What rank 0 (the logging rank) sends per step, for metrics.log_communication's measurement.
+    comm = communication(model, args, lay, PRESETS["H100-80GB"], trainer.cfg.training.seq_len,
+                         lay.rank_coords(0).get("pp", 0))
+    out.update({f"predicted_comm_{dim}_bytes": c["bytes"] for dim, c in comm.items()})
+    out["predicted_comm_bytes"] = sum(c["bytes"] for c in comm.values())
     if trainer.rank == 0:
         def mib(d):
             return "/".join(f"{d[k] / 2**20:.2f}" for k in ("param_bytes", "grad_bytes", "optim_bytes"))
