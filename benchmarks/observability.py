@@ -1,0 +1,59 @@
+"""What looking inside a run costs: training time of the same run with the per-step breakdown
+off and on, and with the communication ledger on, interleaved, medians of a few repeats.
+
+    python benchmarks/observability.py [--repeats 3] [--steps 100] [--nproc 2]
+
+Prints seconds of training (metrics.jsonl's elapsed_s at the last step, start-up excluded) per
+setting and the ratio to "off". Runs on this machine's CPU through run_train.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "off": ["--metrics.log_step_breakdown", "false"],
+    "breakdown": ["--metrics.log_step_breakdown", "true"],
+    "breakdown + communication": ["--metrics.log_step_breakdown", "true",
+                                  "--metrics.log_communication", "true"],
+}
+
+
+def train_seconds(extra: list[str], steps: int, nproc: int, folder: Path) -> float:
+    cmd = ["./run_train.sh", "--training.steps", str(steps), "--metrics.log_freq",
+           "10", "--job.dump_folder", str(folder), *extra]
+    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "NGPU": str(nproc), "CONFIG_FILE": "tests/tiny.toml"},
+                   check=True, capture_output=True)
+    last = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][-1]
+    return last["elapsed_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--nproc", type=int, default=2)
+    a = ap.parse_args()
+    times = {name: [] for name in SETTINGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.repeats):
+            for name, extra in SETTINGS.items():  # interleaved, so drifts of the machine hit all alike
+                folder = Path(tmp) / f"{name}{i}".replace(" ", "")
+                times[name].append(train_seconds(extra, a.steps, a.nproc, folder))
+    base = statistics.median(times["off"])
+    print(f"{a.steps} steps of the tiny model on {a.nproc} CPU ranks (ZeRO-3), logged every 10 steps; "
+          f"median of {a.repeats}:")
+    for name, values in times.items():
+        med = statistics.median(values)
+        print(f"  {name:<28} {med:7.2f} s  ({med / base:.3f} x off)")
+
+
+if __name__ == "__main__":
+    main()
