@@ -83,9 +83,7 @@ def test_run_train_sh_two_processes_end_to_end(tmp_path):
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 2, 4]
     assert len(recs[0]["param_bytes_per_rank"]) == 2
-    assert [x["step"] for x in records(out, "val_loss")] == [
-        4
-    ]  # the default config evaluates after the last step
+    assert [x["step"] for x in records(out, "val_loss")] == [4]  # the default config evaluates after the last
     assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 1 x tp 2" in r.stdout
 
 

@@ -33,7 +33,7 @@ class Console:
             )
         if "val_loss" in record:
             print(f"step {record['step']:>5}  val_loss {record['val_loss']:.4f}  val_ppl "
-                  f"{record['val_ppl']:.2f}", flush=True)
+                  f"{record['val_ppl']:.2f}  in {record.get('eval_s', 0.0):.1f}s", flush=True)
 
     def close(self) -> None:
         pass

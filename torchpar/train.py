@@ -80,9 +80,8 @@ class Trainer:
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()},
                                     resumed=read_manifest(pre.resume) if pre.resume else None)
-        self.peak_flops, self.peak_source = dev.peak_flops(
-            getattr(torch, tr.mixed_precision_param), self.args.dim
-        )
+        self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param),
+                                                           self.args.dim)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
                                          self.manifest(), pre.resume)
@@ -92,7 +91,7 @@ class Trainer:
         resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
         if resumed is not None and self.rank == 0:
             print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
-                  f"({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+                  f"({self.train_state.tokens_seen:,} tokens seen; {self.checkpointer.loaded})", flush=True)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
         if world > 1 and cfg.comm.watchdog_s > 0:
@@ -109,9 +108,7 @@ class Trainer:
         """What a checkpoint records beside its tensors, to check a resume or an export against."""
         lay, cfg = self.layout, self.cfg
         return {
-            "model_name": cfg.model.name,
-            "model_flavor": cfg.model.flavor,
-            "model_args": self.args.to_dict(),
+            "model_name": cfg.model.name, "model_flavor": cfg.model.flavor, "model_args": self.args.to_dict(),
             "tokenizer_path": cfg.model.tokenizer_path,
             "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
                        "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
@@ -273,7 +270,8 @@ class Trainer:
                 self._phase(f"the evaluation after step {ts.step}")
                 val_loss = held_out_loss(self)
                 self.val_losses.append((ts.step, val_loss))
-                self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
+                                 "eval_s": time.perf_counter() - t_eval})
                 t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
             if self.stop_requested and ts.step < tr.steps:
                 self._preempted()

@@ -39,12 +39,13 @@ class Checkpointer:
         self.dcp, self.cfg, self.root = dcp, cfg, root
         self.parts, self.manifest, self.resume_from = parts, manifest, resume_from
         self.rank = dist.get_rank()
-        self.pending = None  # (future, partial folder, final folder, step, extra manifest) of an async save
+        self.pending = None  # (future -> seconds, partial, final folder, step, extra) of an async save
         self.async_group = None
         self.executor = None
         if cfg.enable and cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
             self.async_group = dist.new_group(backend="gloo")
+        self.loaded = ""  # how much a resume read, how fast
         self.branch: dict | None = None  # where a resume from an older step moved the newer checkpoints
         if cfg.enable and self.rank == 0:
             for d in interrupted_saves(root):
@@ -99,12 +100,16 @@ class Checkpointer:
             # Our own staging (CPU copies the next steps cannot touch), then DCP's ordinary save in a
             # thread on its own process group. torch 2.13's async_save stager can mix up storages
             # between tensors and fail ("invalid python storage"), so it is not used.
-            future = self._writer().submit(self.dcp.save, _snapshot(state), checkpoint_id=str(partial),
-                                           process_group=self.async_group)
+            future = self._writer().submit(self._write, _snapshot(state), partial, self.async_group)
             self.pending = (future, partial, final, step, extra)
         else:
-            self.dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(partial, final, step, extra)
+            self._finalize(self._write(state, partial), partial, final, step, extra)
+
+    def _write(self, state: dict, partial: Path, group=None) -> float:
+        """DCP's save of ``state`` into ``partial``; returns the seconds it took."""
+        started = time.perf_counter()
+        self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
+        return time.perf_counter() - started
 
     def _writer(self):
         if self.executor is None:
@@ -123,10 +128,9 @@ class Checkpointer:
             return
         future, *where = self.pending
         self.pending = None
-        future.result()
-        self._finalize(*where)
+        self._finalize(future.result(), *where)
 
-    def _finalize(self, partial: Path, final: Path, step: int, extra: dict) -> None:
+    def _finalize(self, seconds: float, partial: Path, final: Path, step: int, extra: dict) -> None:
         # DCP returns on the coordinator only after every rank's files and the metadata are written.
         if self.rank != 0:
             return
@@ -140,7 +144,8 @@ class Checkpointer:
         if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
             os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
         os.replace(partial, final)  # the commit point
-        print(f"torchpar: saved checkpoint {final}", flush=True)
+        print(f"torchpar: saved checkpoint {final} ({_rate(sum(f[0] for f in files.values()), seconds)})",
+              flush=True)
         if self.cfg.keep_latest_k > 0:
             steps = sorted(complete_checkpoints(self.root))
             for old in steps[: -self.cfg.keep_latest_k]:
@@ -172,9 +177,12 @@ class Checkpointer:
             if getattr(part, "per_rank", False):  # keys of ranks the saving layout did not have
                 state[name] = {k: v for k, v in state[name].items() if f"{name}.{k}" in metadata}
         _check_tensors(path, state, metadata)
+        started = time.perf_counter()
         self.dcp.load(state, checkpoint_id=str(path))
         for name, part in parts.items():
             part.load_state_dict(state[name])
+        seconds = time.perf_counter() - started
+        self.loaded = _rate(sum(size for size, _ in read_manifest(path)["files"].values()), seconds)
         return path
 
 
@@ -216,3 +224,9 @@ def _snapshot(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_snapshot(v) for v in obj)
     return obj
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    """Size, time and rate of a save or load, for a person watching it."""
+    seconds = max(seconds, 1e-9)
+    return f"{nbytes / 2**20:,.1f} MiB in {seconds:.1f} s, {nbytes / 2**20 / seconds:,.0f} MiB/s"

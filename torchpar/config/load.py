@@ -204,6 +204,11 @@ def validate(cfg: JobConfig) -> None:
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} "
                           f"flavour.{did_you_mean(cfg.model.flavor, flavors)}")
+    _validate_files_and_runtime(cfg)
+
+
+def _validate_files_and_runtime(cfg: JobConfig) -> None:
+    """[checkpoint], [data] paths, [validation], [comm] and [profiling]."""
     ck = cfg.checkpoint
     if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
         raise ConfigError("checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
