@@ -79,6 +79,22 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def record_memory_history(enabled: bool) -> bool:
+    """Start (or stop) recording CUDA allocations for memory snapshots; False without CUDA."""
+    if device_type() != "cuda":
+        return False
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return True
+
+
+def memory_snapshot() -> dict:
+    """The recorded allocations (for pytorch.org/memory_viz); CUDA only."""
+    return torch.cuda.memory._snapshot()
+
+
 def reset_peak_memory() -> None:
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -3,7 +3,7 @@
 Every ``profile_freq`` steps the profiler warms up for ``profile_warmup`` steps and records
 ``profile_active`` steps; each rank writes a Chrome trace (chrome://tracing, Perfetto) to
 ``<dump_folder>/profiling/traces/iteration_<step>/rank<r>_trace.json``. Memory snapshots
-(``torch.cuda.memory._record_memory_history``; open them at pytorch.org/memory_viz) are written
+(allocations recorded by ``torchpar.device``; open them at pytorch.org/memory_viz) are written
 every ``profile_freq`` steps and, when the device runs out of memory, before the process dies;
 they exist only for CUDA.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from torchpar import device as dev
 from torchpar.console import warn
 
 
@@ -34,10 +35,8 @@ class Profiler:
                 schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profile_warmup,
                                                  active=cfg.profile_active))
             self.prof.start()
-        self.snapshots = cfg.enable_memory_snapshot and device_type == "cuda"
-        if self.snapshots:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-        elif cfg.enable_memory_snapshot:
+        self.snapshots = cfg.enable_memory_snapshot and dev.record_memory_history(True)
+        if cfg.enable_memory_snapshot and not self.snapshots:
             warn("profiling.enable_memory_snapshot: memory snapshots exist only for CUDA; on this device "
                  "only the traces of profiling.enable_profiling are written")
 
@@ -60,12 +59,12 @@ class Profiler:
         out = self.folder / "memory_snapshot" / name
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank{self.rank}_memory_snapshot.pickle", "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(dev.memory_snapshot(), f)
 
     def close(self) -> None:
         if self.prof is not None:
             self.prof.stop()
             self.prof = None
         if self.snapshots:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dev.record_memory_history(False)
             self.snapshots = False
