@@ -46,11 +46,14 @@ def at_least(flag: str, value: float, low: float, exclusive: bool = False) -> No
         raise ConfigError(f"{flag} must be {'>' if exclusive else '>='} {low:g}, got {value:g}")
 
 
-def output_path(flag: str, path: str | Path, folder: bool = False) -> Path:
+def output_path(flag: str, path: str | Path, folder: bool = False, suffixes: tuple[str, ...] = ()) -> Path:
     """A path a command will write (a file, or a folder when ``folder``): its parent exists and is
-    writable, and it is not a folder where a file is meant (or the reverse) — checked before the
-    work, so a long export does not fail at its last step."""
+    writable, it is not a folder where a file is meant (or the reverse) and it ends in one of
+    ``suffixes`` if given — checked before the work, so a long export does not fail at its last step."""
     p = Path(path).expanduser()
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {p}: the file is written as {' or '.join(suffixes)}, not "
+                          f"{p.suffix or 'no suffix'!r}")
     if not folder and p.is_dir():
         raise ConfigError(f"{flag} {p} is a folder; give a file name")
     if folder and p.exists() and not p.is_dir():

@@ -254,11 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{a.global_batch_size}; change the device count or the batch")
     if a.out:
         from torchpar.console import output_path
-        from torchpar.tools.plot import plot_plan_memory
+        from torchpar.tools.plot import PICTURE_SUFFIXES, plot_plan_memory
 
-        if not a.out.lower().endswith((".png", ".svg")):
-            raise ConfigError(f"--out {a.out}: the picture is written as .png or .svg")
-        plot_plan_memory(plans[: a.top], describe_layout, cluster.memory, output_path("--out", a.out))
+        out = output_path("--out", a.out, suffixes=PICTURE_SUFFIXES)
+        plot_plan_memory(plans[: a.top], describe_layout, cluster.memory, out)
     if a.json:
         print(json.dumps([p.to_json() for p in plans[: a.top]], indent=1))
         return 0

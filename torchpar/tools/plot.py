@@ -15,6 +15,7 @@ from torchpar.config import ConfigError
 # (title, keys drawn in that panel: the first solid, the rest dashed)
 PANELS = (("loss", ("loss", "val_loss")), ("learning rate", ("lr",)), ("gradient norm", ("grad_norm",)),
           ("tokens/s", ("tokens_per_sec",)), ("memory (GiB)", ("mem_max_allocated_gib", "mem_rss_gib")))
+PICTURE_SUFFIXES = (".png", ".svg")  # what matplotlib writes here
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes",
                 "gathered_bytes")
 
@@ -92,10 +93,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("folders", nargs="+", help="dump folders (each with a metrics.jsonl)")
     ap.add_argument("--out", help="FILE.png or FILE.svg; default <first folder>/metrics.png")
     a = ap.parse_args(argv)
-    out = Path(a.out or Path(a.folders[0]) / "metrics.png")
-    if out.suffix.lower() not in (".png", ".svg"):
-        raise ConfigError(f"--out {out}: the picture is written as .png or .svg")
+    out = output_path("--out", a.out or Path(a.folders[0]) / "metrics.png", suffixes=PICTURE_SUFFIXES)
     runs = [(Path(f).resolve().name, read_metrics(f)) for f in a.folders]  # all checked before drawing
-    plot_runs(runs, output_path("--out", out))
+    plot_runs(runs, out)
     print(f"wrote {out}")
     return 0

@@ -9,7 +9,6 @@ model of ``torchpar.parallel.bubble``.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
@@ -168,12 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     at_least("--pp", args.pp, 1)
     at_least("--microbatches", args.microbatches, 1)
     at_least("--stages-per-rank", args.stages_per_rank, 0)
-    suffix = os.path.splitext(args.out or "")[1].lower()
-    if args.out:
-        if suffix not in PICTURES:
-            raise ConfigError(f"--out {args.out!r}: the picture is written as .svg or .png, not "
-                              f"{suffix or 'no suffix'!r}")
-        output_path("--out", args.out)
+    out = output_path("--out", args.out, suffixes=tuple(PICTURES)) if args.out else None
     if args.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {args.schedule!r} is unknown.{did_you_mean(args.schedule, SCHEDULES)}")
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
@@ -190,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{100 * sim['bubble']:.2f}%")
     print(title)
     print(text_gantt(sim))
-    if args.out:
-        PICTURES[suffix](sim, args.out, title)
+    if out is not None:
+        PICTURES[out.suffix.lower()](sim, str(out), title)
         print(f"wrote {args.out}")
     return 0
 
