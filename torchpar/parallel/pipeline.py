@@ -72,17 +72,16 @@ def _layers_per_stage(par, num_stages: int, v: int, pp: int, model, args) -> lis
     return balanced_split(model, args, num_stages)
 
 
-def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | None = None) -> str | None:
+def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | None = None,
+                     stages_field: str = "parallelism.pipeline_parallel_stages_per_rank") -> str | None:
     """What stops schedule ``name`` with ``v`` stages per rank from running over ``pp`` ranks of
     an ``n_layers`` model, and (if given) ``n_micro`` microbatches; None if nothing. The
-    trainer's validation and the planner's search share these rules."""
+    trainer's validation, the planner's search and ``torchpar schedule`` share these rules;
+    ``stages_field`` is what the caller calls the stages per rank."""
     if name in SINGLE_STAGE and v != 1:
-        return (
-            f"schedule {name} runs one stage per rank; set parallelism.pipeline_parallel_stages_per_rank = 1"
-        )
+        return f"schedule {name} runs one stage per rank; set {stages_field} = 1"
     if name in V_SCHEDULES and v != 2:
-        return (f"schedule {name} needs exactly 2 stages per rank (V shape); set "
-                "pipeline_parallel_stages_per_rank = 2")
+        return f"schedule {name} needs exactly 2 stages per rank (V shape); set {stages_field} = 2"
     if pp * v > n_layers:
         return (
             f"{pp * v} pipeline stages (pp {pp} x {v} per rank) but the model has only {n_layers} layers; "

@@ -9,7 +9,6 @@ model of ``torchpar.parallel.bubble``.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from torchpar.parallel.bubble import schedule_actions, simulate
@@ -171,10 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {args.schedule!r} is unknown.{did_you_mean(args.schedule, SCHEDULES)}")
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
-    problem = schedule_problem(args.schedule, args.pp, v, args.pp * v, args.microbatches)  # the trainer's
-    if problem:  # rules, in this command's words
-        raise ConfigError(re.sub(r"(parallelism\.)?pipeline_parallel_stages_per_rank", "--stages-per-rank",
-                                 problem))
+    problem = schedule_problem(args.schedule, args.pp, v, args.pp * v, args.microbatches, "--stages-per-rank")
+    if problem:
+        raise ConfigError(problem)
     try:
         order, num_stages = schedule_order(args.schedule, args.pp, args.microbatches, v)
     except ValueError as e:
