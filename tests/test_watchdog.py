@@ -86,8 +86,9 @@ def beating(monkeypatch):
 def test_survey_names_the_rank_that_stopped_answering(beating):
     records = Records(4)
     wd = beating(records, {r: "step 7" for r in range(4)}, alive=[0, 1, 3])
-    assert wd._survey() == "rank 2 stopped answering (last heartbeat in step 7)"
-    assert list(wd.silent) == [2]
+    verdict, stopped = wd._survey()
+    assert verdict == "rank 2 stopped answering (last heartbeat in step 7)"
+    assert list(stopped) == [2]
 
 
 def test_survey_names_the_ranks_the_others_wait_for(beating):
@@ -95,13 +96,14 @@ def test_survey_names_the_ranks_the_others_wait_for(beating):
     phases = {0: "step 7", 1: "step 7", 2: "the evaluation after step 6", 3: "step 7"}
     wd = beating(records, phases, alive=range(4))
     assert wd._survey() == ("the job waits for rank 2 (in the evaluation after step 6); the others are in "
-                            "step 7")
+                            "step 7", {})
 
 
 def test_survey_when_every_rank_waits_in_the_same_place(beating):
     records = Records(2)
     wd = beating(records, {0: "step 3", 1: "step 3"}, alive=range(2))
-    assert "every rank is there: a deadlock inside a collective" in wd._survey()
+    verdict, stopped = wd._survey()
+    assert "every rank is there: a deadlock inside a collective" in verdict and stopped == {}
 
 
 def run_watchdog(monkeypatch, short: bool, seconds: float) -> list[str]:

@@ -47,7 +47,6 @@ class Watchdog:
         self.dump_folder = Path(dump_folder)
         self.phase_state = (0, "startup", False)  # (changes, what, short): replaced whole, never mutated
         self.beats = 0
-        self.silent: dict[int, str | None] = {}  # ranks the survey found stopped: their last records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchpar-watchdog", daemon=True)
 
@@ -97,29 +96,29 @@ class Watchdog:
                 if (changes, what) != mine:
                     mine, mine_at = (changes, what), now
                 elif short and now - mine_at > self.limit and not self._stop.is_set():
-                    verdict = self._survey()
-                    self._end(f"no progress for {now - mine_at:.0f} s in {what}: {verdict}",
-                              stopped=self.silent)
+                    verdict, stopped = self._survey()
+                    self._end(f"no progress for {now - mine_at:.0f} s in {what}: {verdict}", stopped=stopped)
             except Exception as e:  # the store itself is gone (its host died): nothing to coordinate with
                 if self._stop.is_set() or not dist.is_initialized():  # or this process is ending
                     return
                 self._end(f"the job's store stopped answering ({type(e).__name__}: {e})", elect=False)
 
-    def _survey(self) -> str:
-        """Who the job waits for, from every rank's record read twice, a beat apart."""
+    def _survey(self) -> tuple[str, dict]:
+        """Who the job waits for, from every rank's record read twice, a beat apart; and the ranks
+        that stopped answering, with their last records."""
         first = [self._read(r) for r in range(self.world)]
         time.sleep(2 * self.beat)
         second = [self._read(r) for r in range(self.world)]
         silent = [r for r in range(self.world) if first[r] == second[r] and r != self.rank]
         if silent:
-            self.silent = {r: second[r] for r in silent}
-            return f"{_ranks(silent)} stopped answering (last heartbeat in {_phase(second[silent[0]])})"
+            return (f"{_ranks(silent)} stopped answering (last heartbeat in {_phase(second[silent[0]])})",
+                    {r: second[r] for r in silent})
         phases = {r: _phase(second[r]) for r in range(self.world)}
         common, _ = Counter(phases.values()).most_common(1)[0]
         odd = [r for r, p in phases.items() if p != common]
         if odd:
-            return f"the job waits for {_ranks(odd)} (in {phases[odd[0]]}); the others are in {common}"
-        return "every rank is there: a deadlock inside a collective, or a stalled link"
+            return f"the job waits for {_ranks(odd)} (in {phases[odd[0]]}); the others are in {common}", {}
+        return "every rank is there: a deadlock inside a collective, or a stalled link", {}
 
     def _end(self, why: str, elect: bool = True, stopped: dict | None = None) -> None:
         dump = self._dump_flight_recorder()
