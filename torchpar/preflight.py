@@ -35,6 +35,7 @@ class Preflight(NamedTuple):
     resume: Path | None  # checkpoint to resume from
     weights: object | None  # initial weights by name (checkpoint.initial_load_path): tensors or LazyWeights
     data: dict  # what the data position depends on (data_identity), recorded in checkpoints
+    resume_manifest: dict | None  # the manifest of ``resume``
 
 
 def held_out_data(cfg: JobConfig):
@@ -64,13 +65,14 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     data = data_identity(source, tokenizer, tr.seq_len, tr.local_batch_size * layout.accum * layout.dp,
                          cfg.data.lanes)
     resume = find_resume(cfg, args)
+    manifest = read_manifest(resume) if resume is not None else None
     weights = None
-    if resume is not None:
-        for note in resume_notes(read_manifest(resume).get("data"), data, cfg.data.resume_position):
+    if manifest is not None:
+        for note in resume_notes(manifest.get("data"), data, cfg.data.resume_position):
             warn(note)
     elif cfg.checkpoint.initial_load_path:
         weights = initial_weights(cfg, model, args)
-    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights, data)
+    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights, data, manifest)
 
 
 def initial_weights(cfg: JobConfig, model: ModelAdapter, args):

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
-from torchpar.checkpoint import Checkpointer, checkpoint_root, read_manifest
+from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
+from torchpar.console import warn
 from torchpar.data import build_dataloader
 from torchpar.evaluate import held_out_loss
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
@@ -79,7 +80,7 @@ class Trainer:
         self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()},
-                                    resumed=read_manifest(pre.resume) if pre.resume else None)
+                                    resumed=pre.resume_manifest)
         self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param),
                                                            self.args.dim)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
@@ -166,8 +167,7 @@ class Trainer:
                                   "(training.on_divergence = 'skip' drops such batches instead)")
         self.guard.skipped += 1
         self.logger.log({"step": step, "skipped_steps": self.guard.skipped, "skip_reason": problem})
-        if self.rank == 0:
-            print(f"torchpar: warning: step {step} skipped: {problem}", file=sys.stderr, flush=True)
+        warn(f"step {step} skipped: {problem}")
 
     def _preempted(self) -> None:
         """A stop signal reached some rank during this (complete) step: save, then stop everywhere."""
