@@ -29,8 +29,8 @@ SETTINGS = {
 def train_seconds(extra: list[str], steps: int, nproc: int, folder: Path) -> float:
     cmd = ["./run_train.sh", "--training.steps", str(steps), "--metrics.log_freq",
            "10", "--job.dump_folder", str(folder), *extra]
-    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "NGPU": str(nproc), "CONFIG_FILE": "tests/tiny.toml"},
-                   check=True, capture_output=True)
+    env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": "torchpar/assets/selftest.toml"}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
     last = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][-1]
     return last["elapsed_s"]
 

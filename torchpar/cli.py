@@ -17,6 +17,8 @@ commands:
                [--out memory.png]
   plot       draw runs' curves from metrics.jsonl: torchpar plot DUMP_FOLDER [DUMP_FOLDER ...] [--out FILE]
   generate   sample text: torchpar generate --checkpoint DIR|FILE --prompt TEXT [--max-new-tokens N]
+  selftest   train the debug model in every layout the devices hold, each against one device:
+               torchpar selftest [--nproc N] [--dtype float32,bfloat16]
   config     a DeepSpeed ds_config.json as a torchpar TOML:
                torchpar config from-deepspeed ds_config.json [--model FLAVOR] [--nproc N] > my.toml
 """
@@ -30,6 +32,7 @@ COMMANDS = {
     "config": ("torchpar.tools.deepspeed", "main"),
     "generate": ("torchpar.generate", "main"),
     "plot": ("torchpar.tools.plot", "main"),
+    "selftest": ("torchpar.selftest", "main"),
 }
 
 

@@ -1,0 +1,279 @@
+"""``torchpar selftest``: does this machine compute, in every layout it can hold, what one device computes?
+
+    torchpar selftest [--nproc N] [--dtype float32,bfloat16] [--layout NAME='--section.key value ...']
+
+Trains the debug model for a few steps (``assets/selftest.toml``) in a table of layouts that fit
+``--nproc`` devices (ZeRO stages, TP with sequence and loss parallelism, HSDP, pipeline
+schedules, 3-D), each in its own group of processes started here, and compares every step's loss
+with a one-device run of the same precision. It prints layout, max |Δloss|, tokens/s, MFU, peak
+memory and PASS/FAIL, and exits 1 if any layout fails. The test suite runs its layout tables
+through the same functions (:func:`run_layouts`, :func:`spawn_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+BASE = Path(__file__).resolve().parent / "assets" / "selftest.toml"
+NATIVE_ERROR = re.compile(r"terminate called|what\(\)|enforce fail|Fatal|SIGABRT|SIGSEGV")
+# Largest |loss - one device's loss| accepted over the run: fp32 differs only in summation order
+# (CPU: gloo and one thread; GPU: cuBLAS and NCCL pick algorithms by shape); bf16 rounds every
+# matmul's inputs, and layouts round at different points.
+TOLERANCE = {("cpu", "float32"): 1e-5, ("cuda", "float32"): 1e-4, ("cpu", "bfloat16"): 1e-2,
+             ("cuda", "bfloat16"): 1e-2}
+
+Z, LB = "--parallelism.zero_stage", "--training.local_batch_size"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+# (world, name, overrides): every layout trains the global batch of the one-device run (8 sequences).
+LAYOUTS = [
+    (1, "zero3", [Z, "3"]),
+    (1, "accumulation_2", [Z, "0", LB, "4", "--training.global_batch_size", "8"]),
+    (1, "activation_checkpoint", [Z, "0", "--training.activation_checkpoint", "full"]),
+    (1, "compile", [Z, "0", "--training.compile", "true"]),
+    *((2, f"dp2_zero{z}", [Z, str(z), LB, "4"]) for z in (0, 1, 2, 3)),
+    (2, "tp2_sp_lp", [*TP2, Z, "0"]),
+    *((2, f"pp2_{s}", [*PP2, s, Z, "0"]) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")),
+    (4, "hsdp2x2", [Z, "3", LB, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+    (4, "dp2_tp2_zero3", [Z, "3", LB, "4", *TP2]),
+    (4, "pp2_dp2_zero3", [*PP2, "1F1B", Z, "3", LB, "4"]),
+    (4, "pp2_tp2", [*PP2, "1F1B", Z, "0", *TP2]),
+    (8, "pp2_dp2_tp2", [*PP2, "Interleaved1F1B", Z, "3", LB, "4", *TP2]),
+]
+REFERENCE = [Z, "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) -> None:
+    from torchpar import device as dev
+
+    # Each rank's output goes to its own file, at the descriptor level so that a C++ abort's
+    # message is kept too; spawn_ranks shows it when a rank dies.
+    log = open(f"{out}/rank{rank}.log", "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)  # a native crash logs every thread's stack
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dev.init_distributed()
+    try:
+        target(rank, world, out, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(target, world: int, *args) -> str:
+    """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (one thread each;
+    GPU ``rank`` each where there are GPUs) in one process group, and return ``out``, the folder
+    they wrote to. A rank that fails (a Python error, a signal) fails the call at once, with every
+    rank's last lines."""
+    out = tempfile.mkdtemp(prefix="torchpar_ranks_")
+    try:
+        mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
+                           start_method="spawn")
+    except ProcessException as e:
+        raise RuntimeError(f"{e}\n{_log_tails(out, world, e.error_index)}") from None
+    return out
+
+
+def full_parameters(parts) -> dict[str, torch.Tensor]:
+    """This rank's stages' parameters as full fp32 CPU tensors (collective over TP and FSDP), by
+    canonical name."""
+    from torchpar.models import canonical_name
+    from torchpar.parallel.zero import full_value
+
+    return {canonical_name(name): full_value(p.detach()).float().cpu().clone()
+            for part in parts for name, p in part.named_parameters()}
+
+
+def _worker(rank: int, world: int, out: str, layouts: dict, base: str) -> None:
+    from torchpar.config import load_config
+    from torchpar.data.loader import PackedWindows
+    from torchpar.plan import predict_for_trainer
+    from torchpar.train import Trainer
+
+    seen: list[tuple[int, int, list[int]]] = []  # (loader id, dp rank, window CRCs)
+    plain_iter = PackedWindows.__iter__
+
+    def recording_iter(self):
+        for batch in plain_iter(self):
+            seen.append((id(self), self.dp_rank, [zlib.crc32(row.numpy().tobytes()) for row in batch]))
+            yield batch
+
+    PackedWindows.__iter__ = recording_iter
+    results = {}
+    try:
+        for name, overrides in layouts.items():
+            cfg = load_config(base, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
+            seen.clear()
+            trainer = Trainer(cfg, on_first_step=predict_for_trainer)
+            losses = trainer.train()
+            trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
+            if rank == 0:
+                results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
+            dist.barrier()
+    finally:
+        if rank == 0:
+            torch.save(results, f"{out}/results.pt")
+
+
+def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
+    """Rank 0's result of one layout: losses, full parameters, the windows each dp rank trained on
+    (CRC32 per window, in order), held-out losses and every logged record (the first: step 1)."""
+    params, windows = {}, {}
+    for p, w in gathered:
+        params.update(p)
+        batches = [batch for _, batch in w]
+        for dp_rank in {d for d, _ in w}:
+            # The TP / pipeline ranks of one data-parallel rank read the same windows.
+            assert windows.setdefault(dp_rank, batches) == batches, f"dp rank {dp_rank} ranks disagree"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"losses": losses, "params": params, "step1": logged[0], "windows": windows,
+            "val_losses": trainer.val_losses, "logged": logged}
+
+
+def run_layouts(world: int, layouts: dict[str, list[str]], base: str | Path = BASE) -> dict:
+    """Train each of ``layouts`` ({name: config overrides on ``base``}) in one group of ``world``
+    processes; rank 0's result per layout (see :func:`_merge`)."""
+    return torch.load(f"{spawn_ranks(_worker, world, layouts, str(base))}/results.pt", weights_only=False)
+
+
+def _log_tails(out: str, world: int, failed: int) -> str:
+    """The failed rank's first 10 native error lines (a C++ abort prints them before the
+    stacks) and its last 40 lines, and every other rank's last 3 lines; warnings left out."""
+    parts = []
+    for rank in [failed] + [r for r in range(world) if r != failed]:
+        path = Path(f"{out}/rank{rank}.log")
+        lines, skip = [], False
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if not skip and "Warning: " not in line:
+                lines.append(line)
+            skip = "Warning: " in line  # a warning's second line is the source line
+        if rank == failed:
+            native = [line for line in lines[:-40] if NATIVE_ERROR.search(line)][:10]
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + lines[-40:]))
+        else:
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(lines[-3:]))
+    return "\n".join(parts)
+
+
+def _row(name: str, world: int, dtype: str, run: dict, ref: dict, tol: float) -> dict:
+    last = [r for r in run["logged"] if "loss" in r][-1]
+    delta = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
+    memory = last.get("mem_max_allocated_gib", last.get("mem_peak_rss_gib"))
+    return {"layout": name, "world": world, "dtype": dtype, "max_dloss": delta, "tolerance": tol,
+            "tokens_per_sec": last["tokens_per_sec"], "mfu": last.get("mfu"), "peak_mem_gib": memory,
+            "status": "PASS" if delta <= tol and len(run["losses"]) == len(ref["losses"]) else "FAIL"}
+
+
+def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
+             base: str | Path = BASE) -> list[dict]:
+    """One row per layout and dtype: the built-in layouts of at most ``nproc`` processes, and
+    ``extra`` ({name: overrides}) on ``nproc`` processes, each against one device."""
+    from torchpar import device as dev
+
+    table = [(w, n, o) for w, n, o in LAYOUTS if w <= nproc] + [(nproc, n, o) for n, o in extra.items()]
+    rows = []
+    for dtype in dtypes:
+        tol = TOLERANCE[dev.device_type(), dtype]
+        common = ["--training.mixed_precision_param", dtype, "--training.tf32", "false"]
+        worlds = sorted({w for w, _, _ in table})
+        groups = [(1, {"one_device": REFERENCE + common})] + [
+            (world, {n: o + common for w, n, o in table if w == world}) for world in worlds]
+        ref = None
+        for world, layouts in groups:
+            try:
+                results = run_layouts(world, layouts, base)
+            except RuntimeError as e:  # a rank died: its group's layouts fail, the others still run
+                rows += [{"layout": n, "world": world, "dtype": dtype, "status": f"ERROR: {_error_line(e)}"}
+                         for n in layouts]
+                continue
+            ref = ref or results.get("one_device")
+            if ref is None:
+                break  # nothing to compare with
+            rows += [_row(n, world, dtype, results[n], ref, tol) for n in layouts]
+    return rows
+
+
+def _error_line(e: Exception) -> str:
+    """The failed rank's exception line, from spawn_ranks' report."""
+    lines = [line for line in str(e).splitlines() if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return lines[-1][:200] if lines else "a rank died (no Python error: a signal or a native abort)"
+
+
+def format_rows(rows: list[dict]) -> str:
+    def fmt(row: dict) -> list[str]:
+        if "max_dloss" not in row:
+            return [row["layout"], str(row["world"]), row["dtype"], "", "", "", "", "", row["status"]]
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        return [row["layout"], str(row["world"]), row["dtype"], f"{row['max_dloss']:.1e}",
+                f"{row['tolerance']:.0e}", f"{row['tokens_per_sec']:,.0f}", mfu, f"{row['peak_mem_gib']:.2f}",
+                row["status"]]
+
+    header = ["layout", "world", "dtype", "max|dloss|", "tol", "tokens/s", "MFU", "peak GiB", "result"]
+    cells = [header] + [fmt(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def main(argv: list[str]) -> int:
+    import shlex
+
+    from torchpar import device as dev
+    from torchpar.config import ConfigError
+    from torchpar.console import ArgumentParser, at_least
+
+    p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=dev.default_nproc(),
+                   help="processes (one per GPU); default: every visible GPU, else 2 CPU ranks")
+    p.add_argument("--dtype", default="float32,bfloat16" if dev.device_type() == "cuda" else "float32",
+                   help="comma-separated compute dtypes to test (default: both on GPUs, float32 on CPU)")
+    p.add_argument("--layout", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="an extra layout on --nproc processes, e.g. "
+                        "tp4='--parallelism.tensor_parallel_degree 4'")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    a = p.parse_args(argv)
+    at_least("--nproc", a.nproc, 1)
+    dtypes = [d.strip() for d in a.dtype.split(",")]
+    for d in dtypes:
+        if d not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype {d!r}: use float32, bfloat16 or both, comma-separated")
+    if dev.device_type() == "cuda" and a.nproc > dev.default_nproc():
+        raise ConfigError(f"--nproc {a.nproc}: this machine has {dev.default_nproc()} GPU(s)")
+    extra = {}
+    for spec in a.layout:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--layout {spec!r}: write NAME='--section.key value ...'")
+        extra[name] = shlex.split(overrides)
+    name = torch.cuda.get_device_name() if dev.device_type() == "cuda" else "CPU"
+    print(f"torchpar selftest: {a.nproc} process(es) on {name}, torch {torch.__version__}; each layout's "
+          "losses against one device's", flush=True)
+    rows = selftest(a.nproc, dtypes, extra)
+    print(format_rows(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    failed = [r["layout"] + f" ({r['dtype']})" for r in rows if r["status"] != "PASS"]
+    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} passed" + (f"; failed: {', '.join(failed)}"
+                                                                          if failed else ""))
+    return 1 if failed else 0
