@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
-# Launch torchpar with torchrun.
-#   NGPU         processes (default: the visible GPUs, else 2 on CPU)
-#   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml)
-#   MAX_RESTARTS torchrun restarts after a failed rank (default 0)
+# Launch torchpar with torchrun, on one node or as one node of many.
+#   NGPU          processes on this node (default: the visible GPUs, else 2 on CPU)
+#   CONFIG_FILE   TOML config (default: train_configs/debug_model.toml)
+#   NNODES        nodes in the job (default 1: a standalone single-node job)
+#   NODE_RANK     this node's index, 0..NNODES-1 (default 0)
+#   RDZV_ENDPOINT host:port of the c10d rendezvous on the first node (required when NNODES > 1)
+#   RDZV_ID       the job's rendezvous id (default: SLURM_JOB_ID, else "torchpar")
+#   LOG_DIR       also write every rank's stdout/stderr to files under this folder
+#   MAX_RESTARTS  torchrun restarts after a failed rank (default 0)
+#   LOG_RANK      local ranks whose output the console shows (default 0)
 # Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 cd "$(dirname "$0")"
+fail() { echo "run_train.sh: error: $*" >&2; exit 2; }
 # torchpar/device.py is the one place that knows the accelerator.
 read -r DEFAULT_NPROC DEVICE_TYPE < <(python -m torchpar.device)
 NGPU=${NGPU:-$DEFAULT_NPROC}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES=$NNODES: give the number of nodes, 1 or more"
+[[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] || fail "NODE_RANK=$NODE_RANK: give 0..$((NNODES - 1))"
+# srun starting one copy per task would start that many independent torchrun jobs.
+if [ "${SLURM_STEP_NUM_TASKS:-1}" -gt "$NNODES" ]; then
+  fail "started by srun as ${SLURM_STEP_NUM_TASKS} tasks for NNODES=$NNODES: start one per node (srun --ntasks-per-node=1) and set NNODES, NODE_RANK and RDZV_ENDPOINT, as scripts/slurm/train.sbatch does"
+fi
 # Oversubscribed CPU ranks slow down badly with more than one thread each.
 if [ "$DEVICE_TYPE" = cpu ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
 
+if [ "$NNODES" -gt 1 ]; then
+  [ -n "${RDZV_ENDPOINT:-}" ] || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, an address of the first node every node can reach"
+  # c10d rendezvous: the agents meet at the first node's store and agree on every rank.
+  LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+          --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-torchpar}}")
+else
+  LAUNCH=(--standalone)
+fi
 # A restarted attempt often fails to reconnect its gloo mesh ("connectFullMesh ... Connection
 # refused") when it reuses the first attempt's rendezvous store, so restarts get a fresh one. Without
 # restarts the shared store is kept: it avoids rank 0 binding a second port, which another socket could
@@ -23,8 +46,13 @@ fi
 if [ "$MAX_RESTARTS" -gt 0 ]; then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
-# Check the config, data and layout once, so a mistake is one line, not one traceback per rank.
-WORLD_SIZE="$NGPU" python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
-exec torchrun --standalone --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
+LOGS=()
+if [ -n "${LOG_DIR:-}" ]; then
+  LOGS=(--log-dir "$LOG_DIR" --redirects 3 --tee 3)
+fi
+# Check the config, data and layout once for the whole world, so a mistake is one line, not one
+# traceback per rank.
+NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
+exec torchrun "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" "${LOGS[@]}" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m torchpar.train --config "$CONFIG_FILE" "$@"

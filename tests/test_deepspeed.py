@@ -63,7 +63,7 @@ def test_tutorial_example_keeps_its_batch_arithmetic(tmp_path):
                                                                                                            4,
                                                                                                            32)
     llama = MODELS["llama3"]
-    layout = resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 4)
+    layout = resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 4, "float32")
     assert layout.accum == 2 and layout.dp_shard == 4 and layout.zero_stage == 2
     # What it could not map is said, with the reason, in the file and on stderr.
     assert "# not mapped: zero_optimization.allgather_partitions" in r.stdout

@@ -17,6 +17,8 @@ LEDGER_LAYOUTS = {
     "dp2_zero2": [Z, "2", "--training.local_batch_size", "4"],
     "dp2_zero3": [Z, "3", "--training.local_batch_size", "4"],
     "dp2_zero3_accum2": [Z, "3", "--training.local_batch_size", "2", "--training.global_batch_size", "8"],
+    "dp2_zero3_accum2_unsharded": [Z, "3", "--training.local_batch_size", "2", "--training.global_batch_size",
+                                   "8", "--parallelism.zero3_reduce_every_microstep", "false"],
     "tp2": [Z, "0", "--parallelism.tensor_parallel_degree", "2"],
     "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                      "false", "--parallelism.loss_parallel", "false"],
@@ -240,7 +242,7 @@ def test_plan_command_json_and_exact_config():
                       "mfu", "fits"}
     assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
     assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
-            "cpu_bytes", "total_bytes", "host_bytes_per_node"} == set(p["memory"])
+            "unsharded_grad_bytes", "cpu_bytes", "total_bytes", "host_bytes_per_node"} == set(p["memory"])
     assert p["memory"]["param_bytes"] == 10494464 // 2  # the debug model's fp32 bytes, halved by ZeRO-3
     r = run_plan("--model", "bogus")
     assert r.returncode == 2 and "torchpar: error: --model 'bogus' is not a llama3 flavour" in r.stderr

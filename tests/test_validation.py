@@ -33,7 +33,7 @@ def build(world, monkeypatch, *overrides):
         (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"],
          "sequence parallelism splits training.seq_len = 33"),
         (2, ["--training.global_batch_size", "12"], "not a multiple of 16"),
-        (2, ["--training.mixed_precision_param", "bfloat16", "--parallelism.zero_stage", "1"],
+        (2, ["--training.mixed_precision_reduce", "bfloat16", "--parallelism.zero_stage", "1"],
          "needs parallelism.zero_stage = 3"),
         (2, ["--parallelism.cpu_offload", "true", "--parallelism.zero_stage", "2"], "cpu_offload needs"),
         (
@@ -108,7 +108,7 @@ def test_ffn_width_must_divide():
     )
     args = ModelArgs(dim=100, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, multiple_of=2)
     with pytest.raises(ConfigError, match=r"ffn hidden size \(266\)"):
-        resolve_layout(cfg.parallelism, cfg.training, MODELS["llama3"], args, 4)
+        resolve_layout(cfg.parallelism, cfg.training, MODELS["llama3"], args, 4, "float32")
 
 
 def test_zero_stage_without_shards_warns_and_runs_as_ddp(monkeypatch):
@@ -119,8 +119,9 @@ def test_zero_stage_without_shards_warns_and_runs_as_ddp(monkeypatch):
     ).parallelism
     tr, llama = load_config(None).training, MODELS["llama3"]
     with pytest.warns(UserWarning, match="shards nothing"):
-        assert resolve_layout(par, tr, llama, llama.args("debug"), 2).zero_stage == 0
+        assert resolve_layout(par, tr, llama, llama.args("debug"), 2, "float32").zero_stage == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config(None, ["--parallelism.zero_stage", "3"])
-        assert resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 1).zero_stage == 3
+        layout = resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 1, "float32")
+        assert layout.zero_stage == 3

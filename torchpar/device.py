@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import resource
 import time
 from datetime import timedelta
@@ -14,16 +15,42 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Dense bf16 peak FLOP/s per device, from the vendors' datasheets (no sparsity).
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe part is 756e12
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-    "V100": 125e12,  # fp16 tensor cores (no bf16)
+from torchpar.config import ConfigError
+
+# Dense peak FLOP/s per device, no sparsity: (bf16/fp16 tensor cores, TF32 tensor cores, plain
+# fp32), from the vendors' datasheets (NVIDIA's product datasheets; AMD's MI300X data sheet). fp32
+# matmuls run on the TF32 column when TF32 is on (training.tf32), else on the fp32 one. Matched by
+# the longest key found in torch.cuda.get_device_name() (ROCm reports its GPUs as cuda devices).
+GPU_PEAKS = {
+    "GB200": (2.5e15, 1.25e15, 80e12),
+    "B200": (2.25e15, 1.1e15, 75e12),  # HGX B200, 1000 W
+    "H100": (989e12, 494.7e12, 67e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    "H100 PCIe": (756e12, 378e12, 51e12),
+    "H100 NVL": (835e12, 417.5e12, 60e12),
+    "H200": (989e12, 494.7e12, 67e12),  # SXM
+    "H200 NVL": (835e12, 417.5e12, 60e12),
+    "H800": (989e12, 494.7e12, 67e12),  # SXM
+    "H800 PCIe": (756e12, 378e12, 51e12),
+    "H20": (148e12, 74e12, 44e12),
+    "A100": (312e12, 156e12, 19.5e12),
+    "A10": (125e12, 62.5e12, 31.2e12),
+    "A10G": (70e12, 35e12, 31.2e12),  # AWS's variant of the A10 (no NVIDIA datasheet; AWS's figure)
+    "L4": (121e12, 60e12, 30.3e12),
+    "L40": (181e12, 90.5e12, 90.5e12),
+    "L40S": (362e12, 183e12, 91.6e12),
+    "MI300X": (1307.4e12, 653.7e12, 163.4e12),
 }
+
+
+def gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    """Datasheet peak of GPU ``name`` for matmuls in ``dtype``; None for a GPU not in the table."""
+    for key in sorted(GPU_PEAKS, key=len, reverse=True):
+        if re.search(rf"(^|[\s-]){re.escape(key)}($|[\s-])", name):
+            bf16, tf32_peak, fp32 = GPU_PEAKS[key]
+            if dtype in (torch.bfloat16, torch.float16):
+                return bf16
+            return tf32_peak if tf32 else fp32
+    return None
 
 
 def device_type() -> str:
@@ -35,36 +62,93 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if device_type() == "cuda" else 2
 
 
-def backend() -> str:
-    return "nccl" if device_type() == "cuda" else "gloo"
+def compute_dtype(setting: str, device: str | None = None) -> str:
+    """``training.mixed_precision_param`` on ``device`` (default: this machine's): 'auto' is bf16
+    on GPUs (fp32 master weights), fp32 on CPUs, where bf16 matmuls are an order of magnitude slower."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if (device or device_type()) == "cuda" else "float32"
 
 
-def local_device() -> torch.device:
+def backend(cpu_tensors: bool = False) -> str:
+    """The default group's backend. With ``cpu_tensors`` (CPU offload: gradients and their norm
+    live on the host) a GPU job gets gloo beside nccl, so host tensors have a backend too; only
+    then, as gloo connects every pair of ranks at start-up."""
+    if device_type() != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_tensors else "nccl"
+
+
+def local_device(tf32: bool = True) -> torch.device:
+    """This process's device: GPU ``LOCAL_RANK`` (the index on this node, never the global rank).
+    ``tf32``: fp32 matmuls and convolutions in TF32 on GPUs."""
     if device_type() == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", 0))
+        index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(
+                f"LOCAL_RANK {index} but this node has {count} visible GPU(s): start at most {count} "
+                "processes per node (NGPU / --nproc-per-node), or fix CUDA_VISIBLE_DEVICES")
         torch.cuda.set_device(index)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: int = 600) -> tuple[int, int]:
+def slurm_environment(env: dict[str, str]) -> dict[str, str]:
+    """The torchrun-style variables for a process that ``srun`` started without torchrun, from the
+    step's SLURM variables; {} when this is no multi-task srun step or torchrun already set them.
+    srun starts one process per task, so every task must join one job: without this each would
+    run alone as rank 0 of 1, all writing the same checkpoints and metrics."""
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)
+    if "RANK" in env or tasks <= 1:
+        return {}
+    missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST") if not env.get(k)]
+    if missing:
+        raise ConfigError(
+            f"started by srun with {tasks} tasks, but {missing[0]} is not set, so this process cannot "
+            "tell its rank: launch through torchrun (scripts/slurm/train.sbatch) instead")
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks), "LOCAL_RANK": env["SLURM_LOCALID"],
+            "LOCAL_WORLD_SIZE": str(tasks // max(1, int(nodes))),
+            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"]),
+            # One port per job, so two jobs sharing a first node do not collide.
+            "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)}
+
+
+def adopt_slurm_environment() -> None:
+    """Set RANK, WORLD_SIZE, ... from srun's variables (see :func:`slurm_environment`)."""
+    os.environ.update(slurm_environment(dict(os.environ)))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[003-010,012],cpu1' -> 'gpu003'."""
+    m = re.match(r"([^,\[]+)(?:\[([^-,\]]+))?", nodelist)
+    if m is None:
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}: set MASTER_ADDR")
+    return m.group(1) + (m.group(2) or "")
+
+
+def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool = True) -> tuple[int, int]:
     """Join (or create) the default process group; returns (rank, world size).
 
-    Without torchrun a one-rank group on an in-memory store is made, so a single process runs
-    the same code path as many. Every group is destroyed at exit at the latest, while the
-    interpreter is whole: a gloo worker thread still holding a tensor when the interpreter is torn
-    down aborts the process ("terminate called without an active exception").
+    Without torchrun (or srun's variables) a one-rank group on an in-memory store is made, so a
+    single process runs the same code path as many. Every group is destroyed at exit at the latest,
+    while the interpreter is whole: a gloo worker thread still holding a tensor when the interpreter
+    is torn down aborts the process ("terminate called without an active exception").
     """
     if not dist.is_initialized():
+        adopt_slurm_environment()
         # The flight recorder keeps the last collectives of every group (any backend), for the
         # watchdog's dump when a job hangs; a ring buffer, cheap.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         atexit.register(shutdown_distributed)
+        device = local_device(tf32)
         if "RANK" in os.environ:
-            dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s), device_id=local_device()
-                                    if device_type() == "cuda" else None)
+            # device_id: nccl connects eagerly and knows its device (no guessing from the rank).
+            dist.init_process_group(backend(cpu_tensors), timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
         else:
-            dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend(cpu_tensors), store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -112,19 +196,24 @@ def memory_stats() -> dict[str, float]:
             "mem_peak_rss_gib": peak_kib / 2**20}
 
 
-def peak_flops(dtype: torch.dtype, matmul_dim: int) -> tuple[float, str]:
-    """Peak FLOP/s of this process's device, and where the figure came from.
+def peak_flops(dtype: torch.dtype, matmul_dim: int, tf32: bool = True,
+               override_tflops: float = 0.0) -> tuple[float | None, str]:
+    """Peak FLOP/s of this process's device for matmuls in ``dtype``, and where the figure came
+    from; None (MFU unknown) for a GPU the table lacks.
 
-    GPU: the datasheet table above by device name. CPU there is no table: one matmul of the
-    model's width (``matmul_dim`` x 4·dim, 2048 rows) is timed in this process, with its current
-    thread count, and the best of a few runs is taken as the peak.
+    ``override_tflops`` (``metrics.peak_tflops``) wins. GPU: the datasheet table above. CPU has no
+    table: one matmul of the model's width (``matmul_dim`` x 4·dim, 2048 rows) is timed in this
+    process, with its current thread count, and the best of a few runs is taken as the peak.
     """
+    if override_tflops > 0:
+        return override_tflops * 1e12, "metrics.peak_tflops"
     if device_type() == "cuda":
         name = torch.cuda.get_device_name()
-        for key in sorted(GPU_PEAK_BF16, key=len, reverse=True):
-            if key in name:
-                return GPU_PEAK_BF16[key], f"datasheet bf16 peak for {name}"
-        return 312e12, f"unknown GPU {name}: assumed A100 bf16 peak"
+        peak = gpu_peak(name, dtype, tf32)
+        kind = str(dtype).removeprefix("torch.") + (" (TF32)" if dtype == torch.float32 and tf32 else "")
+        if peak is None:
+            return None, f"{name} is not in torchpar's peak table: no MFU (set metrics.peak_tflops)"
+        return peak, f"datasheet {kind} peak of {name}"
     m, k, n = 2048, matmul_dim, 4 * matmul_dim
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     best = float("inf")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
+import time
 
 import torch
 
 from torchpar.data import build_dataloader
 from torchpar.loss import cross_entropy_sum
-from torchpar.parallel.tensor import loss_context
+from torchpar.parallel import compute_context
 from torchpar.parallel.zero import full_value
 
 
@@ -26,11 +28,21 @@ def held_out_loss(trainer) -> float:
                               tr.local_batch_size * lay.accum, lay.dp_rank, lay.dp, tr.seed, 0,
                               trainer.cfg.data.lanes)
     loss_sum = torch.zeros((), device=trainer.device)
-    with torch.no_grad(), loss_context(trainer.layout.loss_parallel):
+    with torch.no_grad(), compute_context(trainer.layout):
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
-            inputs, targets = rows[:, :-1].to(trainer.device), rows[:, 1:].to(trainer.device)
+            rows = rows.to(trainer.device, non_blocking=True)
+            inputs, targets = rows[:, :-1], rows[:, 1:]
             if pipeline is not None:
                 loss_sum += full_value(pipeline.forward_only(inputs, targets))
             else:
                 loss_sum += full_value(cross_entropy_sum(trainer.model.parts[0](inputs), targets))
     return trainer.global_sum(loss_sum) / (steps * trainer.global_tokens)
+
+
+def evaluate(trainer) -> None:
+    """The held-out loss after this step: kept by the trainer and logged."""
+    t0, step = time.perf_counter(), trainer.train_state.step
+    val_loss = held_out_loss(trainer)
+    trainer.val_losses.append((step, val_loss))
+    trainer.logger.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
+                        "eval_s": time.perf_counter() - t0})

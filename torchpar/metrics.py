@@ -9,10 +9,39 @@ checkpoint, from an attempt that crashed, are dropped) instead of starting new o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 import uuid
 from pathlib import Path
+
+
+class Throughput:
+    """Tokens per second over training time alone (evaluation and checkpoint saves are set aside),
+    between logged steps, and the time left."""
+
+    def __init__(self, tokens_per_step: int, first_step: int, last_step: int):
+        self.tokens_per_step, self.first_step, self.last_step = tokens_per_step, first_step, last_step
+        self.start = self.last = time.perf_counter()
+        self.steps = 0  # since the last figures
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Time inside this block is not training time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last += time.perf_counter() - t0
+
+    def figures(self, step: int) -> dict:
+        """tokens_per_sec since the previous call (the caller synchronized the device), elapsed_s, eta_s."""
+        now = time.perf_counter()
+        tps = self.tokens_per_step * self.steps / (now - self.last)
+        eta = (now - self.start) / (step - self.first_step + 1) * (self.last_step - step)
+        self.last, self.steps = now, 0
+        return {"tokens_per_sec": tps, "elapsed_s": now - self.start, "eta_s": eta}
 
 
 def numbers(record: dict) -> dict:
@@ -25,10 +54,11 @@ class Console:
         if "loss" in record:
             mem = record.get("mem_max_allocated_gib", record.get("mem_rss_gib", 0.0))
             eta = f"  eta {_duration(record['eta_s'])}" if "eta_s" in record else ""
+            mfu = "n/a" if record.get("mfu") is None else f"{100 * record['mfu']:.2f}%"
             print(
                 f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
                 f"lr {record['lr']:.2e}  tok/s {record['tokens_per_sec']:,.0f}  mfu "
-                f"{100 * record['mfu']:.2f}%  mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s{eta}",
+                f"{mfu}  mem {mem:.2f}GiB  elapsed {record['elapsed_s']:.1f}s{eta}",
                 flush=True,
             )
         if "val_loss" in record:

@@ -19,6 +19,7 @@ from torchpar.checkpoint import find_resume, read_manifest
 from torchpar.config import ConfigError, JobConfig
 from torchpar.console import warn
 from torchpar.data import build_source, data_identity, resume_notes
+from torchpar.device import compute_dtype
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
@@ -58,7 +59,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} has "
             f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
-    layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world)
+    layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
+                            compute_dtype(cfg.training.mixed_precision_param))
     source = build_source(cfg.data, cfg.training.seed)
     val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
     tr = cfg.training

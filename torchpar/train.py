@@ -10,11 +10,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,14 +23,12 @@ from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.console import warn
 from torchpar.data import build_dataloader
-from torchpar.evaluate import held_out_loss
+from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
 from torchpar.loss import cross_entropy_sum
-from torchpar.metrics import MetricsLogger
-from torchpar.models import canonical_name
+from torchpar.metrics import MetricsLogger, Throughput
 from torchpar.optim import build_lr_scheduler, build_optimizer
-from torchpar.parallel import build_parallel_model
-from torchpar.parallel.tensor import loss_context
+from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
@@ -47,6 +43,7 @@ class Trainer:
         (``torchpar train`` passes the planner's prediction, to be logged beside the measurement)."""
         self.cfg, self.on_first_step = cfg, on_first_step
         tr = cfg.training
+        dev.adopt_slurm_environment()  # srun without torchrun: every task joins one job
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         pre = preflight(cfg, world)
@@ -57,8 +54,8 @@ class Trainer:
         lay = self.layout
 
         # 2. Process group, mesh, model, optimizer, data.
-        self.rank, world = dev.init_distributed(cfg.comm.timeout_s)
-        self.device = dev.local_device()
+        self.rank, world = dev.init_distributed(cfg.comm.timeout_s, cpu_tensors=lay.cpu_offload, tf32=tr.tf32)
+        self.device = dev.local_device(tr.tf32)
         lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
         self.model = build_parallel_model(
@@ -66,7 +63,8 @@ class Trainer:
             lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(pre.source, self.tokenizer, tr.seq_len, tr.local_batch_size,
-                                           lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes)
+                                           lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,
+                                           pin_memory=self.device.type == "cuda")
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
@@ -81,8 +79,10 @@ class Trainer:
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
                                     run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()},
                                     resumed=pre.resume_manifest)
-        self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, tr.mixed_precision_param),
-                                                           self.args.dim)
+        self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, lay.param_dtype), self.args.dim,
+                                                           tr.tf32, cfg.metrics.peak_tflops)
+        if self.peak_flops is None:
+            warn(self.peak_source)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
                                          self.manifest(), pre.resume)
@@ -131,17 +131,18 @@ class Trainer:
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             with phase("data"):
-                batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device)
+                batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device,
+                                                                                       non_blocking=True)
             state.set_sync(True)
-            with phase("forward_backward"), loss_context(self.layout.loss_parallel):
+            with phase("forward_backward"), compute_context(self.layout):
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
         else:
             for micro in range(self.layout.accum):
                 with phase("data"):
-                    batch = next(batches).to(self.device)
+                    batch = next(batches).to(self.device, non_blocking=True)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 state.set_sync(micro == self.layout.accum - 1)
-                with phase("forward_backward"), loss_context(self.layout.loss_parallel):
+                with phase("forward_backward"), compute_context(self.layout):
                     loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())
@@ -207,11 +208,15 @@ class Trainer:
     def _describe(self) -> None:
         cfg, lay = self.cfg, self.layout
         n = self.model_family.num_params(self.args)
+        tf32 = cfg.training.tf32 and self.device.type == "cuda"
+        precision = {"float32": "float32" + (" (TF32 matmuls)" if tf32 else ""),
+                     "bfloat16": "bfloat16 " + ("autocast" if lay.autocast else "FSDP2 mixed precision")
+                                 + " over float32 weights"}[lay.param_dtype]
+        peak = "unknown" if self.peak_flops is None else f"{self.peak_flops / 1e9:.1f} GFLOP/s per rank"
         print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
               f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
               f"{lay.zero_stage}, global batch {self.global_batch} ({lay.accum} accumulation step(s)), "
-              f"device {self.device}; peak {self.peak_flops / 1e9:.1f} GFLOP/s per rank "
-              f"({self.peak_source})", flush=True)
+              f"device {self.device}, compute {precision}; peak {peak} ({self.peak_source})", flush=True)
         if self.model.pipeline is not None:
             print(self.model.pipeline.describe(), flush=True)
 
@@ -225,16 +230,14 @@ class Trainer:
         return out
 
     def train(self) -> list[float]:
-        cfg, tr = self.cfg, self.cfg.training
-        lay, ts = self.layout, self.train_state
+        cfg, tr, ts = self.cfg, self.cfg.training, self.train_state
         if self.rank == 0:
             self._describe()
         losses: list[float] = []
         batches = iter(self.dataloader)
-        t_start = t_last = time.perf_counter()
-        steps_since = 0
         dev.reset_peak_memory()
         first = ts.step + 1  # > 1 after a resume
+        self.throughput = Throughput(self.global_tokens, first, tr.steps)
         while ts.step < tr.steps:
             ts.step += 1
             self._phase(f"step {ts.step}", short=ts.step != first)  # the first warms up (and compiles)
@@ -249,35 +252,39 @@ class Trainer:
             if problem is not None:
                 self._diverged(problem)
             losses.append(loss)
-            steps_since += 1
+            self.throughput.steps += 1
             if logged:
-                dev.synchronize()
-                now = time.perf_counter()
-                tps = self.global_tokens * steps_since / (now - t_last)
-                record = {"step": ts.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                          "tokens_per_sec": tps, "tokens_per_sec_per_rank": tps / lay.world,
-                          "mfu": self.flops_per_token * tps / (self.peak_flops * lay.world),
-                          "elapsed_s": now - t_start, "tokens_seen": ts.tokens_seen,
-                          "eta_s": (now - t_start) / (ts.step - first + 1) * (tr.steps - ts.step),
-                          **dev.memory_stats(), **self.breakdown.record()}
-                if ts.step == first:
-                    record.update(self._first_step_figures())
-                self.logger.log(record)
-                t_last, steps_since = now, 0
+                self._log_step(loss, grad_norm, lr, first)
             self.model.state.zero_grad()
-            if self.val_source is not None and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
-                t_eval = time.perf_counter()
-                self._phase(f"the evaluation after step {ts.step}")
-                val_loss = held_out_loss(self)
-                self.val_losses.append((ts.step, val_loss))
-                self.logger.log({"step": ts.step, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
-                                 "eval_s": time.perf_counter() - t_eval})
-                t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
-            if self.stop_requested and ts.step < tr.steps:
-                self._preempted()
-            self._save(final=ts.step == tr.steps)
+            with self.throughput.aside():
+                if self.val_source and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
+                    self._phase(f"the evaluation after step {ts.step}")
+                    evaluate(self)
+                if self.stop_requested and ts.step < tr.steps:
+                    self._preempted()
+                self._save(final=ts.step == tr.steps)
         self.close()
         return losses
+
+    def _log_step(self, loss: float, grad_norm: float, lr: float, first: int) -> None:
+        """The metrics of a logged step: throughput since the last logged step, memory (the max over
+        ranks: under a pipeline the stages differ), the step breakdown."""
+        lay, step = self.layout, self.train_state.step
+        dev.synchronize()
+        speed = self.throughput.figures(step)
+        memory = dev.memory_stats()
+        peak = torch.tensor(list(memory.values()), device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        tps = speed["tokens_per_sec"]
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, **speed,
+                  "tokens_per_sec_per_rank": tps / lay.world,
+                  "mfu": None if self.peak_flops is None
+                  else self.flops_per_token * tps / (self.peak_flops * lay.world),
+                  "tokens_seen": self.train_state.tokens_seen,
+                  **dict(zip(memory, peak.tolist())), **self.breakdown.record()}
+        if step == first:
+            record.update(self._first_step_figures())
+        self.logger.log(record)
 
     def _phase(self, what: str, short: bool = True) -> None:
         if self.watchdog is not None:
@@ -297,14 +304,6 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's stages' parameters as full tensors (collective over TP/FSDP), by canonical name."""
-        out = {}
-        for part in self.model.parts:
-            for name, p in part.named_parameters():
-                out[canonical_name(name)] = full_value(p.detach()).float().cpu().clone()
-        return out
-
 
 def main(argv: list[str]) -> int:
     """The trainer's command; ``torchpar.console.run_command`` turns its errors into one line."""
@@ -315,7 +314,8 @@ def main(argv: list[str]) -> int:
         return 0
     if check:  # run_train.sh calls this once before torchrun starts any rank
         preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
+        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
+            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
         return 0
     from torchpar.plan import predict_for_trainer
 

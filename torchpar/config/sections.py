@@ -89,10 +89,15 @@ class Training:
     seq_len: int = opt(128, "Tokens per training sequence.")
     seed: int = opt(0, "Seed for weight init and data order; the same on every rank.")
     max_norm: float = opt(1.0, "Gradient clipping threshold on the global norm (0 = no clipping).")
-    mixed_precision_param: str = opt("float32", "Dtype of parameters in compute.", DTYPES)
+    mixed_precision_param: str = opt(
+        "auto", "Dtype of compute; weights, gradients and optimizer states stay float32 (the master copy). "
+        "'auto' = bfloat16 on GPUs, float32 on CPUs (where bf16 is ~10x slower). bfloat16 is FSDP2's "
+        "MixedPrecisionPolicy under zero_stage 3 and autocast under stages 0-2.", ("auto", *DTYPES))
     mixed_precision_reduce: str = opt(
-        "float32", "Dtype of gradient reduction across data-parallel ranks.", DTYPES
-    )
+        "float32", "Dtype of gradient reduction across data-parallel ranks (bfloat16: zero_stage 3 only).",
+        DTYPES)
+    tf32: bool = opt(True, "GPUs: fp32 matmuls in TF32 (what stays fp32 under bf16, or an fp32 run); false "
+                           "for full fp32 precision.")
     activation_checkpoint: str = opt(
         "none", "Recompute each block's activations in backward.", ("none", "full")
     )
@@ -143,6 +148,11 @@ class Parallelism:
     )
     sequence_parallel: bool = opt(True, "With TP: norms and residual stream sharded along the sequence.")
     loss_parallel: bool = opt(True, "With TP: cross-entropy on vocab-sharded logits, never gathered.")
+    zero3_reduce_every_microstep: bool = opt(
+        True, "ZeRO-3 with gradient accumulation: reduce-scatter each micro-step's gradients, so only the "
+        "shard is kept between micro-steps (one reduce-scatter per micro-step). false = accumulate full "
+        "unsharded fp32 gradients on every rank and reduce once per step (fewer collectives; memory of a "
+        "whole gradient per rank: 32 GB for an 8B model).")
     cpu_offload: bool = opt(
         False, "ZeRO-3 only: parameters, gradients and optimizer step on the CPU (FSDP2 CPUOffloadPolicy)."
     )
@@ -168,6 +178,9 @@ class Metrics:
     wandb_project: str = opt("torchpar", "wandb project.")
     wandb_run_name: str = opt("", "wandb run name; empty = wandb's own.")
     wandb_tags: list = opt([], "wandb tags (TOML list, or comma-separated on the command line).")
+    peak_tflops: float = opt(
+        0.0, "Peak TFLOP/s per device that MFU is measured against; 0 = the datasheet figure of a known GPU "
+        "(for the training dtype), or a timed matmul on CPU.")
     log_step_breakdown: bool = opt(
         True, "On logged steps, time data loading, forward+backward, gradient reduction and clipping, and "
         "the optimizer step (the device is synchronized at their borders on those steps only).")

@@ -183,7 +183,9 @@ def build_dataloader(
     seed: int,
     num_workers: int = 0,
     lanes: int = 64,
+    pin_memory: bool = False,
 ) -> WindowLoader:
+    """``pin_memory``: batches in page-locked memory, so the copy to a GPU can overlap compute."""
     ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes)
-    return WindowLoader(ds, batch_size=None, num_workers=num_workers,
+    return WindowLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                         persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

@@ -51,14 +51,18 @@ class SeededInit(nn.Module):
     def reset_buffers(self, device: torch.device | None) -> None:
         """Recompute non-persistent buffers (e.g. RoPE tables) on ``device``."""
 
-    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+        """The full tensor, made on ``device`` by that device's generator: the same numbers for
+        every layout on one kind of device (a GPU's differ from a CPU's), and no CPU thread
+        generating a large model's weights one after another."""
         std = self.init_std(name)
         if std == "ones":
-            return torch.ones(shape)
+            return torch.ones(shape, device=device)
         if std == "zeros":
-            return torch.zeros(shape)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen).mul_(std)
+            return torch.zeros(shape, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen, device=device).mul_(std)
 
     @torch.no_grad()
     def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
@@ -72,7 +76,8 @@ class SeededInit(nn.Module):
         """
         for name, p in self.named_parameters():
             name = canonical_name(name)
-            full = values[name] if values is not None else self.initial_value(name, tuple(p.shape), seed)
+            full = (values[name] if values is not None
+                    else self.initial_value(name, tuple(p.shape), seed, buffer_device or p.device))
             if local_part is not None:
                 dst, src = local_part(p, full)
             else:

@@ -122,10 +122,10 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h_kv, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, hd]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, hd]
+        # Grouped-query attention: each KV head serves h / h_kv query heads, inside the kernel
+        # (no repeated copy of K and V).
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -8,6 +8,7 @@ its adapter (``torchpar.models``), the layout only through :class:`~torchpar.par
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
-from torchpar.parallel.tensor import apply_tensor_parallel
+from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
 from torchpar.parallel.zero import FlatZero, ZeroState, unique_params
 
 
@@ -42,6 +43,15 @@ class ParallelModel:
     parts: list[nn.Module]  # the whole model, or this rank's pipeline stages
     state: ZeroState  # gradients + optimizer
     pipeline: object | None  # torchpar.parallel.pipeline.Pipeline when pp > 1
+
+
+@contextlib.contextmanager
+def compute_context(layout: Layout):
+    """What every forward (and its loss) runs under: loss parallelism with TP, and autocast to bf16
+    for ZeRO 0-2 in bf16 (fp32 parameters and gradients; FSDP2 casts ZeRO-3's parameters itself)."""
+    autocast = torch.autocast(layout.mesh.device_type, torch.bfloat16, enabled=layout.autocast)
+    with loss_context(layout.loss_parallel), autocast:
+        yield
 
 
 def parallelize(model, args, layout: Layout) -> list[nn.Module]:
@@ -85,7 +95,8 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.tie_weights()  # to_empty makes new parameter objects for plain tensors
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
     if layout.zero_stage == 3:
-        return FSDPState(parts, build_optimizer(unique_params(parts)), layout.tp)
+        return FSDPState(parts, build_optimizer(unique_params(parts)), layout.tp,
+                         layout.reduce_every_microstep)
     return FlatZero(parts, layout, build_optimizer)
 
 

@@ -31,15 +31,20 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
 
 
 class FSDPState:
-    """ZeRO-3 through FSDP2: gradients are already reduce-scattered when backward returns."""
+    """ZeRO-3 through FSDP2: gradients are already reduce-scattered when backward returns.
 
-    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int):
+    ``every_microstep``: each micro-step's backward reduce-scatters (only shards are ever kept);
+    otherwise the micro-steps before the last accumulate full unsharded gradients locally."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int,
+                 every_microstep: bool = True):
         self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
         self.params = unique_params(model_parts)
+        self.every_microstep = every_microstep
 
     def set_sync(self, enabled: bool) -> None:
         for m in self.model_parts:
-            m.set_requires_gradient_sync(enabled)
+            m.set_requires_gradient_sync(enabled or self.every_microstep)
 
     def reduce_gradients(self) -> None:
         pass

@@ -40,6 +40,7 @@ class Layout:
     sequence_parallel: bool = False  # only ever true with tp > 1
     loss_parallel: bool = False  # only ever true with tp > 1
     cpu_offload: bool = False  # ZeRO-3: sharded parameters, gradients and Adam live on the CPU
+    reduce_every_microstep: bool = True  # ZeRO-3 accumulation: reduce-scatter each micro-step
     local_batch_size: int = 1  # sequences per dp rank per micro-step
     accum: int = 1  # gradient-accumulation micro-steps (with a pipeline: more microbatches)
     schedule: str = "1F1B"  # pipeline schedule
@@ -85,6 +86,11 @@ class Layout:
     @property
     def n_microbatches(self) -> int:
         return self.local_batch_size * self.accum // self.microbatch_size
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 compute over fp32 parameters by autocast: ZeRO 0-2 (FSDP2 casts ZeRO-3's itself)."""
+        return self.param_dtype != "float32" and self.zero_stage != 3
 
     @property
     def param_dtype_bytes(self) -> int:
@@ -204,11 +210,10 @@ def _check_model(model, args, degrees: dict, par, tr) -> None:
 
 def _check_features(par, tr, zero: int, tp: int) -> None:
     """Precision, compile and offload against the ZeRO stage and TP."""
-    if zero != 3 and (tr.mixed_precision_param != "float32" or tr.mixed_precision_reduce != "float32"):
+    if zero != 3 and tr.mixed_precision_reduce != "float32":
         raise ConfigError(
-            f"training.mixed_precision_param/reduce = {tr.mixed_precision_param}/{tr.mixed_precision_reduce} "
-            "needs parallelism.zero_stage = 3 (FSDP2's MixedPrecisionPolicy); zero stages 0-2 train in "
-            "float32"
+            f"training.mixed_precision_reduce = {tr.mixed_precision_reduce} needs parallelism.zero_stage = 3 "
+            "(FSDP2's MixedPrecisionPolicy); zero stages 0-2 reduce their fp32 gradients in float32"
         )
     if tr.compile and tp > 1:
         # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
@@ -230,9 +235,10 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
         )
 
 
-def resolve_layout(par, tr, model, args, world: int) -> Layout:
+def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
-    args) on ``world`` ranks, after every check that needs no process group."""
+    args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
+    compute dtype, ``training.mixed_precision_param`` resolved for the device."""
     degrees = resolve_degrees(par, world)
     if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
         warnings.warn(
@@ -248,9 +254,10 @@ def resolve_layout(par, tr, model, args, world: int) -> Layout:
     )
     layout = Layout(**degrees, zero_stage=zero, sequence_parallel=par.sequence_parallel,
                     loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
+                    reduce_every_microstep=par.zero3_reduce_every_microstep,
                     local_batch_size=tr.local_batch_size, accum=accum,
                     microbatch_size=par.pipeline_parallel_microbatch_size,
-                    activation_checkpoint=tr.activation_checkpoint, param_dtype=tr.mixed_precision_param,
+                    activation_checkpoint=tr.activation_checkpoint, param_dtype=param_dtype,
                     reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(

@@ -103,6 +103,9 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     mem["gathered_bytes"] = (
         2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
     )
+    # ZeRO-3 accumulating unsharded: a full fp32 gradient of this rank's layers between micro-steps.
+    unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
+    mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
     mem["total_bytes"] = sum(mem.values())
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
@@ -240,15 +243,17 @@ def _fsdp(
     # Without a pipeline each micro-step gathers every unit, and the blocks again for
     # backward; under a pipeline nothing reshards until the step ends (one gather each).
     gathers = lay.accum if lay.pp == 1 else 1
+    # ... and reduces every micro-step's gradients, unless they accumulate unsharded until the last.
+    reduces = gathers if lay.reduce_every_microstep else 1
     act = lay.param_dtype_bytes
     for unit in blocks:
         sent.add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if lay.pp == 1 else 1)
-        sent.add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n)
+        sent.add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n, reduces)
     if root:
         sent.add("dp_shard", "all_gather", unit_bytes(root, act), n, gathers)
-        sent.add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n)
+        sent.add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n, reduces)
     for unit in blocks + ([root] if root else []):
-        sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r)
+        sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
 
 
 def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:

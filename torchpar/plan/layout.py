@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from torchpar.config import JobConfig
+from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.parallel.pipeline import balanced_split
@@ -43,12 +44,14 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def layout_from_config(cfg: JobConfig, world: int) -> tuple[Layout, object, object]:
-    """The exact layout a config gives on ``world`` ranks (resolved and checked as the trainer
-    does), with the model's adapter and args."""
+def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) -> tuple[Layout, object,
+                                                                                      object]:
+    """The exact layout a config gives on ``world`` ranks of ``device`` type (default: this
+    machine's; resolved and checked as the trainer does), with the model's adapter and args."""
     model = adapter(cfg.model.name)
     args = model_args(cfg.model)
-    return resolve_layout(cfg.parallelism, cfg.training, model, args, world), model, args
+    dtype = compute_dtype(cfg.training.mixed_precision_param, device)
+    return resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype), model, args
 
 
 def split_of(model, args, lay: Layout) -> list[int]:

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.config:
         cfg = load_config(a.config, [])
-        lay, model, args = layout_from_config(cfg, a.nproc or cluster.world)
+        lay, model, args = layout_from_config(cfg, a.nproc or cluster.world, "cuda")
         plans = [plan(model, args, lay, cluster, cfg.training.seq_len, a.efficiency)]
     elif a.model:
         model = MODELS[a.family]

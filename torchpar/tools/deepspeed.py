@@ -45,7 +45,7 @@ def _batch(ds: dict, nproc: int, out: list[str], notes: list[tuple[str, str]]) -
     out += ["--training.local_batch_size", str(mbs), "--training.global_batch_size", str(tbs)]
 
 
-def _zero(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> int:
+def _zero(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
     z = ds.get("zero_optimization", {})
     stage = int(z.get("stage", 0))
     out += ["--parallelism.zero_stage", str(stage)]
@@ -60,19 +60,14 @@ def _zero(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> int:
             )
     for key in sorted(set(z) - {"stage", "offload_optimizer", "offload_param"}):
         notes.append((f"zero_optimization.{key}", NO_KNOB if key in IGNORED_ZERO else "not mapped"))
-    return stage
 
 
-def _precision(ds: dict, stage: int, out: list[str], notes: list[tuple[str, str]]) -> None:
+def _precision(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
     if (ds.get("fp16") or {}).get("enabled"):
-        notes.append(("fp16.enabled", "torchpar has no fp16 loss scaling; use bf16 (ZeRO-3) or fp32"))
-    if (ds.get("bf16") or {}).get("enabled"):
-        if stage == 3:
-            out += ["--training.mixed_precision_param", "bfloat16"]
-        else:
-            notes.append(
-                ("bf16.enabled", "torchpar's ZeRO 0-2 engine trains in fp32; bf16 needs zero stage 3")
-            )
+        notes.append(("fp16.enabled", "torchpar has no fp16 loss scaling; use bf16 or fp32"))
+    # Spelled out either way: torchpar's own default ('auto') is bf16 on GPUs.
+    bf16 = bool((ds.get("bf16") or {}).get("enabled"))
+    out += ["--training.mixed_precision_param", "bfloat16" if bf16 else "float32"]
 
 
 def _optimizer(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
@@ -131,8 +126,8 @@ def convert(ds: dict, nproc: int, flavor: str | None = None) -> tuple[str, list[
     out: list[str] = ["--model.flavor", flavor] if flavor else []
     notes: list[tuple[str, str]] = []
     _batch(ds, nproc, out, notes)
-    stage = _zero(ds, out, notes)
-    _precision(ds, stage, out, notes)
+    _zero(ds, out, notes)
+    _precision(ds, out, notes)
     _optimizer(ds, out, notes)
     _scheduler(ds, out, notes)
     if "gradient_clipping" in ds:

@@ -17,7 +17,7 @@ PANELS = (("loss", ("loss", "val_loss")), ("learning rate", ("lr",)), ("gradient
           ("tokens/s", ("tokens_per_sec",)), ("memory (GiB)", ("mem_max_allocated_gib", "mem_rss_gib")))
 PICTURE_SUFFIXES = (".png", ".svg")  # what matplotlib writes here
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes",
-                "gathered_bytes")
+                "gathered_bytes", "unsharded_grad_bytes")
 
 
 def _pyplot():

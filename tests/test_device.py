@@ -1,0 +1,326 @@
+"""The GPU and cluster paths, in their CPU-testable shapes: the peak table and MFU, the dtype
+'auto' resolves to, the device index, the backends of the default group, srun's variables, the
+device-side init, SDPA's grouped-query attention, and ``torchpar selftest`` itself."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from harness import ROOT, TINY, free_port
+
+from torchpar import device as dev
+from torchpar.config import ConfigError
+
+B = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "name, dtype, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", B, True, 989e12),
+        ("NVIDIA H100 PCIe", B, True, 756e12),
+        ("NVIDIA H100 NVL", B, True, 835e12),
+        ("NVIDIA H200", B, True, 989e12),
+        ("NVIDIA H20", B, True, 148e12),  # not the H200's row
+        ("NVIDIA H800", B, True, 989e12),
+        ("NVIDIA A100-SXM4-80GB", B, True, 312e12),
+        ("NVIDIA A10G", B, True, 70e12),  # not the A10's
+        ("NVIDIA A10", B, True, 125e12),
+        ("NVIDIA L4", B, True, 121e12),
+        ("NVIDIA L40S", B, True, 362e12),
+        ("NVIDIA B200", B, True, 2.25e15),
+        ("NVIDIA GB200", B, True, 2.5e15),
+        ("AMD Instinct MI300X", B, True, 1307.4e12),  # ROCm reports as a cuda device
+        ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7e12),  # fp32 matmuls run as TF32
+        ("NVIDIA H100 80GB HBM3", torch.float32, False, 67e12),
+        ("NVIDIA GeForce RTX 4090", B, True, None),  # unknown: no MFU rather than a guess
+    ],
+)
+def test_peak_table_by_device_name_and_dtype(name, dtype, tf32, peak):
+    assert dev.gpu_peak(name, dtype, tf32) == peak
+
+
+def test_peak_override_and_auto_dtype(monkeypatch):
+    assert dev.peak_flops(torch.float32, 64, override_tflops=123.0) == (123e12, "metrics.peak_tflops")
+    assert dev.compute_dtype("auto") == "float32"  # this machine: a CPU
+    assert (dev.compute_dtype("auto", "cuda"), dev.compute_dtype("float32", "cuda")) == (
+        "bfloat16",
+        "float32",
+    )
+    monkeypatch.setattr(dev, "device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Foo 9000")
+    peak, why = dev.peak_flops(B, 64)
+    assert peak is None and "not in torchpar's peak table" in why and "metrics.peak_tflops" in why
+
+
+def test_default_group_backends(monkeypatch):
+    assert dev.backend() == dev.backend(cpu_tensors=True) == "gloo"
+    monkeypatch.setattr(dev, "device_type", lambda: "cuda")
+    # CPU offload keeps gradients (and their norm's all-reduce) on the host: gloo beside nccl.
+    assert (dev.backend(), dev.backend(cpu_tensors=True)) == ("nccl", "cpu:gloo,cuda:nccl")
+
+
+def test_the_device_is_local_rank_and_must_exist(monkeypatch):
+    monkeypatch.setattr(dev, "device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("RANK", "13")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(ConfigError, match="LOCAL_RANK 5 but this node has 4 visible GPU"):
+        dev.local_device()
+
+
+def test_cpu_offload_group_runs_host_collectives():
+    """The default group a GPU job gets with CPU offload, in the form gloo takes on a CPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+SRUN = {
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NODELIST": "gpu[003-004]",
+    "SLURM_JOB_ID": "4242",
+}
+
+
+def test_srun_variables_map_to_torchrun_ones():
+    env = dev.slurm_environment(SRUN)
+    assert env == {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu003",
+        "MASTER_PORT": str(20000 + 4242),
+    }
+    assert (
+        dev.slurm_environment({**SRUN, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})["MASTER_ADDR"] == "head"
+    )
+    assert dev.slurm_environment({**SRUN, "RANK": "5"}) == {}  # torchrun under srun already set them
+    assert dev.slurm_environment({**SRUN, "SLURM_STEP_NUM_TASKS": "1"}) == {}  # one task: nothing to join
+    assert dev.slurm_environment({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) == {}  # a batch script, no srun
+    assert [dev.first_host(s) for s in ("n1", "n[7,9]", "gpu[003-010,012],cpu1", "a-b[1-2]")] == [
+        "n1",
+        "n7",
+        "gpu003",
+        "a-b1",
+    ]
+    with pytest.raises(ConfigError, match="SLURM_PROCID is not set"):
+        dev.slurm_environment({k: v for k, v in SRUN.items() if k != "SLURM_PROCID"})
+
+
+def test_srun_without_torchrun_is_one_job(tmp_path):
+    """Two processes started as srun starts them (no torchrun variables) form one world-2 job, not
+    two world-1 jobs writing the same files; a task that cannot tell its rank is one line."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    base.update(
+        OMP_NUM_THREADS="1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_STEP_NODELIST="localhost",
+        MASTER_PORT=str(free_port()),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchpar.train",
+        "--config",
+        str(TINY),
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 2" in outs[0]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # one writer
+    r = subprocess.run(
+        cmd, cwd=ROOT, env={**base, "SLURM_LOCALID": "0"}, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "torchpar: error: started by srun with 2 tasks, but SLURM_PROCID is not set, so this process cannot "
+        "tell its rank: launch through torchrun (scripts/slurm/train.sbatch) instead"
+    ]
+
+
+def test_init_on_the_device_keeps_the_seeded_numbers():
+    """Weights come from a per-name generator on the parameter's device; on a CPU the numbers are
+    those of the seeded CPU generator, so checkpoints and tests from before still agree."""
+    from torchpar.models import MODELS
+
+    model = MODELS["llama3"].build(MODELS["llama3"].args("debug"))
+    model.init_weights(7)
+    name = "layers.3.attention.wq.weight"
+    gen = torch.Generator().manual_seed(7 * 1_000_003 + zlib.crc32(name.encode()))
+    expected = torch.randn(tuple(model.get_parameter(name).shape), generator=gen) * model.init_std(name)
+    assert torch.equal(model.get_parameter(name), expected)
+
+
+def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
+    from torchpar.models.llama import Attention, ModelArgs, rope_tables
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=16, max_seq_len=16)
+    attn = Attention(args)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    cos, sin = rope_tables(args.head_dim, 16, args.rope_theta)
+    out = attn(x, cos, sin)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in attn.parameters()] + [x.grad.clone()]
+    for p in [*attn.parameters(), x]:
+        p.grad = None
+
+    # The same attention with K and V repeated to every query head, as before enable_gqa.
+    from torchpar.models import llama
+
+    def repeated_sdpa(q, k, v, is_causal, enable_gqa):
+        n = q.shape[1] // k.shape[1]
+        return sdpa(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1), is_causal=is_causal)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    llama.F.scaled_dot_product_attention = repeated_sdpa
+    try:
+        ref = attn(x, cos, sin)
+        ref.sum().backward()
+    finally:
+        llama.F.scaled_dot_product_attention = sdpa
+    assert torch.allclose(out, ref, atol=1e-6)
+    for g, p in zip(grads, [*attn.parameters(), x]):
+        assert torch.allclose(g, p.grad, atol=1e-5)
+
+
+def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
+    """`torchpar selftest --nproc 2` on CPU: every built-in layout of 1 and 2 processes equals one
+    process; a layout whose learning rate differs (a broken layout, on purpose) fails the run."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpar.cli",
+            "selftest",
+            "--nproc",
+            "2",
+            "--json",
+            str(out),
+            "--layout",
+            "broken=--optimizer.lr 4e-3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    rows = {row["layout"]: row for row in json.loads(out.read_text())}
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rows.pop("broken")["status"] == "FAIL" and "failed: broken (float32)" in r.stdout
+    assert {"one_device", "zero3", "compile", "dp2_zero1", "tp2_sp_lp", "pp2_ZBVZeroBubble"} <= set(rows)
+    for row in rows.values():
+        assert row["status"] == "PASS" and row["max_dloss"] <= 1e-5 and row["tokens_per_sec"] > 0, row
+
+
+def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
+    """Two torchrun agents as two nodes of 2 ranks (run_train.sh with NNODES=2, a c10d rendezvous on
+    127.0.0.1) train dp_shard 2 x tp 2 for 5 steps; the losses equal one process's within 1e-5."""
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CONFIG_FILE": str(TINY),
+        "NGPU": "2",
+        "NNODES": "2",
+        "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "RDZV_ID": "two-nodes-test",
+    }
+    nodes = [
+        subprocess.Popen(
+            ["./run_train.sh", *layout, "--job.dump_folder", str(tmp_path / "job")],
+            cwd=ROOT,
+            env={**env, "NODE_RANK": str(n)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpar.train",
+            "--config",
+            str(TINY),
+            "--parallelism.zero_stage",
+            "0",
+            "--job.dump_folder",
+            str(tmp_path / "ref"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0] and ref.returncode == 0, outs + [ref.stderr]
+    assert "world 4 = pp 1 x dp_replicate 1 x dp_shard 2 x tp 2" in outs[0]
+
+    def losses(folder):
+        return [
+            r["loss"]
+            for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        ]
+
+    got, want = losses(tmp_path / "job"), losses(tmp_path / "ref")
+    assert len(got) == len(want) == 5 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_run_train_refuses_a_multi_node_launch_it_cannot_join(tmp_path):
+    env = {**os.environ, "CONFIG_FILE": str(TINY), "NGPU": "2"}
+    for extra, message in [
+        ({"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=host:port"),
+        ({"NNODES": "2", "NODE_RANK": "2", "RDZV_ENDPOINT": "h:1"}, "NODE_RANK=2: give 0..1"),
+        ({"SLURM_STEP_NUM_TASKS": "8"}, "started by srun as 8 tasks for NNODES=1"),
+    ]:
+        r = subprocess.run(
+            ["./run_train.sh", "--job.dump_folder", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=60,
+        )
+        assert r.returncode == 2 and r.stderr.startswith(f"run_train.sh: error: {message}"), r.stderr
