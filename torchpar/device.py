@@ -94,6 +94,13 @@ def local_device(tf32: bool = True) -> torch.device:
     return torch.device("cpu")
 
 
+def bind_thread_to_device() -> None:
+    """A new thread's CUDA calls go to GPU 0 until it sets its own device: threads that work for
+    this rank (the checkpoint writer) call this first."""
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def slurm_environment(env: dict[str, str]) -> dict[str, str]:
     """The torchrun-style variables for a process that ``srun`` started without torchrun, from the
     step's SLURM variables; {} when this is no multi-task srun step or torchrun already set them.

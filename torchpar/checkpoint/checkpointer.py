@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchpar import device as dev
 from torchpar.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -20,6 +21,7 @@ from torchpar.checkpoint.files import (
     interrupted_saves,
     read_manifest,
     step_dir,
+    verify_files,
 )
 from torchpar.config import ConfigError
 from torchpar.console import warn
@@ -39,7 +41,7 @@ class Checkpointer:
         self.dcp, self.cfg, self.root = dcp, cfg, root
         self.parts, self.manifest, self.resume_from = parts, manifest, resume_from
         self.rank = dist.get_rank()
-        self.pending = None  # (future -> seconds, partial, final folder, step, extra) of an async save
+        self.pending = None  # (future -> (seconds, files), partial, final, step, extra) of an async save
         self.async_group = None
         self.executor = None
         if cfg.enable and cfg.async_mode == "async":
@@ -97,25 +99,39 @@ class Checkpointer:
             (partial / PARTIAL_MARKER).write_text(f"step {step}\n")
         state = self._state()
         if self.cfg.async_mode == "async":
-            # Our own staging (CPU copies the next steps cannot touch), then DCP's ordinary save in a
-            # thread on its own process group. torch 2.13's async_save stager can mix up storages
-            # between tensors and fail ("invalid python storage"), so it is not used.
-            future = self._writer().submit(self._write, _snapshot(state), partial, self.async_group)
+            # A snapshot in host memory that keeps every DTensor's layout, with no second copy on the
+            # device; DCP's ordinary save writes it from a thread on its own process group while
+            # training goes on.
+            snapshot = host_snapshot(state, pin=dev.device_type() == "cuda")
+            dev.synchronize()  # the copies are complete before training changes the weights
+            future = self._writer().submit(self._write, snapshot, partial, self.async_group)
             self.pending = (future, partial, final, step, extra)
         else:
-            self._finalize(self._write(state, partial), partial, final, step, extra)
+            self._finalize(*self._write(state, partial), partial, final, step, extra)
 
-    def _write(self, state: dict, partial: Path, group=None) -> float:
-        """DCP's save of ``state`` into ``partial``; returns the seconds it took."""
+    def _write(self, state: dict, partial: Path, group=None) -> tuple[float, dict]:
+        """DCP's save of ``state`` into ``partial``; returns the seconds it took and, on rank 0,
+        every file's [size, CRC32]: each rank checksums the files it wrote (DCP names them
+        ``__<rank>_<n>.distcp``; rank 0 also writes the metadata), and rank 0 gathers them."""
         started = time.perf_counter()
         self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        mine = [f for f in partial.glob(f"__{self.rank}_*") if f.is_file()]
+        if self.rank == 0:
+            mine += [f for f in partial.iterdir() if f.is_file() and not f.name.startswith("__")
+                     and f.name != PARTIAL_MARKER]
+        files = {f.name: [f.stat().st_size, file_crc32(f)] for f in mine}
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(files, gathered, dst=0, group=group)
+        return seconds, {k: v for part in gathered or [] for k, v in sorted(part.items())}
 
     def _writer(self):
         if self.executor is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchpar-checkpoint")
+            # The writer thread works on this rank's GPU, like the training thread.
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchpar-checkpoint",
+                                               initializer=dev.bind_thread_to_device)
         return self.executor
 
     def _poll(self) -> None:
@@ -128,14 +144,31 @@ class Checkpointer:
             return
         future, *where = self.pending
         self.pending = None
-        self._finalize(future.result(), *where)
+        self._finalize(*future.result(), *where)
 
-    def _finalize(self, seconds: float, partial: Path, final: Path, step: int, extra: dict) -> None:
+    def _verify_checksums(self, path: Path) -> None:
+        """Every file's CRC32, read once: by one rank each (every world-th file); an error on any
+        rank ends every rank with the same line, before anything is loaded."""
+        if not self.cfg.verify_checksums:
+            return
+        manifest, world = read_manifest(path), dist.get_world_size()
+        try:
+            verify_files(path, manifest, checksums=True, names=sorted(manifest["files"])[self.rank::world])
+            problem = None
+        except ConfigError as e:
+            problem = str(e)
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise ConfigError(next(p for p in problems if p))
+
+    def _finalize(self, seconds: float, files: dict, partial: Path, final: Path, step: int,
+                  extra: dict) -> None:
         # DCP returns on the coordinator only after every rank's files and the metadata are written.
         if self.rank != 0:
             return
         (partial / PARTIAL_MARKER).unlink(missing_ok=True)
-        files = {f.name: [f.stat().st_size, file_crc32(f)] for f in sorted(partial.iterdir()) if f.is_file()}
+        files = dict(sorted(files.items()))
         manifest = {"format": FORMAT, "step": step, **extra, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                     **self.manifest, "files": files}
         tmp = partial / (MANIFEST + ".tmp")
@@ -170,6 +203,7 @@ class Checkpointer:
         path = self.resume_from
         if path is None:
             return None
+        self._verify_checksums(path)
         parts = {name: part for name, part in self.parts.items() if name not in skip}
         state = {name: part.state_dict() for name, part in parts.items()}  # DCP loads into these in place
         metadata = self.dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -209,20 +243,24 @@ def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
             )
 
 
-def _snapshot(obj):
-    """A copy of a state dict whose tensors are fresh CPU copies (DTensors keep their layout)."""
+def host_snapshot(obj, pin: bool = False):
+    """A copy of a state dict whose tensors live in host memory (page-locked when ``pin``: the copy
+    from a GPU then runs at full bandwidth, asynchronously; the caller synchronizes). A DTensor
+    stays a DTensor of the same mesh, placements and global shape, its local piece on the host —
+    DTensor.from_local would move it back to the mesh's device, a second copy of the training
+    state there. torch 2.13's own helpers for this (DCP's async stager, _create_cpu_state_dict)
+    deep-copy DTensors and fail on the ZeRO engine's parameters, views into one flat buffer
+    ("Attempted to call copy_() on an invalid python storage")."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                  stride=obj.stride())
+        return DTensor(host_snapshot(obj._local_tensor, pin), obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
     if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
+        return {k: host_snapshot(v, pin) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot(v) for v in obj)
+        return type(obj)(host_snapshot(v, pin) for v in obj)
     return obj
 
 
