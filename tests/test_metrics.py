@@ -112,3 +112,23 @@ def test_the_profiler_writes_a_trace_of_each_requested_iteration(tmp_path):
         trace = json.loads(trace_file.read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert any(n.startswith("ProfilerStep#") for n in names) and "aten::mm" in names
+
+
+def test_a_long_phase_says_it_is_still_going(capsys):
+    """Start-up phases, saves and evaluations that run long print a line naming the phase (so a
+    stall shows where it is), from a thread that ends with the phase."""
+    import threading
+    import time
+
+    from torchpar.console import progress
+
+    with progress("building the model", after_s=0.05, every_s=0.05):
+        time.sleep(0.3)
+    with progress("quiet on other ranks", shown=False, after_s=0.01):
+        time.sleep(0.1)
+    with progress("short", after_s=5):
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(line.startswith("torchpar: building the model: still going after ")
+                                   for line in lines), lines
+    assert not [t for t in threading.enumerate() if t.name == "torchpar-progress"]

@@ -9,8 +9,11 @@ of 512 ranks says a mistake once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from torchpar.config import ConfigError
@@ -89,3 +92,28 @@ def run_command(main, argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         error(f"{where}{e.strerror or e}", every_rank=True)
         return 1
+
+
+@contextlib.contextmanager
+def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: float = 30.0):
+    """While ``what`` runs longer than ``after_s`` (then every ``every_s``), say it is still going:
+    a long start-up, save or evaluation is visibly alive, and a stall names the phase it is in."""
+    if not shown:
+        yield
+        return
+    done, started = threading.Event(), time.perf_counter()
+
+    def watch() -> None:
+        wait = after_s
+        while not done.wait(wait):
+            seconds = time.perf_counter() - started
+            print(f"torchpar: {what}: still going after {seconds:.0f} s", file=sys.stderr, flush=True)
+            wait = every_s
+
+    thread = threading.Thread(target=watch, name="torchpar-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()  # no thread outlives the phase

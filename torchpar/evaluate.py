@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from torchpar.console import progress
 from torchpar.data import build_dataloader
 from torchpar.loss import cross_entropy_sum
 from torchpar.parallel import compute_context
@@ -42,7 +43,8 @@ def held_out_loss(trainer) -> float:
 def evaluate(trainer) -> None:
     """The held-out loss after this step: kept by the trainer and logged."""
     t0, step = time.perf_counter(), trainer.train_state.step
-    val_loss = held_out_loss(trainer)
+    with progress(f"the evaluation after step {step}", trainer.rank == 0):
+        val_loss = held_out_loss(trainer)
     trainer.val_losses.append((step, val_loss))
     trainer.logger.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
                         "eval_s": time.perf_counter() - t0})

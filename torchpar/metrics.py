@@ -150,3 +150,20 @@ def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def describe_run(trainer) -> str:
+    """The start-up line(s): model, layout, batch, device, compute precision and the MFU peak."""
+    cfg, lay = trainer.cfg, trainer.layout
+    n = trainer.model_family.num_params(trainer.args)
+    tf32 = cfg.training.tf32 and trainer.device.type == "cuda"
+    precision = {"float32": "float32" + (" (TF32 matmuls)" if tf32 else ""),
+                 "bfloat16": "bfloat16 " + ("autocast" if lay.autocast else "FSDP2 mixed precision")
+                             + " over float32 weights"}[lay.param_dtype]
+    peak = "unknown" if trainer.peak_flops is None else f"{trainer.peak_flops / 1e9:.1f} GFLOP/s per rank"
+    line = (f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
+            f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
+            f"{lay.zero_stage}, global batch {trainer.global_batch} ({lay.accum} accumulation step(s)), "
+            f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
+    pipeline = trainer.model.pipeline
+    return line if pipeline is None else f"{line}\n{pipeline.describe()}"

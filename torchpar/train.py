@@ -21,12 +21,12 @@ from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
-from torchpar.console import warn
+from torchpar.console import progress, warn
 from torchpar.data import build_dataloader
 from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
 from torchpar.loss import cross_entropy_sum
-from torchpar.metrics import MetricsLogger, Throughput
+from torchpar.metrics import MetricsLogger, Throughput, describe_run
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
@@ -46,21 +46,24 @@ class Trainer:
         dev.adopt_slurm_environment()  # srun without torchrun: every task joins one job
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        pre = preflight(cfg, world)
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        with progress("checking the config, tokenizer, data and checkpoint", rank == 0):
+            pre = preflight(cfg, world)
         self.run_lock = claim_folders(cfg, rank)
         self.model_family, self.args, self.tokenizer, self.layout, self.val_source, self.data_identity = (
             pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source, pre.data)
         lay = self.layout
 
         # 2. Process group, mesh, model, optimizer, data.
-        self.rank, world = dev.init_distributed(cfg.comm.timeout_s, cpu_tensors=lay.cpu_offload, tf32=tr.tf32)
-        self.device = dev.local_device(tr.tf32)
-        lay.build_mesh(dev.device_type())
+        with progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0):
+            self.rank, world = dev.init_distributed(cfg.comm.timeout_s, lay.cpu_offload, tr.tf32)
+            self.device = dev.local_device(tr.tf32)
+            lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
-        self.model = build_parallel_model(
-            pre.model, self.args, lay, self.device, tr.seed,
-            lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
+        with progress("building, parallelizing and initializing the model", rank == 0):
+            self.model = build_parallel_model(
+                pre.model, self.args, lay, self.device, tr.seed,
+                lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(pre.source, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,
@@ -89,7 +92,8 @@ class Trainer:
         if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
             self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
                              **self.checkpointer.branch})
-        resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
+        with progress(f"loading the checkpoint {pre.resume}", rank == 0):
+            resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
         if resumed is not None and self.rank == 0:
             print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
                   f"({self.train_state.tokens_seen:,} tokens seen; {self.checkpointer.loaded})", flush=True)
@@ -189,9 +193,9 @@ class Trainer:
             raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
                                   "they were not saved; last good checkpoint: "
                                   f"{self.checkpointer.latest() or 'none'}")
-        self.checkpointer.maybe_save(
-            self.train_state.step, force=final, tokens_seen=self.train_state.tokens_seen
-        )
+        step = self.train_state.step
+        with progress(f"saving the checkpoint of step {step}", self.rank == 0):
+            self.checkpointer.maybe_save(step, force=final, tokens_seen=self.train_state.tokens_seen)
 
     def global_sum(self, loss_sum: torch.Tensor) -> float:
         # One all-reduce over the world: each dp rank's loss counted once, and beside it whether
@@ -205,21 +209,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _describe(self) -> None:
-        cfg, lay = self.cfg, self.layout
-        n = self.model_family.num_params(self.args)
-        tf32 = cfg.training.tf32 and self.device.type == "cuda"
-        precision = {"float32": "float32" + (" (TF32 matmuls)" if tf32 else ""),
-                     "bfloat16": "bfloat16 " + ("autocast" if lay.autocast else "FSDP2 mixed precision")
-                                 + " over float32 weights"}[lay.param_dtype]
-        peak = "unknown" if self.peak_flops is None else f"{self.peak_flops / 1e9:.1f} GFLOP/s per rank"
-        print(f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-              f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
-              f"{lay.zero_stage}, global batch {self.global_batch} ({lay.accum} accumulation step(s)), "
-              f"device {self.device}, compute {precision}; peak {peak} ({self.peak_source})", flush=True)
-        if self.model.pipeline is not None:
-            print(self.model.pipeline.describe(), flush=True)
-
     def _first_step_figures(self) -> dict:
         """Each rank's state bytes (and the planner's prediction, through the hook), at step 1."""
         per_rank = [None] * dist.get_world_size()
@@ -232,7 +221,7 @@ class Trainer:
     def train(self) -> list[float]:
         cfg, tr, ts = self.cfg, self.cfg.training, self.train_state
         if self.rank == 0:
-            self._describe()
+            print(describe_run(self), flush=True)
         losses: list[float] = []
         batches = iter(self.dataloader)
         dev.reset_peak_memory()
