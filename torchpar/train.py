@@ -87,21 +87,26 @@ class Trainer:
         if self.peak_flops is None:
             warn(self.peak_source)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
-        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
-                                         self.manifest(), pre.resume)
-        if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
-            self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
-                             **self.checkpointer.branch})
-        with progress(f"loading the checkpoint {pre.resume}", rank == 0):
-            resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
-        if resumed is not None and self.rank == 0:
-            print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
-                  f"({self.train_state.tokens_seen:,} tokens seen; {self.checkpointer.loaded})", flush=True)
+        self._restore(pre.resume)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
         if world > 1 and cfg.comm.watchdog_s > 0:
             self.watchdog = Watchdog(dist.distributed_c10d._get_default_store(), self.rank, world,
                                      cfg.comm.watchdog_s, cfg.job.dump_folder).start()
+
+    def _restore(self, resume) -> None:
+        """The checkpointer, and the resume preflight found (or the new timeline it starts)."""
+        cfg = self.cfg
+        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
+                                         self.manifest(), resume)
+        if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
+            self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
+                             **self.checkpointer.branch})
+        with progress(f"loading the checkpoint {resume}", self.rank == 0):
+            resumed = self.checkpointer.load(skip=() if cfg.data.resume_position else ("dataloader",))
+        if resumed is not None and self.rank == 0:
+            print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
+                  f"({self.train_state.tokens_seen:,} tokens seen; {self.checkpointer.loaded})", flush=True)
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
