@@ -6,9 +6,9 @@
 #   NODE_RANK     this node's index, 0..NNODES-1 (default 0)
 #   RDZV_ENDPOINT host:port of the c10d rendezvous on the first node (required when NNODES > 1)
 #   RDZV_ID       the job's rendezvous id (default: SLURM_JOB_ID, else "torchpar")
-#   LOG_DIR       also write every rank's stdout/stderr to files under this folder
 #   MAX_RESTARTS  torchrun restarts after a failed rank (default 0)
 #   LOG_RANK      local ranks whose output the console shows (default 0)
+# Every rank's output also goes to <dump_folder>/logs/rank_<N>.log (job.rank_logs).
 # Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -46,13 +46,9 @@ fi
 if [ "$MAX_RESTARTS" -gt 0 ]; then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
-LOGS=()
-if [ -n "${LOG_DIR:-}" ]; then
-  LOGS=(--log-dir "$LOG_DIR" --redirects 3 --tee 3)
-fi
 # Check the config, data and layout once for the whole world, so a mistake is one line, not one
 # traceback per rank.
 NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
-exec torchrun "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" "${LOGS[@]}" \
+exec torchrun "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m torchpar.train --config "$CONFIG_FILE" "$@"

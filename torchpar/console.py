@@ -9,8 +9,10 @@ of 512 ranks says a mistake once.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -117,3 +119,39 @@ def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: floa
     finally:
         done.set()
         thread.join()  # no thread outlives the phase
+
+
+def tee_output(path: Path) -> None:
+    """From now on this process's stdout and stderr, native writes included, also go to ``path``
+    (appended). A ``tee`` process per stream reads a pipe that replaces the descriptor — not a
+    thread — so what the process writes before dying (an abort's message too) still reaches the
+    console and the file. tee runs in its own session, deaf to Ctrl-C, so a signal meant for the
+    job leaves it copying to the end. At exit the descriptors are restored and the copies waited for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} "
+                f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    copies = []
+    for fd in (1, 2):
+        original = os.dup(fd)
+        tee = subprocess.Popen(["tee", "-i", "-a", str(path)], stdin=subprocess.PIPE, stdout=original,
+                               stderr=original, start_new_session=True)
+        os.dup2(tee.stdin.fileno(), fd)
+        tee.stdin.close()  # the descriptor fd is now the pipe's only write end here
+        copies.append((fd, original, tee))
+
+    def restore() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original, tee in copies:
+            os.dup2(original, fd)  # closes the pipe: tee reaches its end
+            os.close(original)
+        for _, _, tee in copies:
+            try:
+                tee.wait(timeout=10)  # a child process may still hold the pipe: do not wait for it
+            except subprocess.TimeoutExpired:
+                pass
+
+    atexit.register(restore)

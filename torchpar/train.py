@@ -13,6 +13,7 @@ import dataclasses
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
-from torchpar.console import progress, warn
+from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader
 from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
@@ -50,6 +51,8 @@ class Trainer:
         with progress("checking the config, tokenizer, data and checkpoint", rank == 0):
             pre = preflight(cfg, world)
         self.run_lock = claim_folders(cfg, rank)
+        if cfg.job.rank_logs and "TORCHELASTIC_RUN_ID" in os.environ:
+            tee_output(Path(cfg.job.dump_folder) / "logs" / f"rank_{rank}.log")
         self.model_family, self.args, self.tokenizer, self.layout, self.val_source, self.data_identity = (
             pre.model, pre.args, pre.tokenizer, pre.layout, pre.val_source, pre.data)
         lay = self.layout
@@ -72,7 +75,7 @@ class Trainer:
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr)
-        self.breakdown = StepBreakdown(lay.mesh, dev.synchronize)
+        self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run

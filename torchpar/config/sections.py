@@ -23,6 +23,8 @@ DTYPES = ("float32", "bfloat16")
 class Job:
     dump_folder: str = opt("./outputs", "Folder for metrics.jsonl, wandb files and checkpoints.")
     description: str = opt("torchpar job", "Free text describing the run; logged with the config.")
+    rank_logs: bool = opt(True, "Under torchrun, every rank also writes its output to "
+                                "<dump_folder>/logs/rank_<N>.log (the console shows LOG_RANK's ranks).")
 
 
 @dataclass
