@@ -1,6 +1,12 @@
 """Where a step goes: on logged steps only, the time of each phase (data loading, forward and
-backward, gradient reduction and clipping, the optimizer step) and, if asked, the bytes each
-mesh dimension communicates.
+backward, gradient reduction and clipping, the optimizer step), under a pipeline the measured
+bubble beside the predicted one, and, if asked, the bytes each mesh dimension communicates.
+
+The measured bubble times every compute action of the schedule (forward, backward, weight
+gradient; between device synchronizations) on every pipeline rank: a rank's bubble is the time it
+computed nothing over the step's makespan (the first action on any rank to the last), as the
+planner's cost model defines it, and ``pp_bubble`` is the mean over the pipeline ranks. Ranks'
+clocks are the wall clock (one clock on one machine; NTP's across nodes).
 
 A phase's time is wall time between device synchronizations at its borders, so on a GPU it is
 the phase's own work and not its launch; those synchronizations happen on logged steps only, and
@@ -15,20 +21,25 @@ import contextlib
 import time
 from collections import defaultdict
 
+import torch.distributed as dist
+
 PHASES = ("data", "forward_backward", "reduce_clip", "optimizer")
 
 
 class StepBreakdown:
-    def __init__(self, mesh, synchronize):
-        self.mesh, self.synchronize = mesh, synchronize
+    def __init__(self, mesh, synchronize, pipeline=None):
+        self.mesh, self.synchronize, self.pipeline = mesh, synchronize, pipeline
         self.on = False
         self.times: dict[str, float] = defaultdict(float)
         self.sent: dict[str, float] | None = None
+        self.actions: list[tuple[str, float, float]] = []  # this rank's pipeline actions: (kind, start, end)
+        if pipeline is not None:
+            pipeline.time_actions(self.action)
 
     @contextlib.contextmanager
     def step(self, timed: bool, count_bytes: bool):
         """Around one whole step: ``timed`` = time its phases; ``count_bytes`` = count its traffic."""
-        self.on, self.times, self.sent = timed, defaultdict(float), None
+        self.on, self.times, self.sent, self.actions = timed, defaultdict(float), None, []
         if not count_bytes:
             yield
             return
@@ -51,6 +62,40 @@ class StepBreakdown:
             self.synchronize()
             self.times[name] += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def action(self, kind: str):
+        """One compute action of the pipeline schedule (F, B, I or W), timed on timed steps."""
+        if not self.on:
+            yield
+            return
+        self.synchronize()
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self.actions.append((kind, t0, time.time()))
+
+    def _bubble(self) -> dict:
+        """The measured bubble of this rank's pipeline (a collective over the pp ranks)."""
+        durations = defaultdict(list)
+        for kind, s, e in self.actions:
+            durations[kind].append(e - s)
+        mine = (min(s for _, s, _ in self.actions), max(e for _, _, e in self.actions),
+                sum(e - s for _, s, e in self.actions), dict(durations))
+        ranks = [None] * self.mesh["pp"].size()
+        dist.all_gather_object(ranks, mine, group=self.mesh["pp"].get_group())
+        makespan = max(r[1] for r in ranks) - min(r[0] for r in ranks)
+        per_rank = [1 - r[2] / makespan for r in ranks]
+        # Mean time per action kind over the pipeline: the cost model run with these instead of
+        # F=1, B=2 separates a wrong cost ratio from waiting on sends (what neither model has).
+        kinds = {k: [t for r in ranks for t in r[3].get(k, [])] for k in ("F", "B", "I", "W")}
+        cost = {k: sum(v) / len(v) if v else 0.0 for k, v in kinds.items()}
+        return {"pp_bubble": sum(per_rank) / len(per_rank), "pp_bubble_max": max(per_rank),
+                "pp_bubble_predicted": self.pipeline.predicted_bubble(),
+                "pp_bubble_measured_costs": self.pipeline.predicted_bubble(cost),
+                **{f"pp_time_{k}_s": v for k, v in cost.items() if v}}
+
     def record(self) -> dict:
         """The last step's figures, as metrics."""
         out = {}
@@ -58,6 +103,8 @@ class StepBreakdown:
             total = sum(self.times.values())
             out = {f"time_{name}_s": self.times[name] for name in PHASES}
             out["data_share"] = self.times["data"] / total if total else 0.0
+            if self.pipeline is not None and self.actions:
+                out.update(self._bubble())
         if self.sent is not None:
             out.update({f"comm_{dim}_bytes": sent for dim, sent in self.sent.items()})
             out["comm_bytes"] = sum(self.sent.values())

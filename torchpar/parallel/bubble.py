@@ -63,8 +63,11 @@ def schedule_actions(
     return single_stage_actions(name, pp, n) if name in ("GPipe", "1F1B") else compute_actions(order)
 
 
-def simulate(actions: dict[int, list[tuple[str, int, int]]], num_stages: int) -> dict:
-    """Start/end of every action under the cost model; per-rank and overall bubble."""
+def simulate(actions: dict[int, list[tuple[str, int, int]]], num_stages: int,
+             cost: dict | None = None) -> dict:
+    """Start/end of every action under the cost model (``cost``: another time per kind); per-rank
+    and overall bubble."""
+    cost = cost or COST
     done: dict[tuple[str, int, int], float] = {}
     free = {r: 0.0 for r in actions}
     nxt = {r: 0 for r in actions}
@@ -87,7 +90,7 @@ def simulate(actions: dict[int, list[tuple[str, int, int]]], num_stages: int) ->
                 if any(d not in done for d in need):
                     break
                 start = max([free[r]] + [done[d] for d in need])
-                end = start + COST[kind]
+                end = start + cost[kind]
                 done[(kind, s, m)] = end
                 if kind in ("B", "I"):
                     done[("grad", s, m)] = end  # the input gradient the previous stage waits for

@@ -8,6 +8,7 @@ rank r holds stages r and 2pp-1-r). Each stage is then parallelized like a whole
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -182,12 +183,14 @@ class Pipeline:
         # scale_grads=False: the loss is already normalized by the global token count.
         self.schedule = cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
         self._scale, self._sums = 1.0, []
+        self._timer = None  # see time_actions
 
     def _loss(self, output, target):
         from torchpar.loss import cross_entropy_sum
         from torchpar.parallel.zero import full_value
 
-        loss = cross_entropy_sum(output, target)
+        with self._timer("L") if self._timer else contextlib.nullcontext():  # the last stage's work too
+            loss = cross_entropy_sum(output, target)
         self._sums.append(full_value(loss.detach()))
         return loss * self._scale
 
@@ -228,6 +231,28 @@ class Pipeline:
                           group_dst=self.holder[s + 1])
                 dist.send(x.float().contiguous(), group=self.group, group_dst=self.holder[s + 1])
         return loss
+
+    def time_actions(self, timer) -> None:
+        """Run each compute action of this rank's stages (the schedule calls these three) inside
+        ``timer(kind)``, a context manager, and the loss too (kind L): the measured bubble."""
+        self._timer = timer
+        for stage in self.stages:
+            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                               ("backward_weight_one_chunk", "W")):
+                def timed(*args, _method=getattr(stage, name), _kind=kind, **kwargs):
+                    # A zero-bubble schedule's input-gradient half is a backward without the weights.
+                    kind = "I" if _kind == "B" and kwargs.get("full_backward") is False else _kind
+                    with timer(kind):
+                        return _method(*args, **kwargs)
+
+                setattr(stage, name, timed)
+
+    def predicted_bubble(self, cost: dict | None = None) -> float:
+        """The cost model's bubble of this schedule (mean over the pipeline ranks); ``cost``:
+        times per action kind instead of the model's F=1, B=2, I=W=1."""
+        from torchpar.parallel.bubble import simulate
+
+        return simulate(self.actions(), self.layout.num_stages, cost)["bubble"]
 
     def actions(self) -> dict[int, list]:
         from torchpar.parallel.bubble import schedule_actions
