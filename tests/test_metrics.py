@@ -83,7 +83,8 @@ def test_plan_draws_the_memory_of_its_layouts(tmp_path):
 
 def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts():
     """dp2 ZeRO-2, tp2 and pp2 (rank 0: the first stage): the bytes rank 0 sent in steps 2 and 3,
-    counted by the ledger, equal the planner's prediction logged at step 1."""
+    counted by the ledger, equal the planner's prediction logged at step 1; the time inside them is
+    logged per mesh dimension."""
     from harness import run_layouts
     from test_plan import LEDGER_LAYOUTS
 
@@ -95,6 +96,11 @@ def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts
         assert "comm_bytes" not in step1 and [r["step"] for r in later] == [2, 3]
         for r in later:
             assert r["comm_bytes"] == pytest.approx(step1["predicted_comm_bytes"], rel=1e-9), name
+            # Time inside the collectives of every dimension that sent bytes, within the step's.
+            dims = {k[5:-6] for k in r if k.startswith("comm_") and k.endswith("_bytes")} - {""}
+            assert dims and all(0 < r[f"comm_{d}_s"] for d in dims if r[f"comm_{d}_bytes"] > 0), r
+            step = sum(r[f"time_{p}_s"] for p in ("forward_backward", "reduce_clip", "optimizer"))
+            assert sum(r[f"comm_{d}_s"] for d in dims) < step, r
         for r in (step1, *later):
             phases = [r[f"time_{p}_s"] for p in ("data", "forward_backward", "reduce_clip", "optimizer")]
             assert all(t >= 0 for t in phases) and phases[1] > 0 and 0 <= r["data_share"] < 1

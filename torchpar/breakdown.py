@@ -32,6 +32,7 @@ class StepBreakdown:
         self.on = False
         self.times: dict[str, float] = defaultdict(float)
         self.sent: dict[str, float] | None = None
+        self.comm_seconds: dict[str, float] = {}  # time inside collectives per mesh dim (counted steps)
         self.actions: list[tuple[str, float, float]] = []  # this rank's pipeline actions: (kind, start, end)
         if pipeline is not None:
             pipeline.time_actions(self.action)
@@ -45,26 +46,14 @@ class StepBreakdown:
             return
         from torchpar.tools.ledger import CommLedger
 
-        with CommLedger(self.mesh) as ledger:
+        with CommLedger(self.mesh, self.synchronize) as ledger:
             yield
-        self.sent = ledger.sent_bytes()
+        self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        if not self.on:
-            yield
-            return
-        self.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.synchronize()
-            self.times[name] += time.perf_counter() - t0
-
-    @contextlib.contextmanager
-    def action(self, kind: str):
-        """One compute action of the pipeline schedule (F, B, I or W), timed on timed steps."""
+    def _span(self, record):
+        """On timed steps, run the block between device synchronizations and hand its start and
+        end (the wall clock, comparable between the ranks of a machine) to ``record``."""
         if not self.on:
             yield
             return
@@ -74,7 +63,15 @@ class StepBreakdown:
             yield
         finally:
             self.synchronize()
-            self.actions.append((kind, t0, time.time()))
+            record(t0, time.time())
+
+    def phase(self, name: str):
+        """One phase of the step (see PHASES)."""
+        return self._span(lambda t0, t1: self.times.__setitem__(name, self.times[name] + t1 - t0))
+
+    def action(self, kind: str):
+        """One compute action of the pipeline schedule: F, B, I, W, or L (the loss)."""
+        return self._span(lambda t0, t1: self.actions.append((kind, t0, t1)))
 
     def _bubble(self) -> dict:
         """The measured bubble of this rank's pipeline (a collective over the pp ranks)."""
@@ -108,4 +105,5 @@ class StepBreakdown:
         if self.sent is not None:
             out.update({f"comm_{dim}_bytes": sent for dim, sent in self.sent.items()})
             out["comm_bytes"] = sum(self.sent.values())
+            out.update({f"comm_{dim}_s": seconds for dim, seconds in self.comm_seconds.items()})
         return out

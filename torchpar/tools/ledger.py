@@ -6,10 +6,15 @@ with its payload (the bytes of the full tensor being reduced or gathered; for po
 the tensor sent) and the group it ran on, named by the mesh dimension that owns the group.
 ``sent_bytes`` converts payloads into what a ring algorithm sends per rank: 2(n-1)/n for
 all-reduce, (n-1)/n for all-gather and reduce-scatter, the tensor itself for a send.
+
+With ``synchronize`` (the device's), each collective is also timed from its issue to its
+completion — waited for at once, so the counted steps lose their overlap — into ``seconds`` per
+mesh dimension: the time spent inside collectives if nothing overlapped them (sends excepted).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -55,9 +60,20 @@ def _nbytes(x) -> int:
     return 0
 
 
+def _wait(out) -> None:
+    """Wait for a collective's result: a c10d op's Work, or a functional collective's tensor."""
+    for x in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(x, torch.ScriptObject):
+            dist.distributed_c10d.Work.unbox(x).wait()
+        elif isinstance(x, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(x)
+
+
 class CommLedger(TorchDispatchMode):
-    def __init__(self, mesh=None):
+    def __init__(self, mesh=None, synchronize=None):
         super().__init__()
+        self.synchronize = synchronize
+        self.seconds: dict[str, float] = defaultdict(float)  # per mesh dim, when timed
         self.names: dict[str, str] = {}
         if dist.is_initialized():
             self.names[dist.group.WORLD.group_name] = "world"
@@ -86,6 +102,13 @@ class CommLedger(TorchDispatchMode):
             # Modes run before tensor subclasses: let DTensor turn the op into plain ops and
             # collectives first, which then come back here.
             return NotImplemented
+        # Point-to-point sends are not timed: waiting for one at its issue, before this rank posts
+        # its receives, would deadlock a pipeline schedule (its waits show in the measured bubble).
+        timed = (self.synchronize is not None and func.namespace.startswith(("c10d", "_c10d_functional"))
+                 and OPS.get(func._opname, ("send",))[0] != "send")
+        if timed:
+            self.synchronize()
+            t0 = time.perf_counter()
         out = func(*args, **kwargs)
         if func.namespace.startswith(("c10d", "_c10d_functional")):
             op = func._opname
@@ -93,6 +116,10 @@ class CommLedger(TorchDispatchMode):
                 kind, payload = OPS[op]
                 dim, size = self._group(list(args) + list(kwargs.values()))
                 self.records.append((dim, kind, payload(args, size), size))
+                if timed:
+                    _wait(out)
+                    self.synchronize()
+                    self.seconds[dim] += time.perf_counter() - t0
             elif op not in IGNORED:
                 self.unknown.add(f"{func.namespace}.{op}")
         return out
