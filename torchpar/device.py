@@ -34,7 +34,7 @@ GPU_PEAKS = {
     "H20": (148e12, 74e12, 44e12),
     "A100": (312e12, 156e12, 19.5e12),
     "A10": (125e12, 62.5e12, 31.2e12),
-    "A10G": (70e12, 35e12, 31.2e12),  # AWS's variant of the A10 (no NVIDIA datasheet; AWS's figure)
+    "A10G": (70e12, 35e12, 31.2e12),  # AWS-only A10 variant: no vendor datasheet; commonly quoted figures
     "L4": (121e12, 60e12, 30.3e12),
     "L40": (181e12, 90.5e12, 90.5e12),
     "L40S": (362e12, 183e12, 91.6e12),
