@@ -36,6 +36,7 @@ class StepBreakdown:
         self.actions: list[tuple[str, float, float]] = []  # this rank's pipeline actions: (kind, start, end)
         if pipeline is not None:
             pipeline.time_actions(self.action)
+            self.predicted_bubble = pipeline.predicted_bubble()  # the schedule's, fixed for the run
 
     @contextlib.contextmanager
     def step(self, timed: bool, count_bytes: bool):
@@ -89,7 +90,7 @@ class StepBreakdown:
         kinds = {k: [t for r in ranks for t in r[3].get(k, [])] for k in ("F", "B", "I", "W")}
         cost = {k: sum(v) / len(v) if v else 0.0 for k, v in kinds.items()}
         return {"pp_bubble": sum(per_rank) / len(per_rank), "pp_bubble_max": max(per_rank),
-                "pp_bubble_predicted": self.pipeline.predicted_bubble(),
+                "pp_bubble_predicted": self.predicted_bubble,
                 "pp_bubble_measured_costs": self.pipeline.predicted_bubble(cost),
                 **{f"pp_time_{k}_s": v for k, v in cost.items() if v}}
 

@@ -57,6 +57,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_name() -> str:
+    """This process's device as its vendor names it ('NVIDIA H100 80GB HBM3'), or 'CPU'."""
+    return torch.cuda.get_device_name() if device_type() == "cuda" else "CPU"
+
+
 def default_nproc() -> int:
     """Processes ``run_train.sh`` starts when NGPU is unset: one per visible GPU, else 2 CPU ranks."""
     return torch.cuda.device_count() if device_type() == "cuda" else 2
@@ -215,7 +220,7 @@ def peak_flops(dtype: torch.dtype, matmul_dim: int, tf32: bool = True,
     if override_tflops > 0:
         return override_tflops * 1e12, "metrics.peak_tflops"
     if device_type() == "cuda":
-        name = torch.cuda.get_device_name()
+        name = device_name()
         peak = gpu_peak(name, dtype, tf32)
         kind = str(dtype).removeprefix("torch.") + (" (TF32)" if dtype == torch.float32 and tf32 else "")
         if peak is None:

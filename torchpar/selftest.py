@@ -197,28 +197,33 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
     for dtype in dtypes:
         tol = TOLERANCE[dev.device_type(), dtype]
         common = ["--training.mixed_precision_param", dtype, "--training.tf32", "false"]
-        worlds = sorted({w for w, _, _ in table})
-        groups = [(1, {"one_device": REFERENCE + common})] + [
-            (world, {n: o + common for w, n, o in table if w == world}) for world in worlds]
-        ref = None
-        for world, layouts in groups:
-            try:
-                results = run_layouts(world, layouts, base)
-            except RuntimeError as e:  # a rank died: its group's layouts fail, the others still run
-                rows += [{"layout": n, "world": world, "dtype": dtype, "status": f"ERROR: {_error_line(e)}"}
-                         for n in layouts]
-                continue
-            ref = ref or results.get("one_device")
-            if ref is None:
-                break  # nothing to compare with
-            rows += [_row(n, world, dtype, results[n], ref, tol) for n in layouts]
+        ref, error = _run(1, {"one_device": REFERENCE + common}, base)
+        if error:  # nothing to compare with: every layout of this dtype says so
+            rows += [_error_row(n, w, dtype, f"no one-device run: {error}")
+                     for w, n, _ in [(1, "one_device", None), *table]]
+            continue
+        ref = ref["one_device"]
+        rows.append(_row("one_device", 1, dtype, ref, ref, tol))
+        for world in sorted({w for w, _, _ in table}):
+            layouts = {n: o + common for w, n, o in table if w == world}
+            results, error = _run(world, layouts, base)
+            rows += [_error_row(n, world, dtype, error) if error
+                     else _row(n, world, dtype, results[n], ref, tol) for n in layouts]
     return rows
 
 
-def _error_line(e: Exception) -> str:
-    """The failed rank's exception line, from spawn_ranks' report."""
-    lines = [line for line in str(e).splitlines() if re.match(r"[\w.]+(Error|Exception)\b", line)]
-    return lines[-1][:200] if lines else "a rank died (no Python error: a signal or a native abort)"
+def _run(world: int, layouts: dict, base) -> tuple[dict | None, str | None]:
+    """(results, None), or (None, the failed rank's exception line) when a rank died: then that
+    group's layouts fail and the others still run."""
+    try:
+        return run_layouts(world, layouts, base), None
+    except RuntimeError as e:
+        lines = [line for line in str(e).splitlines() if re.match(r"[\w.]+(Error|Exception)\b", line)]
+        return None, lines[-1][:200] if lines else "a rank died (no Python error: a signal or a native abort)"
+
+
+def _error_row(name: str, world: int, dtype: str, error: str) -> dict:
+    return {"layout": name, "world": world, "dtype": dtype, "status": f"ERROR: {error}"}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -266,9 +271,8 @@ def main(argv: list[str]) -> int:
         if not sep or not name:
             raise ConfigError(f"--layout {spec!r}: write NAME='--section.key value ...'")
         extra[name] = shlex.split(overrides)
-    name = torch.cuda.get_device_name() if dev.device_type() == "cuda" else "CPU"
-    print(f"torchpar selftest: {a.nproc} process(es) on {name}, torch {torch.__version__}; each layout's "
-          "losses against one device's", flush=True)
+    print(f"torchpar selftest: {a.nproc} process(es) on {dev.device_name()}, torch {torch.__version__}; "
+          "each layout's losses against one device's", flush=True)
     rows = selftest(a.nproc, dtypes, extra)
     print(format_rows(rows))
     if a.json:

@@ -90,18 +90,18 @@ class Trainer:
         if self.peak_flops is None:
             warn(self.peak_source)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
-        self._restore(pre.resume)
+        self._restore(pre.resume, pre.resume_manifest)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
         if world > 1 and cfg.comm.watchdog_s > 0:
             self.watchdog = Watchdog(dist.distributed_c10d._get_default_store(), self.rank, world,
                                      cfg.comm.watchdog_s, cfg.job.dump_folder).start()
 
-    def _restore(self, resume) -> None:
+    def _restore(self, resume, resume_manifest) -> None:
         """The checkpointer, and the resume preflight found (or the new timeline it starts)."""
         cfg = self.cfg
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
-                                         self.manifest(), resume)
+                                         self.manifest(), resume, resume_manifest)
         if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
             self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
                              **self.checkpointer.branch})

@@ -19,7 +19,6 @@ from torchpar.checkpoint.files import (
     complete_checkpoints,
     file_crc32,
     interrupted_saves,
-    read_manifest,
     step_dir,
     verify_files,
 )
@@ -32,14 +31,17 @@ class Checkpointer:
 
     ``manifest``: what to record beside the tensors (model, tokenizer, layout, config); each save
     adds the step, the time and every file's size and CRC32. ``resume_from``: a checkpoint
-    validated in preflight, restored by :meth:`load`.
+    validated in preflight, restored by :meth:`load`, and ``resume_manifest`` its manifest as
+    preflight read it (so a resume reads it once).
     """
 
-    def __init__(self, cfg, root: Path, parts: dict, manifest: dict, resume_from: Path | None):
+    def __init__(self, cfg, root: Path, parts: dict, manifest: dict, resume_from: Path | None,
+                 resume_manifest: dict | None):
         import torch.distributed.checkpoint as dcp
 
         self.dcp, self.cfg, self.root = dcp, cfg, root
-        self.parts, self.manifest, self.resume_from = parts, manifest, resume_from
+        self.parts, self.manifest = parts, manifest
+        self.resume_from, self.resume_manifest = resume_from, resume_manifest
         self.rank = dist.get_rank()
         self.pending = None  # (future -> (seconds, files), partial, final, step, extra) of an async save
         self.async_group = None
@@ -52,7 +54,7 @@ class Checkpointer:
         if cfg.enable and self.rank == 0:
             for d in interrupted_saves(root):
                 shutil.rmtree(d, ignore_errors=True)
-            self.branch = self._set_newer_aside(int(read_manifest(resume_from)["step"]) if resume_from else 0)
+            self.branch = self._set_newer_aside(int(resume_manifest["step"]) if resume_manifest else 0)
         if cfg.enable:
             dist.barrier()  # nobody writes before stale partial folders are gone and the timeline is set
 
@@ -151,7 +153,7 @@ class Checkpointer:
         rank ends every rank with the same line, before anything is loaded."""
         if not self.cfg.verify_checksums:
             return
-        manifest, world = read_manifest(path), dist.get_world_size()
+        manifest, world = self.resume_manifest, dist.get_world_size()
         try:
             verify_files(path, manifest, checksums=True, names=sorted(manifest["files"])[self.rank::world])
             problem = None
@@ -216,7 +218,7 @@ class Checkpointer:
         for name, part in parts.items():
             part.load_state_dict(state[name])
         seconds = time.perf_counter() - started
-        self.loaded = _rate(sum(size for size, _ in read_manifest(path)["files"].values()), seconds)
+        self.loaded = _rate(sum(size for size, _ in self.resume_manifest["files"].values()), seconds)
         return path
 
 

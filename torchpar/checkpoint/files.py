@@ -74,6 +74,7 @@ def verify_files(path: Path, manifest: dict, checksums: bool, names: list[str] |
     """Every file the manifest lists (or those of ``names``) is there with its size (and CRC32):
     one clear error if not."""
     fix = "delete this folder to fall back to the previous checkpoint, or set checkpoint.load_step"
+    names = None if names is None else set(names)
     for name, (size, crc) in manifest["files"].items():
         if names is not None and name not in names:
             continue
