@@ -1,9 +1,12 @@
 """The divergence guard: a non-finite step is never applied, non-finite weights are never saved."""
 
+import json
 import math
 import sys
 
+import pytest
 import torch
+from harness import TINY, spawn_ranks
 from test_checkpoint_files import TRAIN, expect_error
 from test_train import records, run
 
@@ -59,3 +62,71 @@ def test_infinite_learning_rate_never_saves_its_weights(tmp_path):
              "--checkpoint.interval", "1", "--optimizer.lr", "inf", "--training.steps", "3"], tmp_path)
     expect_error(r, "step 1: the updated weights are not finite", "last good checkpoint: none", code=3)
     assert not list((tmp_path / "run" / "checkpoint").glob("step-*"))
+
+
+def test_a_late_read_still_stops_before_anything_after_the_step_is_saved(tmp_path):
+    """Nothing forces a read at step 3 (no log, no save due): the host learns of it during step 4,
+    before step 4's update and its save."""
+    r = poisoned_run(tmp_path, tmp_path / "run", "--checkpoint.interval", "2", "--metrics.log_freq", "10")
+    expect_error(r, "step 3: non-finite loss nan", "step-00000002", code=3)
+    assert [d.name for d in (tmp_path / "run" / "checkpoint").glob("step-*")] == ["step-00000002"]
+
+
+def test_skipping_on_the_device_equals_skipping_on_the_host(tmp_path):
+    """Fused AdamW drops step 3 in its kernel and the host reads it a step later; foreach waits to
+    read it first. Both continue from the same weights, with the same learning rates."""
+    last = {}
+    for impl in ("fused", "foreach"):
+        r = poisoned_run(tmp_path, tmp_path / impl, "--training.on_divergence", "skip",
+                         "--checkpoint.interval", "10", "--metrics.log_freq", "10",
+                         "--optimizer.implementation", impl)
+        assert r.returncode == 0 and "step 3 skipped: non-finite loss nan" in r.stderr, r.stderr
+        assert [x["step"] for x in records(tmp_path / impl, "skipped_steps")] == [3]
+        last[impl] = records(tmp_path / impl)[-1]
+    assert last["fused"]["step"] == 5 and math.isfinite(last["fused"]["loss"])
+    assert abs(last["fused"]["loss"] - last["foreach"]["loss"]) < 1e-5
+    assert last["fused"]["lr"] == last["foreach"]["lr"]
+
+
+def _pending_worker(rank, world, out, impl):
+    from torchpar.config import load_config
+    from torchpar.train import Trainer
+
+    overrides = ["--optimizer.implementation", impl, "--job.dump_folder", f"{out}/run"]
+    trainer = Trainer(load_config(TINY, overrides))
+    batches, read = iter(trainer.dataloader), []
+    for step in (1, 2, 3):
+        trainer.train_state.step = step
+        trainer.train_step(batches)
+        read.append([s for s, _, _ in trainer.guard.pending])
+    trainer.close()
+    if rank == 0:
+        with open(f"{out}/pending.json", "w") as f:
+            json.dump({"read": read, "losses": len(trainer.losses)}, f)
+
+
+@pytest.mark.parametrize("impl, unread", [("fused", [[1], [2], [3]]), ("foreach", [[], [], []])])
+def test_a_step_leaves_its_own_figures_unread(impl, unread):
+    """On the device path a step ends with its own figures still unread (the host read the one
+    before): the loop never waits for the step it has just queued."""
+    out = spawn_ranks(_pending_worker, 2, impl)
+    with open(f"{out}/pending.json") as f:
+        got = json.load(f)
+    assert got == {"read": unread, "losses": 3 - len(unread[-1])}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_an_unlogged_step_never_waits_for_the_gpu(tmp_path):
+    code = (
+        "import torch, torchpar.train as t\n"
+        "from torchpar.config import load_config\n"
+        f"tr = t.Trainer(load_config({str(TINY)!r}, ['--job.dump_folder', {str(tmp_path / 'run')!r}]))\n"
+        "b = iter(tr.dataloader)\n"
+        "for step in (1, 2):\n"
+        "    tr.train_state.step = step; tr.train_step(b)\n"
+        "torch.cuda.set_sync_debug_mode('error')\n"
+        "tr.train_state.step = 3; tr.train_step(b)\n"
+        "torch.cuda.set_sync_debug_mode(0); tr.close()\n"
+    )
+    r = run([sys.executable, "-c", code], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]

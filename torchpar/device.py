@@ -175,6 +175,16 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def record_event():
+    """A CUDA event after the work queued so far, to wait for that work alone later; None on CPU,
+    where the work is already done."""
+    if device_type() != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def record_memory_history(enabled: bool) -> bool:
     """Start (or stop) recording CUDA allocations for memory snapshots; False without CUDA."""
     if device_type() != "cuda":

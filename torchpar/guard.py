@@ -3,15 +3,23 @@ loss spikes far above the recent mean) is never applied, and non-finite weights 
 
 Every figure it looks at is already global (all-reduced over the world), so every rank takes the
 same decision without another collective; only the check of the weights before a save adds one.
+
+The host reads a step's figures late, so that it never waits for the device in the middle of the
+loop: with a fused optimizer the decision to skip is taken on the device by the optimizer kernel
+itself, and the host learns of it when it next reads — one step later, or at the next log, save or
+evaluation. Only the spike check needs the loss on the host before the update (one read per step).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from torchpar import device as dev
 
 
 class TrainingStopped(RuntimeError):
@@ -21,11 +29,33 @@ class TrainingStopped(RuntimeError):
 
 
 class DivergenceGuard:
-    def __init__(self, tr):
+    def __init__(self, tr, optimizer: torch.optim.Optimizer):
         """``tr`` is the [training] section."""
         self.action, self.spike_factor = tr.on_divergence, tr.loss_spike_factor
         self.recent: deque[float] = deque(maxlen=tr.loss_spike_window)
         self.skipped = 0
+        # Fused AdamW skips a step on the device (the found_inf input GradScaler uses).
+        self.on_device = bool(optimizer.defaults.get("fused")) and self.spike_factor == 0
+        self.pending: deque[tuple[int, torch.Tensor, object]] = deque()
+
+    def record(self, step: int, figures: torch.Tensor) -> torch.Tensor:
+        """Keep ``figures`` (global loss, gradient norm, stop flag; on the device) to read later,
+        started on their way to the host now; returns 1.0 where the step must not be applied."""
+        host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
+        self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
+        return (~torch.isfinite(figures[:2]).all()).float()
+
+    def settle(self, upto: int) -> list[tuple[int, float, float, bool, str | None]]:
+        """The recorded figures of the steps up to ``upto``, read now (waiting for those steps
+        only), each as (step, loss, gradient norm, stop flag, why it was not applied or None)."""
+        out = []
+        while self.pending and self.pending[0][0] <= upto:
+            step, host, event = self.pending.popleft()
+            if event is not None:
+                event.synchronize()
+            loss, grad_norm, stopping = host.tolist()
+            out.append((step, loss, grad_norm, stopping > 0, self.problem(loss, grad_norm)))
+        return out
 
     def problem(self, loss: float, grad_norm: float) -> str | None:
         """Why this step must not be applied, or None."""
@@ -38,6 +68,21 @@ class DivergenceGuard:
                         f"{len(self.recent)} steps")
         self.recent.append(loss)
         return None
+
+
+@contextmanager
+def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
+    """A fused optimizer step inside leaves parameters and state (step count included) as they
+    were where ``skip`` is 1.0 — the kernel reads it, the host does not."""
+    if skip is None:
+        yield
+        return
+    optimizer.found_inf = skip.to(optimizer.param_groups[0]["params"][0].device)
+    optimizer.grad_scale = None
+    try:
+        yield
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def weights_finite(params: list[torch.Tensor]) -> bool:

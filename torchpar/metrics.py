@@ -167,3 +167,35 @@ def describe_run(trainer) -> str:
             f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
+
+
+def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> None:
+    """The record of a logged step: throughput since the last logged step, MFU, memory (the max
+    over ranks: under a pipeline the stages differ), the step breakdown; at the run's first step
+    also each rank's state bytes (and, through ``on_first_step``, the planner's prediction)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchpar import device as dev
+
+    lay, step = trainer.layout, trainer.train_state.step
+    dev.synchronize()
+    speed = trainer.throughput.figures(step)
+    memory = dev.memory_stats()
+    peak = torch.tensor(list(memory.values()), device=trainer.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tps = speed["tokens_per_sec"]
+    record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, **speed,
+              "tokens_per_sec_per_rank": tps / lay.world,
+              "mfu": None if trainer.peak_flops is None
+              else trainer.flops_per_token * tps / (trainer.peak_flops * lay.world),
+              "tokens_seen": trainer.train_state.tokens_seen,
+              **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
+    if step == first:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, trainer.model.state.state_bytes())
+        record.update(per_rank[0])
+        record.update({f"{key}_per_rank": [r[key] for r in per_rank] for key in per_rank[0]})
+        if trainer.on_first_step is not None:
+            record.update(trainer.on_first_step(trainer, per_rank[0]))
+    trainer.logger.log(record)

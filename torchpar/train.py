@@ -25,9 +25,9 @@ from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader
 from torchpar.evaluate import evaluate
-from torchpar.guard import DivergenceGuard, TrainingStopped, weights_finite
+from torchpar.guard import DivergenceGuard, TrainingStopped, skipped_where, weights_finite
 from torchpar.loss import cross_entropy_sum
-from torchpar.metrics import MetricsLogger, Throughput, describe_run
+from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
@@ -74,10 +74,11 @@ class Trainer:
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
-        self.guard = DivergenceGuard(tr)
+        self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
+        self.losses: list[float] = []  # every step's global loss, as the host reads them
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -132,9 +133,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, batches) -> tuple[float, float, str | None]:
-        """One optimizer step: (global loss, gradient norm, why it was not applied or None)."""
-        state = self.model.state
+    def train_step(self, batches) -> None:
+        """One optimizer step. Its figures are read by the host later (:meth:`_settle`)."""
+        state, step = self.model.state, self.train_state.step
         # Gradients of the globally normalized loss: the dp average taken by the reduction
         # undoes the factor dp here.
         scale = self.layout.dp / self.global_tokens
@@ -143,8 +144,9 @@ class Trainer:
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             with phase("data"):
-                batch = torch.cat([next(batches) for _ in range(self.layout.accum)]).to(self.device,
-                                                                                       non_blocking=True)
+                # each batch is copied from its pinned buffer: a host-side cat would not be pinned
+                batch = torch.cat([next(batches).to(self.device, non_blocking=True)
+                                   for _ in range(self.layout.accum)])
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
                 loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
@@ -160,18 +162,32 @@ class Trainer:
                     loss_sum += full_value(loss.detach())
         with phase("reduce_clip"):
             state.reduce_gradients()
-            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm).item()
-        loss = self.global_sum(loss_sum) / self.global_tokens
-        problem = self.guard.problem(loss, grad_norm)  # global figures: every rank decides alike
-        if problem is None:
-            with phase("optimizer"):
+            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
+            loss, stopping = self.global_figures(loss_sum)
+            skip = self.guard.record(step, torch.stack([loss / self.global_tokens, grad_norm, stopping]))
+        # The steps before this one are read now: waiting for them leaves this one's work queued.
+        # A guard that decides on the host reads this step too, before its update.
+        on_device = self.guard.on_device
+        if step not in self._settle(step - 1 if on_device else step):
+            with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
                 state.step()
-                self.lr_scheduler.step()
-        return loss, grad_norm, problem
+        self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
 
-    def _diverged(self, problem: str) -> None:
+    def _settle(self, upto: int) -> set[int]:
+        """Read the figures of the steps up to ``upto``: their losses, stop signals and
+        divergence (stop here, or count the skip). Returns the steps not applied."""
+        rejected = set()
+        for step, loss, grad_norm, stopping, problem in self.guard.settle(upto):
+            self.losses.append(loss)
+            self.settled = (loss, grad_norm)
+            self.stop_requested |= stopping
+            if problem is not None:
+                self._diverged(step, problem)
+                rejected.add(step)
+        return rejected
+
+    def _diverged(self, step: int, problem: str) -> None:
         """A step that was not applied: stop with one line, or skip it (counted and logged)."""
-        step = self.train_state.step
         if self.cfg.training.on_divergence == "stop":
             self.checkpointer.wait()
             last = self.checkpointer.latest()
@@ -205,32 +221,25 @@ class Trainer:
         with progress(f"saving the checkpoint of step {step}", self.rank == 0):
             self.checkpointer.maybe_save(step, force=final, tokens_seen=self.train_state.tokens_seen)
 
-    def global_sum(self, loss_sum: torch.Tensor) -> float:
-        # One all-reduce over the world: each dp rank's loss counted once, and beside it whether
-        # any rank received a stop signal (so that all stop at the same step).
+    def global_figures(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """One all-reduce over the world, left on the device: each dp rank's loss counted once, and
+        beside it whether any rank received a stop signal (so that all stop at the same step)."""
         both = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
-                            torch.tensor(float(self.signals.received > 0), device=loss_sum.device)])
+                            torch.full_like(loss_sum, float(self.signals.received > 0))])
         dist.all_reduce(both)
-        loss, stopping = both.tolist()
-        self.stop_requested = stopping > 0
+        return both
+
+    def global_sum(self, loss_sum: torch.Tensor) -> float:
+        loss, stopping = self.global_figures(loss_sum).tolist()
+        self.stop_requested |= stopping > 0
         return loss
 
     # ------------------------------------------------------------------ the loop
-
-    def _first_step_figures(self) -> dict:
-        """Each rank's state bytes (and the planner's prediction, through the hook), at step 1."""
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, self.model.state.state_bytes())
-        out = {**per_rank[0], **{f"{key}_per_rank": [r[key] for r in per_rank] for key in per_rank[0]}}
-        if self.on_first_step is not None:
-            out.update(self.on_first_step(self, per_rank[0]))
-        return out
 
     def train(self) -> list[float]:
         cfg, tr, ts = self.cfg, self.cfg.training, self.train_state
         if self.rank == 0:
             print(describe_run(self), flush=True)
-        losses: list[float] = []
         batches = iter(self.dataloader)
         dev.reset_peak_memory()
         first = ts.step + 1  # > 1 after a resume
@@ -239,49 +248,31 @@ class Trainer:
             ts.step += 1
             self._phase(f"step {ts.step}", short=ts.step != first)  # the first warms up (and compiles)
             lr = self.lr_scheduler.get_last_lr()[0]
-            logged = ts.step == first or ts.step % cfg.metrics.log_freq == 0 or ts.step == tr.steps
+            last = ts.step == tr.steps
+            logged = ts.step == first or ts.step % cfg.metrics.log_freq == 0 or last
+            evaluating = bool(self.val_source) and (ts.step % cfg.validation.freq == 0 or last)
             # (the first step's traffic includes one-time set-up: counted from the second on)
             with self.breakdown.step(logged and cfg.metrics.log_step_breakdown,
                                      logged and cfg.metrics.log_communication and ts.step > first):
-                loss, grad_norm, problem = self.train_step(batches)
+                self.train_step(batches)
             self.profiler.step(ts.step)
             ts.tokens_seen += self.global_tokens
-            if problem is not None:
-                self._diverged(problem)
-            losses.append(loss)
             self.throughput.steps += 1
+            # The host waits for the device only where it must: to log, evaluate, save or stop.
+            if logged or evaluating or self.stop_requested or self.checkpointer.due(ts.step, last):
+                self._settle(ts.step)
             if logged:
-                self._log_step(loss, grad_norm, lr, first)
+                log_step(self, *self.settled, lr, first)
             self.model.state.zero_grad()
             with self.throughput.aside():
-                if self.val_source and (ts.step % cfg.validation.freq == 0 or ts.step == tr.steps):
+                if evaluating:
                     self._phase(f"the evaluation after step {ts.step}")
                     evaluate(self)
                 if self.stop_requested and ts.step < tr.steps:
                     self._preempted()
-                self._save(final=ts.step == tr.steps)
+                self._save(final=last)
         self.close()
-        return losses
-
-    def _log_step(self, loss: float, grad_norm: float, lr: float, first: int) -> None:
-        """The metrics of a logged step: throughput since the last logged step, memory (the max over
-        ranks: under a pipeline the stages differ), the step breakdown."""
-        lay, step = self.layout, self.train_state.step
-        dev.synchronize()
-        speed = self.throughput.figures(step)
-        memory = dev.memory_stats()
-        peak = torch.tensor(list(memory.values()), device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tps = speed["tokens_per_sec"]
-        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, **speed,
-                  "tokens_per_sec_per_rank": tps / lay.world,
-                  "mfu": None if self.peak_flops is None
-                  else self.flops_per_token * tps / (self.peak_flops * lay.world),
-                  "tokens_seen": self.train_state.tokens_seen,
-                  **dict(zip(memory, peak.tolist())), **self.breakdown.record()}
-        if step == first:
-            record.update(self._first_step_figures())
-        self.logger.log(record)
+        return self.losses
 
     def _phase(self, what: str, short: bool = True) -> None:
         if self.watchdog is not None:

@@ -108,10 +108,11 @@ class Training:
         "stop", "A step whose loss or gradient norm is not finite (or spikes, see loss_spike_factor) is "
                 "never applied: 'stop' = end the run with one line naming the step and the last good "
                 "checkpoint; 'skip' = drop that batch's update and go on (counted in metrics as "
-                "skipped_steps).", ("stop", "skip"))
+                "skipped_steps; the learning-rate schedule still advances). The host learns of it at the "
+                "next step, log, evaluation or save, and never saves after it.", ("stop", "skip"))
     loss_spike_factor: float = opt(
         0.0, "Treat a loss above this factor x the mean of the last loss_spike_window steps as divergence "
-        "(0 = only non-finite values).")
+        "(0 = only non-finite values). The check reads the loss on the host before each update.")
     loss_spike_window: int = opt(20, "Steps whose mean loss the spike check compares with.")
 
 
@@ -124,7 +125,9 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon.")
     weight_decay: float = opt(0.1, "Decoupled weight decay.")
     implementation: str = opt(
-        "auto", "'auto' = fused on CUDA, foreach elsewhere.", ("auto", "fused", "foreach", "for-loop")
+        "auto", "'auto' = fused: one kernel per step on CUDA and CPU alike, which also drops a divergent "
+        "step on the device, so the loop never waits to read the loss; with foreach or for-loop the "
+        "host reads every step's loss before its update.", ("auto", "fused", "foreach", "for-loop")
     )
 
 
