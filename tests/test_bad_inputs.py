@@ -118,6 +118,11 @@ CASES = [
     Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
     Case("negative max_norm", CHECK + " --training.max_norm -1", "training.max_norm"),
     Case("bad choice", CHECK + " --training.activation_checkpoint some", "activation_checkpoint", "'some'"),
+    Case("every-k without full", CHECK + " --training.activation_checkpoint_every 2",
+         "training.activation_checkpoint_every = 2 applies", "'full'"),
+    Case("every-k of 0", CHECK + " --training.activation_checkpoint full"
+         " --training.activation_checkpoint_every 0",
+         "training.activation_checkpoint_every must be positive"),
     Case("log_freq 0", CHECK + " --metrics.log_freq 0", "metrics.log_freq must be positive"),
     Case("checkpoint interval 0", CHECK + " --checkpoint.interval 0", "checkpoint.interval"),
     Case("keep_latest_k -1", CHECK + " --checkpoint.keep_latest_k -1", "keep_latest_k >= 0"),

@@ -24,6 +24,8 @@ LB = "--training.local_batch_size"
 C = "--training.compile=true"
 VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=3"]
 AC = "--training.activation_checkpoint=full"
+SAC = "--training.activation_checkpoint=selective"
+EVERY2 = [AC, "--training.activation_checkpoint_every=2"]
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -57,6 +59,13 @@ WORLD2 = {
         for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
     },
     "pp2_ZBVZeroBubble_activation_checkpoint": pp(2, "ZBVZeroBubble", Z, "0", AC),
+    # Selective recomputation keeps TP's reductions and runs sequence parallelism's all-gathers again.
+    "tp2_sp_lp_selective": [*TP2, Z, "0", SAC],
+    "tp2_zero3_selective": [*TP2, Z, "3", SAC, "--parallelism.sequence_parallel", "false"],
+    "dp2_zero3_selective": [LB, "4", Z, "3", SAC],
+    "dp2_zero2_every2": [LB, "4", Z, "2", *EVERY2],
+    "pp2_Interleaved1F1B_selective": pp(2, "Interleaved1F1B", Z, "0", SAC),
+    "pp2_1F1B_every2": pp(2, "1F1B", Z, "3", *EVERY2),
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],

@@ -216,16 +216,100 @@ def test_seed_deepspeed_batch_arithmetic(seeds):
 # ---------------------------------------------------------------- activations, search, command line
 
 
-def test_activation_prediction_against_a_measured_block():
-    """Saved-for-backward bytes of the real fp32 model vs the planner: per block, torchpar's SwiGLU
-    (3 hidden-sized tensors), RoPE copies and GQA expansion keep ~20% more than Korthikanti's 34·sbh."""
+# (family, flavour, batch, seq): two sequence lengths of the debug flavours, one of the ~125M ones.
+ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("gpt2", "debug", 4, 64),
+                     ("gpt2", "debug", 2, 256), ("llama3", "125M", 1, 128), ("gpt2", "124M", 1, 128)]
+RECOMPUTE = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
+
+
+def _activation_worker(rank, world, out, cases):
+    from torchpar.models import MODELS
+    from torchpar.parallel.layout import Layout
     from torchpar.plan.checks import activation_check
 
-    for flavor, b, s in (("debug", 8, 128), ("125M", 1, 256)):
-        r = activation_check(flavor, b, s)
-        assert 1.0 < r["ratio"] < 1.4, r
-        # The whole forward + loss, against activations + fp32 logits and their gradient.
-        assert 0.8 < r["model_ratio"] < 1.25, r
+    results = []
+    for family, flavor, batch, seq, sp, policy, every in cases:
+        model = MODELS[family]
+        lay = Layout(tp=world, sequence_parallel=sp, loss_parallel=world > 1, activation_checkpoint=policy,
+                     activation_checkpoint_every=every, local_batch_size=batch)
+        lay.build_mesh("cpu")
+        r = activation_check(model, model.args(flavor), lay, batch, seq)
+        results.append({"case": [family, flavor, batch, seq, f"tp{world}", "sp" if sp else "", policy, every],
+                        "block_ratios": r["block_ratios"], "ratio": r["ratio"], "bytes": r["measured_bytes"]})
+    if rank == 0:
+        with open(f"{out}/activations.json", "w") as f:
+            json.dump(results, f)
+
+
+def _activation_ratios(world, cases):
+    out = spawn_ranks(_activation_worker, world, cases)
+    with open(f"{out}/activations.json") as f:
+        results = json.load(f)
+    for r in results:
+        blocks = " ".join(f"{x:.3f}" for x in r["block_ratios"])
+        print(*r["case"], "blocks", blocks, f"whole {r['ratio']:.3f}")
+    return results
+
+
+def test_activations_predicted_from_structure_match_one_process():
+    """Bytes each block, and the whole forward + loss, hold for backward on one process: the
+    planner's meta-device trace against the real fp32 model on the CPU, for every recomputation
+    policy, both families, two sequence lengths and the ~125M flavours."""
+    cases = [(*m, False, *p) for m in ACTIVATION_MODELS for p in RECOMPUTE]
+    results = _activation_ratios(1, cases)
+    for r in results:
+        assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
+    # Less memory for more recomputation, in the order the planner's search offers them.
+    for m in range(len(ACTIVATION_MODELS)):
+        held = {tuple(r["case"][-2:]): r["bytes"] for r in results[4 * m: 4 * m + 4]}
+        assert held[("none", 1)] > held[("selective", 1)] > held[("full", 1)], held
+        assert held[("none", 1)] > held[("full", 2)] > held[("full", 1)], held
+
+
+def test_activations_predicted_under_tensor_and_sequence_parallelism():
+    """The same on one rank of TP = 2, with and without sequence parallelism (loss parallel on):
+    the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
+    cases = [(*m, sp, policy, 1) for m in ACTIVATION_MODELS[:3] + ACTIVATION_MODELS[4:5]
+             for sp in (False, True) for policy in ("none", "selective", "full")]
+    for r in _activation_ratios(2, cases):
+        assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
+
+
+def _peak_worker(rank, world, out, shapes):
+    from torchpar.config import load_config
+    from torchpar.plan.checks import step_peak_check
+
+    results = {}
+    for shape, overrides in shapes.items():
+        for name, policy in RECOMPUTE_OPTIONS.items():
+            cfg = load_config(TINY, [*overrides, *policy, "--job.dump_folder", f"{out}/run",
+                                     "--validation.enable", "false"])
+            results[f"{shape} {name}"] = step_peak_check(cfg)
+    with open(f"{out}/peaks.json", "w") as f:
+        json.dump(results, f)
+
+
+RECOMPUTE_OPTIONS = {
+    "none": [], "selective": ["--training.activation_checkpoint", "selective"],
+    "every-2": ["--training.activation_checkpoint", "full", "--training.activation_checkpoint_every", "2"],
+    "full": ["--training.activation_checkpoint", "full"],
+}
+
+
+def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
+    """A real training step whose activations dominate (batch 16 x 256 tokens): the most bytes
+    alive at once, plus parameters and Adam state, falls in the order none > selective >
+    every-2 > full, and the planner's device peak is within 10% of each, in the same order."""
+    shapes = {f"{family} debug": ["--model.name", family, "--training.local_batch_size", "16",
+                                  "--training.seq_len", "256"] for family in ("llama3", "gpt2")}
+    with open(f"{spawn_ranks(_peak_worker, 1, shapes)}/peaks.json") as f:
+        peaks = json.load(f)
+    for shape in shapes:
+        rows = [peaks[f"{shape} {name}"] for name in RECOMPUTE_OPTIONS]
+        print(shape, [f"{r['measured_bytes'] / 2**20:.1f}/{r['predicted_bytes'] / 2**20:.1f}" for r in rows])
+        assert all(0.9 <= r["ratio"] <= 1.1 for r in rows), rows
+        for key in ("measured_bytes", "predicted_bytes"):
+            assert all(a[key] > b[key] for a, b in zip(rows, rows[1:])), (shape, key, rows)
 
 
 def run_plan(*args):

@@ -168,9 +168,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no world size; layout checks live in ParallelDims."""
     t = cfg.training
-    for name in ("steps", "local_batch_size", "seq_len"):
+    for name in ("steps", "local_batch_size", "seq_len", "activation_checkpoint_every"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"training.{name} must be positive, got {getattr(t, name)}")
+    if t.activation_checkpoint_every > 1 and t.activation_checkpoint != "full":
+        raise ConfigError(f"training.activation_checkpoint_every = {t.activation_checkpoint_every} applies "
+                          "to training.activation_checkpoint = 'full' only; set it to 1 or choose 'full'")
     if t.global_batch_size < 0:
         raise ConfigError(
             f"training.global_batch_size must be >= 0 (0 = no accumulation), got {t.global_batch_size}"

@@ -101,8 +101,13 @@ class Training:
     tf32: bool = opt(True, "GPUs: fp32 matmuls in TF32 (what stays fp32 under bf16, or an fp32 run); false "
                            "for full fp32 precision.")
     activation_checkpoint: str = opt(
-        "none", "Recompute each block's activations in backward.", ("none", "full")
-    )
+        "none", "Recompute activations in backward: 'full' = a block keeps only its input (see "
+        "activation_checkpoint_every); 'selective' = every block keeps its matmul, attention and "
+        "TP-reduction outputs and recomputes the elementwise work between them.",
+        ("none", "full", "selective"))
+    activation_checkpoint_every: int = opt(
+        1, "With activation_checkpoint = 'full': recompute every k-th block only (blocks k-1, 2k-1, ... by "
+        "global index); the others keep all their activations.")
     compile: bool = opt(False, "torch.compile each transformer block.")
     on_divergence: str = opt(
         "stop", "A step whose loss or gradient norm is not finite (or spikes, see loss_spike_factor) is "

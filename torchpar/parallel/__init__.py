@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
+from torchpar.parallel.recompute import apply_recompute
 from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
 from torchpar.parallel.zero import FlatZero, ZeroState, unique_params
 
@@ -70,11 +71,7 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
             apply_tensor_parallel(
                 part, model, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel
             )
-        if layout.activation_checkpoint == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-            for key, block in list(part.layers.items()):
-                part.layers[key] = checkpoint_wrapper(block)
+        apply_recompute(part, layout.activation_checkpoint, layout.activation_checkpoint_every)
         if layout.compile:
             for block in part.layers.values():
                 block.compile()

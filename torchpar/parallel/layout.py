@@ -47,11 +47,11 @@ class Layout:
     stages_per_rank: int = 1
     layers_per_stage: tuple[int, ...] = ()  # the pipeline split, stage by stage; () without one
     microbatch_size: int = 1  # pipeline microbatch
-    activation_checkpoint: str = "none"  # none | full | selective (selective: planner only)
+    activation_checkpoint: str = "none"  # none | full | selective
+    activation_checkpoint_every: int = 1  # with full: recompute every k-th block
     param_dtype: str = "float32"  # compute copy of the weights
     reduce_dtype: str = "float32"  # gradient reduction over dp
     compile: bool = False
-    fused_attention: bool = True  # SDPA keeps no s x s score matrix for backward (planner)
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
 
     def __post_init__(self):
@@ -257,7 +257,8 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
                     reduce_every_microstep=par.zero3_reduce_every_microstep,
                     local_batch_size=tr.local_batch_size, accum=accum,
                     microbatch_size=par.pipeline_parallel_microbatch_size,
-                    activation_checkpoint=tr.activation_checkpoint, param_dtype=param_dtype,
+                    activation_checkpoint=tr.activation_checkpoint,
+                    activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                     reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(

@@ -25,10 +25,10 @@ from torchpar.plan.estimate import (
                                     Plan,
                                     communication,
                                     in_flight,
-                                    layer_activation_bytes,
                                     micro_steps,
                                     pipeline_bubble,
                                     plan,
+                                    recompute_flops_per_token,
 )
 from torchpar.plan.layout import (
                                     PRESETS,
@@ -41,5 +41,5 @@ from torchpar.plan.layout import (
 from torchpar.plan.search import explain, main, search
 
 __all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",
-           "layer_activation_bytes", "layout_from_config", "main", "micro_steps", "pipeline_bubble", "plan",
-           "predict_for_trainer", "rank_params", "search", "state_bytes"]
+           "layout_from_config", "main", "micro_steps", "pipeline_bubble", "plan", "predict_for_trainer",
+           "rank_params", "recompute_flops_per_token", "search", "state_bytes"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torchpar.models import DEFAULT_FAMILY, MODELS
 from torchpar.parallel.layout import Layout, grad_accum_steps
-from torchpar.plan.estimate import layer_activation_bytes, pipeline_bubble, plan
+from torchpar.plan.estimate import pipeline_bubble
 from torchpar.plan.layout import PRESETS, deepspeed_bytes, state_bytes
 
 FAMILY = MODELS[DEFAULT_FAMILY]  # its gpt3-175B flavour is the tutorials' GPT-3
@@ -15,57 +15,77 @@ GB, MB = 1e9, 1e6
 # ------------------------------------------------------------------ checks against measurement
 
 
-def saved_activation_bytes(fn, *inputs, exclude=()) -> int:
-    """Bytes of the tensors autograd saves for backward while ``fn(*inputs)`` runs — the
-    activation memory held at the peak, just before backward. Storages in ``exclude``
-    (parameters, buffers) and inputs are not counted; a storage saved twice counts once."""
-    import torch
-
-    skip = {t.untyped_storage().data_ptr() for t in (*exclude, *inputs)}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*inputs)
-    return sum(seen.values())
-
-
-def activation_check(
-    flavor: str = "debug", batch: int = 8, seq: int = 128, family: str = DEFAULT_FAMILY
-) -> dict:
-    """The real model in fp32 on the CPU, one microbatch: bytes saved for backward by one block
-    and by the whole forward + loss, against this planner's predictions (Korthikanti et al. per
-    layer; activations + logits for the model)."""
+def measured_activations(model, args, lay, batch: int, seq: int, seed: int = 0) -> dict:
+    """The real model on the CPU, laid out by ``lay`` (its mesh built, for TP), one microbatch of
+    forward + loss: the bytes each block, and the rest (embedding, final norm, head, loss), hold
+    at the end of the forward on this rank — followed storage by storage, as the planner's trace
+    does on the meta device."""
     import torch
 
     from torchpar.loss import cross_entropy_sum
+    from torchpar.parallel import _local_part, compute_context, parallelize
+    from torchpar.plan.activations import LiveStorages, tagged
 
-    model = MODELS[family]
-    args = model.args(flavor)
-    with torch.device("meta"):
-        module = model.build(args)
+    (module,) = parallelize(model, args, lay)
     module.to_empty(device="cpu")
-    module.init_weights(0)
-    extra = module.block_args()
-    params = [*module.parameters(), *extra]
-    h = torch.randn(batch, seq, args.dim, requires_grad=True)
-    layer = saved_activation_bytes(lambda x: module.layers["0"](x, *extra), h, exclude=params)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
-    whole = saved_activation_bytes(
-        lambda x: cross_entropy_sum(module(x[:, :-1]), x[:, 1:]), tokens, exclude=params
-    )
-    lay = Layout(local_batch_size=batch)
-    predicted = plan(model, args, lay, PRESETS["H100-80GB"], seq).memory
-    per_layer = layer_activation_bytes(args, seq, batch, lay, 4)
-    return {"flavor": flavor, "batch": batch, "seq": seq, "measured_layer_bytes": layer,
-            "predicted_layer_bytes": per_layer, "ratio": layer / per_layer, "measured_model_bytes": whole,
-            "predicted_model_bytes": predicted["activation_bytes"] + predicted["logits_bytes"],
-            "model_ratio": whole / (predicted["activation_bytes"] + predicted["logits_bytes"])}
+    module.tie_weights()
+    module.init_weights(seed, local_part=_local_part)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
+    tags = {module: ("rest", None), **{block: ("block", int(i)) for i, block in module.layers.items()}}
+    tracker = LiveStorages()
+    with tagged(tracker, tags), compute_context(lay), tracker:
+        loss = cross_entropy_sum(module(tokens[:, :-1]), tokens[:, 1:])
+    held = tracker.live()
+    del loss
+    return {"blocks": [held.get(("block", i), 0) for i in range(args.n_layers)],
+            "rest": held.get(("rest", None), 0)}
+
+
+def activation_check(model, args, lay, batch: int, seq: int) -> dict:
+    """Measured against predicted bytes per block (each block's policy) and for the whole
+    forward + loss, on this rank of layout ``lay``."""
+    from torchpar.parallel.recompute import recomputed
+    from torchpar.plan.activations import held_bytes
+
+    measured = measured_activations(model, args, lay, batch, seq)
+    policy = lay.activation_checkpoint
+    blocks = [held_bytes(model, args, lay, batch, seq,
+                         policy if recomputed(i, policy, lay.activation_checkpoint_every) else "none")
+              for i in range(args.n_layers)]
+    rest = held_bytes(model, args, lay, batch, seq, "none", part="rest")
+    whole = sum(measured["blocks"]) + measured["rest"]
+    return {"block_ratios": [m / p for m, p in zip(measured["blocks"], blocks)],
+            "measured_blocks": measured["blocks"], "predicted_blocks": blocks,
+            "measured_bytes": whole, "predicted_bytes": sum(blocks) + rest,
+            "ratio": whole / (sum(blocks) + rest)}
+
+
+def step_peak_check(cfg) -> dict:
+    """One real training step of the trainer (its second: the first creates lazy state) with every
+    storage followed: parameters + Adam state + the most bytes alive at once during the step,
+    against the planner's device peak for the same job, on this rank."""
+    from torchpar.plan.activations import LiveStorages
+    from torchpar.plan.estimate import rank_memory
+    from torchpar.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        batches = iter(trainer.dataloader)
+        trainer.train_state.step = 1
+        trainer.train_step(batches)
+        trainer.model.state.zero_grad()
+        tracker = LiveStorages(peak=True)
+        with tracker:
+            trainer.train_state.step = 2
+            trainer.train_step(batches)
+        state = trainer.model.state.state_bytes()
+        measured = state["param_bytes"] + state["optim_bytes"] + tracker.peak
+        lay, model, args = trainer.layout, trainer.model_family, trainer.args
+        predicted = rank_memory(model, args, lay, cfg.training.seq_len, lay.pp_rank)["total_bytes"]
+    finally:
+        trainer.close()
+    return {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
 
 
 # ------------------------------------------------------------------ the tutorials' worked examples

@@ -9,29 +9,28 @@ from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.layout import Layout
+from torchpar.plan.activations import ends_bytes, stage_activation_bytes
 from torchpar.plan.layout import Cluster, rank_params, split_of, state_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
 
 
-# ------------------------------------------------------------------ activations
+# ------------------------------------------------------------------ activations and recomputation
 
 
-def layer_activation_bytes(args, seq: int, batch: int, lay: Layout, act_bytes: int) -> float:
-    """Activations one transformer layer keeps for backward, per microbatch (Korthikanti et al.
-    2022, eqs. 1-6; their constants assume 2-byte activations, scaled here by ``act_bytes`` / 2).
-    The 5as/h term is the attention score matrix: absent with fused attention (SDPA), and
-    what selective recomputation removes."""
-    s, b, h, a, t = seq, batch, args.dim, args.n_heads, lay.tp
-    scores = 0 if lay.fused_attention else 5 * a * s / h
-    if lay.activation_checkpoint == "full":
-        per = 2 / (t if lay.sequence_parallel else 1)  # only the layer input
-    elif lay.sequence_parallel:
-        per = (34 + (0 if lay.activation_checkpoint == "selective" else scores)) / t
-    else:
-        per = 10 + 24 / t + (0 if lay.activation_checkpoint == "selective" else scores / t)
-    return s * b * h * per * act_bytes / 2
+def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
+    """Forward FLOPs run again in backward, per token: the blocks ``full`` recomputes (their
+    matmuls and attention). Selective recomputation keeps every matmul's and attention's output
+    and recomputes elementwise work only — O(d) FLOPs per token against the matmuls' O(d²),
+    counted as none."""
+    from torchpar.parallel.recompute import recomputed
+
+    if lay.activation_checkpoint != "full":
+        return 0.0
+    wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(args.n_layers))
+    block, _head = model.matmul_params(args)
+    return wrapped * (2 * block + 4 * seq * args.dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,13 +91,17 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     split = split_of(model, args, lay)
     mem = dict(state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0}))
     stages = lay.stage_ids(pp_rank)
-    layers = sum(split[s] for s in stages)
-    per_layer = layer_activation_bytes(args, seq, micro_batch, lay, lay.param_dtype_bytes)
-    mem["activation_bytes"] = per_layer * layers * in_flight(lay, n_micro, pp_rank, actions)
     has_head = (len(split) - 1) in stages
-    # Transients: fp32 logits and their gradient on the head's rank; FSDP2's gathered block
-    # (and the next one, prefetched) in the compute dtype.
-    mem["logits_bytes"] = 2 * 4 * micro_batch * seq * args.vocab_size / lay.tp if has_head else 0
+    held = sum(stage_activation_bytes(model, args, lay, micro_batch, seq, sum(split[:s]), split[s])
+               for s in stages)
+    held += ends_bytes(model, args, lay, micro_batch, seq, 0 in stages, has_head)
+    mem["activation_bytes"] = held * in_flight(lay, n_micro, pp_rank, actions)
+    # Transients: on the head's rank, as backward starts, the loss's fp32 log-softmax (held for
+    # backward), the gradient reaching it and the one it returns — three logits-sized tensors,
+    # vocab-sharded with loss parallelism; FSDP2's gathered block (and the next one, prefetched)
+    # in the compute dtype.
+    logits = 4 * micro_batch * seq * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
+    mem["logits_bytes"] = 3 * logits if has_head else 0
     block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
     mem["gathered_bytes"] = (
         2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
@@ -138,7 +141,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     comm = communication(model, args, lay, cluster, seq)
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     per_token = model.flops_per_token(args, seq)
-    flops = per_token * tokens * (4 / 3 if lay.activation_checkpoint == "full" else 1)
+    flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
     compute = flops / lay.world / (cluster.peak_flops * efficiency)
     bubble = pipeline_bubble(lay, micro_steps(lay)[1], actions)
     step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)

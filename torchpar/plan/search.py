@@ -35,6 +35,10 @@ def _degrees(model, args, cluster: Cluster, global_batch: int):
             yield tp, pp, dp
 
 
+# Recomputation searched: (training.activation_checkpoint, activation_checkpoint_every).
+RECOMPUTE = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
+
+
 def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule."""
@@ -43,9 +47,10 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         if zero in (1, 2, 3) and dp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
-        for ac, mbs in ((ac, mbs) for ac in ("none", "full") for mbs in (1, 2, 4) if per_dp % mbs == 0):
+        for (ac, every), mbs in ((ac, mbs) for ac in RECOMPUTE for mbs in (1, 2, 4) if per_dp % mbs == 0):
             common = dict(dp_shard=dp, tp=tp, zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
-                          sequence_parallel=True, loss_parallel=True, param_dtype=param_dtype)
+                          activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
+                          param_dtype=param_dtype)
             if pp == 1:
                 yield Layout(**common, local_batch_size=mbs, accum=per_dp // mbs, microbatch_size=mbs)
                 continue
@@ -72,13 +77,18 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
+def recompute_name(lay: dict) -> str:
+    every = lay["activation_checkpoint_every"]
+    return lay["activation_checkpoint"] + (f" every {every}" if every > 1 else "")
+
+
 def describe_layout(lay: dict) -> str:
     micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
     return (
         f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero "
         f"{lay['zero_stage']}"
         + (" +offload" if lay["cpu_offload"] else "")
-        + f", recompute {lay['activation_checkpoint']}, micro-batch {micro}"
+        + f", recompute {recompute_name(lay)}, micro-batch {micro}"
         + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}")
     )
 
@@ -128,8 +138,10 @@ def _breakdown(best: Plan) -> list[str]:
     lines = [
         f"fastest that fits: {describe_layout(best.layout)}",
         "  per device: "
-        + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items() if k != "total_bytes" and v)
-        + f" = {_gb(m['total_bytes'])}",
+        + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items()
+                    if k.endswith("_bytes") and k != "total_bytes" and v)
+        + f" = {_gb(m['total_bytes'])}"
+        + (f"; host memory per node {_gb(m['host_bytes_per_node'])}" if m["host_bytes_per_node"] else ""),
     ]
     if best.bubble:
         lines.append(f"  pipeline bubble {100 * best.bubble:.1f}% of the step ({best.layout['schedule']})")
@@ -158,7 +170,20 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
     if not fitting:
         lines.append("nothing fits: more devices, a shorter sequence or a smaller micro-batch.")
         return "\n".join(lines)
-    return "\n".join(lines + _breakdown(fitting[0]))
+    return "\n".join(lines + _breakdown(fitting[0]) + _recompute_choices(fitting[0], plans))
+
+
+def _recompute_choices(best: Plan, plans: list[Plan]) -> list[str]:
+    """The same layout under each recomputation policy: memory against extra step time."""
+    keys = ("activation_checkpoint", "activation_checkpoint_every")
+    same = {recompute_name(p.layout): p for p in plans
+            if {k: v for k, v in p.layout.items() if k not in keys}
+            == {k: v for k, v in best.layout.items() if k not in keys}}
+    same = dict(sorted(same.items(), key=lambda kv: -kv[1].memory["total_bytes"]))
+    base = same.get("none", best)
+    return ["  recomputation, the layout otherwise the same: " + "; ".join(
+        f"{name} {'fits' if p.fits else 'does not fit'} at {_gb(p.memory['total_bytes'])}, "
+        f"{100 * (p.step_s / base.step_s - 1):+.0f}% step time" for name, p in same.items())]
 
 
 def _parser():

@@ -1,0 +1,72 @@
+"""Activation recomputation, applied block by block from outside the model.
+
+``full``: a block keeps only its input and recomputes everything in backward (every k-th block
+with ``every = k``; the others keep all they save). ``selective``: torch's selective
+checkpointing; the outputs of matmuls, of attention and of reductions (tensor parallelism's
+all-reduce and reduce-scatter, which follow a matmul on the critical path) are kept, and the cheap
+elementwise work between them (norms, RoPE, activation functions, residual adds) is recomputed —
+most of full recomputation's saving, little of its cost. Sequence parallelism's all-gathers run
+again in backward: keeping them would hold each norm's output at full length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+# What selective recomputation keeps rather than recomputes (aten and functional-collective
+# overloads; looked up by name, so one missing from a torch build is simply absent).
+KEPT_OPS = (
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.all_reduce.default", "_c10d_functional.reduce_scatter_tensor.default",
+)
+
+
+@functools.cache
+def kept_ops() -> frozenset:
+    found = set()
+    for name in KEPT_OPS:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+def _policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def recomputed(index: int, policy: str, every: int) -> bool:
+    """Whether block ``index`` (its global index) is wrapped: every block with ``selective``, every
+    ``every``-th one (indices every-1, 2·every-1, ...) with ``full``."""
+    return policy == "selective" or (policy == "full" and index % every == every - 1)
+
+
+def apply_recompute(part: nn.Module, policy: str, every: int = 1) -> None:
+    """Wrap the blocks of ``part`` (its ``layers``, keyed by global index) for recomputation."""
+    if policy == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key, block in list(part.layers.items()):
+        if not recomputed(int(key), policy, every):
+            continue
+        if policy == "selective":
+            part.layers[key] = checkpoint_wrapper(block, context_fn=_selective_context)
+        else:
+            part.layers[key] = checkpoint_wrapper(block)

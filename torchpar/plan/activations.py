@@ -1,0 +1,195 @@
+"""Activation memory from the model's own structure, and its measurement.
+
+What a block holds for backward is read off the block itself: one block is run on the meta device
+(no memory, any size) under the layout's recomputation policy, and every storage its ops create
+is followed until the forward ends — what is still alive then is what the block holds (saved
+tensors, selective recomputation's kept outputs, the input a recomputed block keeps, its output).
+Each storage is tagged with the tensor-parallel style of the module that created it (the model
+adapter's block plan), which says how tensor and sequence parallelism divide it. Attention runs
+as a fused kernel would (it keeps q, k, v, its output and the log-sum-exp, no score matrix).
+
+The same tracker, on real tensors, measures a real run (``torchpar.plan.checks``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+NORM_OUTPUT = "norm output"  # a norm's result: gathered to full length before a column-wise linear
+
+
+def _storage(t: torch.Tensor):
+    return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's: its local piece's
+
+
+class LiveStorages(TorchDispatchMode):
+    """Follows every storage an op creates under it, tagged with ``self.tag`` at creation."""
+
+    def __init__(self, peak: bool = False):
+        """``peak``: also keep the most bytes alive at once (checked after every op)."""
+        super().__init__()
+        self.tag, self.storages = ("rest", None), {}
+        self.peak = 0 if peak else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an input's storage: not a new one.
+        given = {_storage(t)._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage(t)._cdata not in given:
+                self.follow(t, self.tag)
+        if self.peak is not None:
+            self.storages = {k: v for k, v in self.storages.items() if not v[0].expired()}
+            self.peak = max(self.peak, sum(v[1] for v in self.storages.values()))
+        return out
+
+    def follow(self, t: torch.Tensor, tag) -> None:
+        st = _storage(t)
+        known = self.storages.get(st._cdata)
+        if known is None or known[0].expired():
+            self.storages[st._cdata] = (StorageWeakRef(st), st.nbytes(), tag)
+        elif tag is not None and tag[1] == NORM_OUTPUT:
+            self.storages[st._cdata] = (*known[:2], tag)
+
+    def live(self) -> dict:
+        """Bytes still alive, by tag."""
+        out: dict = {}
+        for ref, nbytes, tag in self.storages.values():
+            if not ref.expired():
+                out[tag] = out.get(tag, 0) + nbytes
+        return out
+
+
+@contextlib.contextmanager
+def tagged(tracker: LiveStorages, modules: dict):
+    """Tag what each module of ``modules`` (module -> (part, style)) creates while it runs; the
+    innermost module wins, and a norm's output gets a tag of its own."""
+
+    def enter(tag):
+        def pre(module, args):
+            stack.append(tracker.tag)
+            tracker.tag = tag
+        return pre
+
+    def leave(module, args, out):
+        tracker.tag = stack.pop()
+        part, style = modules[module]
+        if style == "norm":
+            tracker.follow(out, (part, NORM_OUTPUT))
+
+    stack: list = []
+    handles = [h for m, tag in modules.items()
+               for h in (m.register_forward_pre_hook(enter(tag)), m.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class FusedAttention(TorchFunctionMode):
+    """On the meta device, attention as the fused kernels run it (meta has none of its own)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+            q, k, v = args
+            fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return fused(q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                         scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def styles_of(module, plan: dict, part: str) -> dict:
+    """The modules of ``module`` named in an adapter's plan: module -> (part, style)."""
+    from torchpar.models import canonical_name
+
+    named = {canonical_name(name): m for name, m in module.named_modules()}
+    return {named[path]: (part, style) for path, style in plan.items() if path in named}
+
+
+@functools.lru_cache(maxsize=256)
+def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -> dict:
+    """Bytes a one-block model and its loss hold at the end of the forward, on the meta device,
+    by part ("block": the block; "rest": embedding, final norm, head and loss) and creating style."""
+    from torchpar.loss import cross_entropy_sum
+    from torchpar.parallel.recompute import apply_recompute
+
+    with torch.device("meta"):
+        module = model.build(replace(args, n_layers=1))
+    module.to(dtype)
+    apply_recompute(module, policy)
+    block = module.layers["0"]
+    tags = {module: ("rest", None), **styles_of(module, model.top_plan, "rest"), block: ("block", "block"),
+            **styles_of(block, model.block_plan, "block")}
+    tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
+    tracker = LiveStorages()
+    with tagged(tracker, tags), FusedAttention(), tracker:
+        loss = cross_entropy_sum(module(tokens[:, :-1]), tokens[:, 1:])
+    held = {"block": {}, "rest": {}}
+    for (part, style), nbytes in tracker.live().items():
+        held[part][style] = nbytes
+    del loss
+    return held
+
+
+# How tensor parallelism divides what a tp = 1 model holds, by creating style: "sp" = by tp only
+# with sequence parallelism, "lp" = by tp only with loss parallelism.
+DIVISOR = {"colwise": "tp", "input": "tp", "block": "sp", "norm": "sp", NORM_OUTPUT: "1", "embedding": "sp",
+           "head": "lp", None: "lp"}
+
+
+def divide(held: dict, lay, policy: str) -> float:
+    """A tp = 1 model's bytes by style, as one rank holds them under tensor parallelism. Column-wise
+    outputs and the attention and MLP interiors are sharded; the residual stream and a norm's
+    interior are sharded along the sequence with sequence parallelism; a norm's output is held
+    whole (gathered before the column-wise linears that keep it); logits and the loss's
+    softmax are sharded with loss parallelism. A row-wise linear's output is reduce-scattered
+    with sequence parallelism, else all-reduced — and selective recomputation keeps both the
+    local matmul's full-size partial sums and the collective's result."""
+    tp = lay.tp
+    by = {"tp": tp, "sp": tp if lay.sequence_parallel else 1, "lp": tp if lay.loss_parallel else 1, "1": 1}
+    total = 0.0
+    for style, nbytes in held.items():
+        if style == "rowwise":
+            total += nbytes / by["sp"] + (nbytes if policy == "selective" and tp > 1 else 0)
+        else:
+            total += nbytes / by[DIVISOR.get(style, "tp")]
+    return total
+
+
+def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = "block") -> float:
+    """Bytes one block (``part = "block"``), or the embedding, final norm, head and loss
+    (``"rest"``), hold for backward on one rank of layout ``lay``, per microbatch."""
+    # Everything held is linear in the batch: traced for one sequence.
+    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, seq)[part]
+    return batch * divide(held, lay, policy)
+
+
+def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) -> float:
+    """Bytes the modules around the blocks hold, per microbatch: the embedding's output on the
+    first stage; the final norm and the head on the last (the loss's own share is the planner's
+    logits term)."""
+    held = traced(model, args, "none", getattr(torch, lay.param_dtype), 1, seq)["rest"]
+    styles = (("embedding",) if first else ()) + (("norm", NORM_OUTPUT, "head") if last else ())
+    return batch * divide({s: n for s, n in held.items() if s in styles}, lay, "none")
+
+
+def stage_activation_bytes(model, args, lay, batch: int, seq: int, first: int, layers: int) -> float:
+    """Bytes the blocks ``first`` .. ``first + layers - 1`` hold, per microbatch."""
+    from torchpar.parallel.recompute import recomputed
+
+    policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
+    wrapped = sum(recomputed(i, policy, every) for i in range(first, first + layers))
+    plain = held_bytes(model, args, lay, batch, seq, "none")
+    kept = held_bytes(model, args, lay, batch, seq, policy) if policy != "none" else plain
+    return wrapped * kept + (layers - wrapped) * plain
