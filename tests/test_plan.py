@@ -216,9 +216,10 @@ def test_seed_deepspeed_batch_arithmetic(seeds):
 # ---------------------------------------------------------------- activations, search, command line
 
 
-# (family, flavour, batch, seq): two sequence lengths of the debug flavours, one of the ~125M ones.
+# (family, flavour, batch, seq): two sequence lengths of the debug and of the ~125M flavours.
 ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("gpt2", "debug", 4, 64),
-                     ("gpt2", "debug", 2, 256), ("llama3", "125M", 1, 128), ("gpt2", "124M", 1, 128)]
+                     ("gpt2", "debug", 2, 256), ("llama3", "125M", 1, 128), ("gpt2", "124M", 1, 128),
+                     ("llama3", "125M", 1, 384), ("gpt2", "124M", 1, 384)]
 RECOMPUTE = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 
 

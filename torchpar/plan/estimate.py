@@ -22,8 +22,8 @@ CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded opt
 def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
     """Forward FLOPs run again in backward, per token: the blocks ``full`` recomputes (their
     matmuls and attention). Selective recomputation keeps every matmul's and attention's output
-    and recomputes elementwise work only — O(d) FLOPs per token against the matmuls' O(d²),
-    counted as none."""
+    and reruns elementwise work only, O(d) FLOPs per token against the matmuls' O(d²): it is
+    charged as memory traffic instead (:func:`_elementwise_recompute_s`)."""
     from torchpar.parallel.recompute import recomputed
 
     if lay.activation_checkpoint != "full":
@@ -31,6 +31,20 @@ def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
     wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(args.n_layers))
     block, _head = model.matmul_params(args)
     return wrapped * (2 * block + 4 * seq * args.dim)
+
+
+def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluster) -> float:
+    """Selective recomputation's cost, which is memory traffic rather than FLOPs: what it no
+    longer keeps is written again in backward, from inputs of about the same size — twice those
+    bytes through device memory, per block of the rank and per forward of the step."""
+    if lay.activation_checkpoint != "selective":
+        return 0.0
+    from torchpar.plan.activations import held_bytes
+
+    micro_batch, n_micro = micro_steps(lay)
+    dropped = (held_bytes(model, args, lay, micro_batch, seq, "none")
+               - held_bytes(model, args, lay, micro_batch, seq, "selective"))
+    return 2 * dropped * args.n_layers / lay.pp * n_micro / cluster.memory_bw
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +100,8 @@ def micro_steps(lay: Layout) -> tuple[int, int]:
 
 def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict | None = None) -> dict:
     """Device bytes of the rank at pipeline position ``pp_rank`` (coordinate 0 elsewhere: the
-    largest shards), by part; ``total_bytes`` is their sum, ``cpu_bytes`` what offload moves off."""
+    largest shards), by part; ``total_bytes`` is the peak (their sum, less gradients and activations
+    that are never held at once), ``cpu_bytes`` what offload moves off."""
     micro_batch, n_micro = micro_steps(lay)
     split = split_of(model, args, lay)
     mem = dict(state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0}))
@@ -110,7 +125,12 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
     mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
-    mem["total_bytes"] = sum(mem.values())
+    # One forward per step: backward frees activations as it makes gradients, so only the larger
+    # of the two phases counts (activations and the loss's transients as backward starts,
+    # gradients as it ends). Accumulation and pipelines keep earlier microbatches' gradients.
+    peak_at_start = mem["activation_bytes"] + mem["logits_bytes"] + mem["gathered_bytes"]
+    overlap = min(mem.get("grad_bytes", 0), peak_at_start) if n_micro == 1 else 0
+    mem["total_bytes"] = sum(mem.values()) - overlap
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
     return mem
 
@@ -142,7 +162,8 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     per_token = model.flops_per_token(args, seq)
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
-    compute = flops / lay.world / (cluster.peak_flops * efficiency)
+    compute = flops / lay.world / (cluster.peak_flops * efficiency) + _elementwise_recompute_s(
+        model, args, lay, seq, cluster)
     bubble = pipeline_bubble(lay, micro_steps(lay)[1], actions)
     step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)
     tps = tokens / step

@@ -21,6 +21,7 @@ class Cluster:
     inter_bw: float  # bytes/s per direction per device across nodes
     host_memory: float  # bytes of CPU memory per node (what CPU offload fills)
     nodes: int = 1
+    memory_bw: float = 2e12  # bytes/s of device memory (HBM), what elementwise recomputation costs
 
     @property
     def world(self) -> int:
@@ -31,10 +32,13 @@ class Cluster:
 # moves data one way, so the planner uses half of it. Inter-node: one NIC per GPU. Host memory:
 # the DGX systems' 2 TB; a generic PCIe server's 512 GB.
 PRESETS = {
-    "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9, 2e12),  # NVLink3 600 GB/s, HDR 200 Gb/s
-    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9, 2e12),  # NVLink4 900 GB/s, NDR 400 Gb/s
-    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9, 2e12),
-    "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8, 512e9),  # PCIe 4.0 x16; 100 GbE per node
+    # NVLink3 600 GB/s, HDR 200 Gb/s; HBM2e 2.0 TB/s
+    "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9, 2e12, memory_bw=2.0e12),
+    # NVLink4 900 GB/s, NDR 400 Gb/s; HBM3 3.35 TB/s (SXM)
+    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9, 2e12, memory_bw=3.35e12),
+    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9, 2e12, memory_bw=4.8e12),  # HBM3e 4.8 TB/s
+    # PCIe 4.0 x16; 100 GbE per node; an A100 PCIe's HBM2e 1.9 TB/s
+    "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8, 512e9, memory_bw=1.9e12),
 }
 
 

@@ -140,7 +140,10 @@ def _breakdown(best: Plan) -> list[str]:
         "  per device: "
         + ", ".join(f"{k[:-6]} {_gb(v)}" for k, v in m.items()
                     if k.endswith("_bytes") and k != "total_bytes" and v)
-        + f" = {_gb(m['total_bytes'])}"
+        + f" -> peak {_gb(m['total_bytes'])}"
+        + (" (gradients and activations are not held at once: the larger counts)"
+           if m["total_bytes"] < sum(v for k, v in m.items() if k.endswith("_bytes") and k != "total_bytes"
+                                     and k not in ("cpu_bytes", "host_bytes_per_node")) else "")
         + (f"; host memory per node {_gb(m['host_bytes_per_node'])}" if m["host_bytes_per_node"] else ""),
     ]
     if best.bubble:
@@ -237,7 +240,8 @@ def _cluster(a) -> Cluster:
     c = PRESETS[a.gpu]
     return Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
                    a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
-                   a.inter_gbps * 1e9 or c.inter_bw, a.host_memory_gb * 1e9 or c.host_memory, a.nodes)
+                   a.inter_gbps * 1e9 or c.inter_bw, a.host_memory_gb * 1e9 or c.host_memory, a.nodes,
+                   c.memory_bw)
 
 
 def main(argv: list[str] | None = None) -> int:
