@@ -120,6 +120,9 @@ CASES = [
     Case("bad choice", CHECK + " --training.activation_checkpoint some", "activation_checkpoint", "'some'"),
     Case("every-k without full", CHECK + " --training.activation_checkpoint_every 2",
          "training.activation_checkpoint_every = 2 applies", "'full'"),
+    Case("selective with a split backward", CHECK + " --training.activation_checkpoint selective"
+         " --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble"
+         " --parallelism.zero_stage 0", "'selective' fails with ZBVZeroBubble", "use 'full'", world=2),
     Case("every-k of 0", CHECK + " --training.activation_checkpoint full"
          " --training.activation_checkpoint_every 0",
          "training.activation_checkpoint_every must be positive"),

@@ -31,7 +31,7 @@ class TrainingStopped(RuntimeError):
 class DivergenceGuard:
     def __init__(self, tr, optimizer: torch.optim.Optimizer):
         """``tr`` is the [training] section."""
-        self.action, self.spike_factor = tr.on_divergence, tr.loss_spike_factor
+        self.spike_factor = tr.loss_spike_factor
         self.recent: deque[float] = deque(maxlen=tr.loss_spike_window)
         self.skipped = 0
         # Fused AdamW skips a step on the device (the found_inf input GradScaler uses).
@@ -72,8 +72,9 @@ class DivergenceGuard:
 
 @contextmanager
 def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
-    """A fused optimizer step inside leaves parameters and state (step count included) as they
-    were where ``skip`` is 1.0 — the kernel reads it, the host does not."""
+    """A fused optimizer step inside leaves parameters, moments and step count as they were where
+    ``skip`` is 1.0 (on a first step, Adam's state is still created, as zeros) — the kernel reads
+    it, the host does not. With CPU-offloaded parameters the flag is copied to the host first."""
     if skip is None:
         yield
         return

@@ -79,6 +79,7 @@ class Trainer:
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.losses: list[float] = []  # every step's global loss, as the host reads them
+        self.settled = (float("nan"), float("nan"))  # (loss, grad norm) of the last step read
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -164,7 +165,9 @@ class Trainer:
             state.reduce_gradients()
             grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
             loss, stopping = self.global_figures(loss_sum)
-            skip = self.guard.record(step, torch.stack([loss / self.global_tokens, grad_norm, stopping]))
+            # (with CPU offload the norm of host gradients is on the host)
+            figures = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping])
+            skip = self.guard.record(step, figures)
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
@@ -199,7 +202,8 @@ class Trainer:
         warn(f"step {step} skipped: {problem}")
 
     def _preempted(self) -> None:
-        """A stop signal reached some rank during this (complete) step: save, then stop everywhere."""
+        """Some rank's stop signal has been read (the flag travels with a step's figures, read a step
+        or two after the signal came): save after this complete step, then stop everywhere."""
         step, signum = self.train_state.step, self.signals.received or signal.SIGTERM
         saved = ""
         if self.cfg.checkpoint.save_on_signal and self.cfg.checkpoint.enable:
@@ -230,6 +234,7 @@ class Trainer:
         return both
 
     def global_sum(self, loss_sum: torch.Tensor) -> float:
+        """:meth:`global_figures` read at once (evaluation): the global loss; notes a stop signal."""
         loss, stopping = self.global_figures(loss_sum).tolist()
         self.stop_requested |= stopping > 0
         return loss

@@ -131,8 +131,9 @@ class Optimizer:
     weight_decay: float = opt(0.1, "Decoupled weight decay.")
     implementation: str = opt(
         "auto", "'auto' = fused: one kernel per step on CUDA and CPU alike, which also drops a divergent "
-        "step on the device, so the loop never waits to read the loss; with foreach or for-loop the "
-        "host reads every step's loss before its update.", ("auto", "fused", "foreach", "for-loop")
+        "step on the device, so the loop need not wait to read the loss (unless "
+        "training.loss_spike_factor > 0); with foreach or for-loop the host reads every step's loss "
+        "before its update.", ("auto", "fused", "foreach", "for-loop")
     )
 
 

@@ -126,6 +126,15 @@ def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, .
             f"training.compile = true gives wrong gradients with {name}, whose backward is split into input "
             f"and weight passes; set compile = false or use one of {others}"
         )
+    if tr.activation_checkpoint == "selective" and name in SPLIT_BACKWARD:
+        # torch's selective checkpointing lets a region's kept outputs be used by one backward
+        # only; the split input- and weight-gradient passes are two ("Trying to backward an
+        # extra time").
+        others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
+        raise ConfigError(
+            f"training.activation_checkpoint = 'selective' fails with {name}, whose backward is split into "
+            f"input and weight passes; use 'full' or one of {others}"
+        )
     split = _layers_per_stage(par, pp * v, v, pp, model, args)
     mb, rows = layout.microbatch_size, layout.local_batch_size * layout.accum
     if mb < 1 or rows % mb:

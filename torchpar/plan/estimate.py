@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.layout import Layout
-from torchpar.plan.activations import ends_bytes, stage_activation_bytes
+from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
 from torchpar.plan.layout import Cluster, rank_params, split_of, state_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
@@ -28,9 +28,13 @@ def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
 
     if lay.activation_checkpoint != "full":
         return 0.0
+    from torchpar.parallel.pipeline import SPLIT_BACKWARD
+
     wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(args.n_layers))
     block, _head = model.matmul_params(args)
-    return wrapped * (2 * block + 4 * seq * args.dim)
+    # A backward split into input- and weight-gradient passes recomputes the block in each.
+    passes = 2 if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD else 1
+    return passes * wrapped * (2 * block + 4 * seq * args.dim)
 
 
 def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluster) -> float:
@@ -39,11 +43,9 @@ def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluste
     bytes through device memory, per block of the rank and per forward of the step."""
     if lay.activation_checkpoint != "selective":
         return 0.0
-    from torchpar.plan.activations import held_bytes
-
     micro_batch, n_micro = micro_steps(lay)
-    dropped = (held_bytes(model, args, lay, micro_batch, seq, "none")
-               - held_bytes(model, args, lay, micro_batch, seq, "selective"))
+    dropped = max(0.0, held_bytes(model, args, lay, micro_batch, seq, "none")
+                  - held_bytes(model, args, lay, micro_batch, seq, "selective"))
     return 2 * dropped * args.n_layers / lay.pp * n_micro / cluster.memory_bw
 
 
@@ -125,14 +127,24 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
     mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
-    # One forward per step: backward frees activations as it makes gradients, so only the larger
-    # of the two phases counts (activations and the loss's transients as backward starts,
-    # gradients as it ends). Accumulation and pipelines keep earlier microbatches' gradients.
-    peak_at_start = mem["activation_bytes"] + mem["logits_bytes"] + mem["gathered_bytes"]
-    overlap = min(mem.get("grad_bytes", 0), peak_at_start) if n_micro == 1 else 0
-    mem["total_bytes"] = sum(mem.values()) - overlap
+    mem["total_bytes"] = sum(mem.values()) - _not_at_once(mem, lay, n_micro)
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
     return mem
+
+
+def _not_at_once(mem: dict, lay: Layout, n_micro: int) -> float:
+    """Bytes of the sum of parts never held at the same time (negative: a transient no part lists,
+    ZeRO 0-2's flat gradient buffer beside the per-parameter gradients). Backward frees activations as it
+    makes gradients, so the peak is the larger of two phases: as backward starts, the activations
+    and the loss's transients (plus, with accumulation or a pipeline, the gradients of earlier
+    microbatches: per parameter under ZeRO 0-2); as it ends, the gradients — under ZeRO 0-2 the
+    per-parameter ones and the flat buffer they are reduced into, both whole, at once."""
+    grads = mem.get("grad_bytes", 0)  # 0 when offloaded (then on the host)
+    flat_engine = lay.zero_stage < 3
+    kept = (mem["param_bytes"] if flat_engine else grads) if n_micro > 1 else 0
+    start = mem["activation_bytes"] + mem["logits_bytes"] + kept
+    end = 2 * mem["param_bytes"] if flat_engine else grads
+    return grads + mem["activation_bytes"] + mem["logits_bytes"] - max(start, end)
 
 
 def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float) -> float:

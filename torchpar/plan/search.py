@@ -42,7 +42,7 @@ RECOMPUTE = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
 def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule."""
-    from torchpar.parallel.pipeline import balanced_split, schedule_problem
+    from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, schedule_problem
 
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         if zero in (1, 2, 3) and dp == 1 and not offload:
@@ -56,6 +56,8 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
                 continue
             n_micro = per_dp // mbs
             for schedule, v in SEARCHED_SCHEDULES:
+                if ac == "selective" and schedule in SPLIT_BACKWARD:
+                    continue  # refused by the trainer
                 # Fewer microbatches than stages is mostly bubble: not searched.
                 if n_micro >= pp and not schedule_problem(schedule, pp, v, args.n_layers, n_micro):
                     yield Layout(**common, pp=pp, local_batch_size=per_dp, microbatch_size=mbs,
@@ -142,8 +144,9 @@ def _breakdown(best: Plan) -> list[str]:
                     if k.endswith("_bytes") and k != "total_bytes" and v)
         + f" -> peak {_gb(m['total_bytes'])}"
         + (" (gradients and activations are not held at once: the larger counts)"
-           if m["total_bytes"] < sum(v for k, v in m.items() if k.endswith("_bytes") and k != "total_bytes"
-                                     and k not in ("cpu_bytes", "host_bytes_per_node")) else "")
+           if m["total_bytes"] < sum(v for k, v in m.items()
+                                     if k.endswith("_bytes") and k not in ("total_bytes", "cpu_bytes"))
+           else "")
         + (f"; host memory per node {_gb(m['host_bytes_per_node'])}" if m["host_bytes_per_node"] else ""),
     ]
     if best.bubble:
