@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 import zlib
@@ -86,14 +87,16 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) 
 def spawn_ranks(target, world: int, *args) -> str:
     """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (one thread each;
     GPU ``rank`` each where there are GPUs) in one process group, and return ``out``, the folder
-    they wrote to. A rank that fails (a Python error, a signal) fails the call at once, with every
-    rank's last lines."""
+    they wrote to (the caller removes it). A rank that fails (a Python error, a signal) fails the
+    call at once, with every rank's last lines."""
     out = tempfile.mkdtemp(prefix="torchpar_ranks_")
     try:
         mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
                            start_method="spawn")
     except ProcessException as e:
-        raise RuntimeError(f"{e}\n{_log_tails(out, world, e.error_index)}") from None
+        tails = _log_tails(out, world, e.error_index)
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError(f"{e}\n{tails}") from None
     return out
 
 
@@ -158,7 +161,11 @@ def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
 def run_layouts(world: int, layouts: dict[str, list[str]], base: str | Path = BASE) -> dict:
     """Train each of ``layouts`` ({name: config overrides on ``base``}) in one group of ``world``
     processes; rank 0's result per layout (see :func:`_merge`)."""
-    return torch.load(f"{spawn_ranks(_worker, world, layouts, str(base))}/results.pt", weights_only=False)
+    out = spawn_ranks(_worker, world, layouts, str(base))
+    try:
+        return torch.load(f"{out}/results.pt", weights_only=False)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # every layout's run folder: metrics, checkpoints
 
 
 def _log_tails(out: str, world: int, failed: int) -> str:

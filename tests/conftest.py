@@ -1,0 +1,24 @@
+"""Every temporary folder the suite's processes make (the spawned ranks' folders, torchrun's logs)
+goes under one folder that is removed when the session ends: runs write checkpoints, and a suite
+left behind a few GB in /tmp each time before."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_tmpdir():
+    folder = tempfile.mkdtemp(prefix="torchpar_tests_")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder  # mkdtemp in this process; TMPDIR in its children
+    yield
+    tempfile.tempdir = None
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(folder, ignore_errors=True)
