@@ -18,10 +18,11 @@ import time
 
 import torch
 
-OPTIONS = {"none": [], "selective": ["--training.activation_checkpoint", "selective"],
-           "full every 2": ["--training.activation_checkpoint", "full",
-                            "--training.activation_checkpoint_every", "2"],
-           "full": ["--training.activation_checkpoint", "full"]}
+from torchpar.parallel.recompute import OPTIONS as RECOMPUTE_OPTIONS
+from torchpar.parallel.recompute import option_overrides
+
+# name: config overrides, most memory first
+OPTIONS = {name: option_overrides(*option) for name, option in RECOMPUTE_OPTIONS.items()}
 
 
 def step_seconds(overrides: list[str], steps: int, folder: str) -> list[float]:

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from harness import ROOT, TINY, spawn_ranks
 
+from torchpar.parallel.recompute import OPTIONS, option_overrides
+
 Z = "--parallelism.zero_stage"
 LEDGER_LAYOUTS = {
     "dp2_zero0": [Z, "0", "--training.local_batch_size", "4"],
@@ -220,7 +222,6 @@ def test_seed_deepspeed_batch_arithmetic(seeds):
 ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("gpt2", "debug", 4, 64),
                      ("gpt2", "debug", 2, 256), ("llama3", "125M", 1, 128), ("gpt2", "124M", 1, 128),
                      ("llama3", "125M", 1, 384), ("gpt2", "124M", 1, 384)]
-RECOMPUTE = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 
 
 def _activation_worker(rank, world, out, cases):
@@ -256,13 +257,13 @@ def test_activations_predicted_from_structure_match_one_process():
     """Bytes each block, and the whole forward + loss, hold for backward on one process: the
     planner's meta-device trace against the real fp32 model on the CPU, for every recomputation
     policy, both families, two sequence lengths and the ~125M flavours."""
-    cases = [(*m, False, *p) for m in ACTIVATION_MODELS for p in RECOMPUTE]
+    cases = [(*m, False, *p) for m in ACTIVATION_MODELS for p in OPTIONS.values()]
     results = _activation_ratios(1, cases)
     for r in results:
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
     # Less memory for more recomputation, in the order the planner's search offers them.
     for m in range(len(ACTIVATION_MODELS)):
-        held = {tuple(r["case"][-2:]): r["bytes"] for r in results[4 * m: 4 * m + 4]}
+        held = {tuple(r["case"][-2:]): r["bytes"] for r in results[len(OPTIONS) * m: len(OPTIONS) * (m + 1)]}
         assert held[("none", 1)] > held[("selective", 1)] > held[("full", 1)], held
         assert held[("none", 1)] > held[("full", 2)] > held[("full", 1)], held
 
@@ -282,19 +283,12 @@ def _peak_worker(rank, world, out, shapes):
 
     results = {}
     for shape, overrides in shapes.items():
-        for name, policy in RECOMPUTE_OPTIONS.items():
-            cfg = load_config(TINY, [*overrides, *policy, "--job.dump_folder", f"{out}/run",
-                                     "--validation.enable", "false"])
+        for name, option in OPTIONS.items():
+            cfg = load_config(TINY, [*overrides, *option_overrides(*option), "--job.dump_folder",
+                                     f"{out}/run", "--validation.enable", "false"])
             results[f"{shape} {name}"] = step_peak_check(cfg)
     with open(f"{out}/peaks.json", "w") as f:
         json.dump(results, f)
-
-
-RECOMPUTE_OPTIONS = {
-    "none": [], "selective": ["--training.activation_checkpoint", "selective"],
-    "every-2": ["--training.activation_checkpoint", "full", "--training.activation_checkpoint_every", "2"],
-    "full": ["--training.activation_checkpoint", "full"],
-}
 
 
 def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
@@ -306,7 +300,7 @@ def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
     with open(f"{spawn_ranks(_peak_worker, 1, shapes)}/peaks.json") as f:
         peaks = json.load(f)
     for shape in shapes:
-        rows = [peaks[f"{shape} {name}"] for name in RECOMPUTE_OPTIONS]
+        rows = [peaks[f"{shape} {name}"] for name in OPTIONS]
         print(shape, [f"{r['measured_bytes'] / 2**20:.1f}/{r['predicted_bytes'] / 2**20:.1f}" for r in rows])
         assert all(0.9 <= r["ratio"] <= 1.1 for r in rows), rows
         for key in ("measured_bytes", "predicted_bytes"):

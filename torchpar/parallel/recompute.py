@@ -51,6 +51,21 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
 
+# The options `torchpar plan` searches and the benchmarks and tests compare, by name, most memory
+# first: (training.activation_checkpoint, training.activation_checkpoint_every).
+OPTIONS = {"none": ("none", 1), "selective": ("selective", 1), "full every 2": ("full", 2),
+           "full": ("full", 1)}
+
+
+def option_name(policy: str, every: int) -> str:
+    return policy + (f" every {every}" if every > 1 else "")
+
+
+def option_overrides(policy: str, every: int) -> list[str]:
+    """The config overrides that choose this option."""
+    return ["--training.activation_checkpoint", policy, "--training.activation_checkpoint_every", str(every)]
+
+
 def recomputed(index: int, policy: str, every: int) -> bool:
     """Whether block ``index`` (its global index) is wrapped: every block with ``selective``, every
     ``every``-th one (indices every-1, 2·every-1, ...) with ``full``."""

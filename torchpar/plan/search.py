@@ -8,6 +8,7 @@ import sys
 from torchpar.config import ConfigError, did_you_mean, load_config
 from torchpar.models import DEFAULT_FAMILY, MODELS
 from torchpar.parallel.layout import Layout
+from torchpar.parallel.recompute import OPTIONS, option_name
 from torchpar.plan.estimate import Plan, plan
 from torchpar.plan.layout import PRESETS, Cluster, layout_from_config
 
@@ -35,10 +36,6 @@ def _degrees(model, args, cluster: Cluster, global_batch: int):
             yield tp, pp, dp
 
 
-# Recomputation searched: (training.activation_checkpoint, activation_checkpoint_every).
-RECOMPUTE = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
-
-
 def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule."""
@@ -47,7 +44,8 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         if zero in (1, 2, 3) and dp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
-        for (ac, every), mbs in ((ac, mbs) for ac in RECOMPUTE for mbs in (1, 2, 4) if per_dp % mbs == 0):
+        searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
+        for (ac, every), mbs in searched:
             common = dict(dp_shard=dp, tp=tp, zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
                           param_dtype=param_dtype)
@@ -80,8 +78,7 @@ def _gb(x: float) -> str:
 
 
 def recompute_name(lay: dict) -> str:
-    every = lay["activation_checkpoint_every"]
-    return lay["activation_checkpoint"] + (f" every {every}" if every > 1 else "")
+    return option_name(lay["activation_checkpoint"], lay["activation_checkpoint_every"])
 
 
 def describe_layout(lay: dict) -> str:
