@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -46,7 +47,11 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _plain_model(kind: str, args):
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _plain_model(kind: str, args, bucket_mb: float = 25.0):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -55,7 +60,7 @@ def _plain_model(kind: str, args):
     model = MODELS["llama3"].build(args)
     model.init_weights(0)
     if kind == "ddp":
-        return DistributedDataParallel(model), model.parameters()
+        return DistributedDataParallel(model, bucket_cap_mb=bucket_mb), model.parameters()
     if kind == "fsdp":
         for block in model.layers.values():
             fully_shard(block, reshard_after_forward=True)
@@ -63,11 +68,16 @@ def _plain_model(kind: str, args):
     return model, model.parameters()
 
 
-def _worker(rank, world, out, name, steps, seq, batch):
-    ranks, kind, overrides = VARIANTS[name]
+def worker(rank, world, out, variant, steps, seq, batch, bucket_mb=25.0):
+    """One variant (ranks, plain reference kind or None, torchpar overrides or None) in this group:
+    ``steps`` steps, the first untimed (and its collectives counted), figures to result.json."""
+    from torchpar.tools.ledger import CommLedger
+
+    ranks, kind, overrides = variant
     shape = [f"--model.{k}={v}" for k, v in SHAPE.items()]
     common = [*shape, "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-              "--validation.enable", "false", "--job.dump_folder", f"{out}/run"]
+              "--validation.enable", "false", "--job.dump_folder", f"{out}/run",
+              "--parallelism.bucket_mb", str(bucket_mb)]
     if kind is None:
         from torchpar.config import load_config
         from torchpar.train import Trainer
@@ -88,7 +98,7 @@ def _worker(rank, world, out, name, steps, seq, batch):
 
         cfg = load_config(TINY, common)
         args = model_args(cfg.model)
-        model, params = _plain_model(kind, args)
+        model, params = _plain_model(kind, args, bucket_mb)
         params = list(params)
         opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                                 fused=True)
@@ -104,7 +114,8 @@ def _worker(rank, world, out, name, steps, seq, batch):
             opt.zero_grad(set_to_none=True)
         flops = MODELS["llama3"].flops_per_token(args, seq)
         close = None
-    step(1)  # not timed: lazy state, first allocations
+    with CommLedger() as ledger:  # not timed: lazy state, first allocations; its traffic counted
+        step(1)
     dist.barrier()
     t0, c0 = time.perf_counter(), cpu_seconds()
     for i in range(2, steps + 1):
@@ -113,6 +124,8 @@ def _worker(rank, world, out, name, steps, seq, batch):
     wall = time.perf_counter() - t0
     figures = torch.tensor([cpu_seconds() - c0, wall], dtype=torch.float64)
     dist.all_reduce(figures)  # CPU seconds of all ranks; wall summed, divided below
+    most = torch.tensor([peak_rss_mib(), sum(ledger.sent_bytes().values())], dtype=torch.float64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
     if close is not None:
         close()
     if rank == 0:
@@ -120,7 +133,8 @@ def _worker(rank, world, out, name, steps, seq, batch):
         cpu, wall = figures[0].item(), figures[1].item() / ranks
         with open(f"{out}/result.json", "w") as f:
             json.dump({"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
-                       "gflop_per_cpu_s": tokens * flops / cpu / 1e9}, f)
+                       "gflop_per_cpu_s": tokens * flops / cpu / 1e9, "peak_rss_mib": most[0].item(),
+                       "sent_mib_per_step": most[1].item() / 2**20}, f)
 
 
 def main() -> None:
@@ -133,8 +147,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for _ in range(a.repeats):
         for name, (ranks, _, _) in VARIANTS.items():  # interleaved: the machine's drift hits all alike
-            out = spawn_ranks(_worker, ranks, name, a.steps, a.seq, a.batch)
+            out = spawn_ranks(worker, ranks, VARIANTS[name], a.steps, a.seq, a.batch)
             runs[name].append(json.loads(Path(out, "result.json").read_text()))
+            shutil.rmtree(out, ignore_errors=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     print(f"llama {SHAPE}, batch {a.batch} x seq {a.seq} per rank, fp32, 1 thread per rank; "
           f"median of {a.repeats} runs of {a.steps - 1} timed steps")

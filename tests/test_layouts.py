@@ -40,8 +40,13 @@ WORLD2 = {
     "pp2_uneven_6_2": pp(2, "1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "6,2"),
     "pp2_5layers": pp(2, "1F1B", "--model.n_layers", "5", Z, "0"),
     "dp2_bf16": [LB, "4", Z, "3", "--training.mixed_precision_param", "bfloat16"],
-    # ZeRO 0-2 in bf16: autocast over the fp32 flat buffer.
-    "dp2_zero1_bf16": [LB, "4", Z, "1", "--training.mixed_precision_param", "bfloat16"],
+    # ZeRO 0-2 in bf16: a bf16 flat buffer over an fp32 master; gradients reduced in fp32 or bf16.
+    **{f"dp2_zero{z}_bf16": [LB, "4", Z, str(z), "--training.mixed_precision_param", "bfloat16"]
+       for z in (0, 1, 2)},
+    "dp2_zero2_bf16_reduce": [LB, "4", Z, "2", "--training.mixed_precision_param", "bfloat16",
+                              "--training.mixed_precision_reduce", "bfloat16"],
+    # ZeRO 0-2 accumulating: no reduction before the last micro-step, then bucket by bucket.
+    "dp2_zero2_accum2": [LB, "2", "--training.global_batch_size", "8", Z, "2"],
     "tp2_zero0_bf16": [*TP2, Z, "0", "--training.mixed_precision_param", "bfloat16"],
     "dp2_zero3_activation_checkpoint": [LB, "4", Z, "3", "--training.activation_checkpoint", "full"],
     "dp2_zero3_cpu_offload": [LB, "4", Z, "3", "--parallelism.cpu_offload", "true"],
@@ -76,6 +81,10 @@ WORLD4 = {
     "pp4_1F1B": pp(4, "1F1B", Z, "0"),
     "pp4_Interleaved1F1B": pp(4, "Interleaved1F1B", Z, "0"),
     "pp2_dp2_zero3": pp(2, "1F1B", LB, "4", Z, "3"),
+    # A stage's buckets reduced in its last microbatch's backward; split backward reduces after it.
+    "pp2_dp2_zero2": pp(2, "1F1B", LB, "4", Z, "2"),
+    "pp2_dp2_zero1_ZBVZeroBubble": pp(2, "ZBVZeroBubble", LB, "4", Z, "1"),
+    "dp_shard2_tp2_zero2": [LB, "4", *TP2, Z, "2"],
     "pp2_tp2": pp(2, "1F1B", *TP2, Z, "0"),
     "pp2_tp2_ZBVZeroBubble_val": pp(2, "ZBVZeroBubble", *TP2, Z, "3", *VAL),  # sequence-sharded sends
 }
@@ -188,7 +197,8 @@ def test_world8_matches_one_process(world8, refs, name):
 
 @pytest.mark.parametrize("name", names(BF16))
 def test_bf16_compute_trains_close_to_fp32(world2, refs, name):
-    """FSDP2's mixed precision (ZeRO-3) and autocast over fp32 weights (ZeRO 0-2, TP)."""
+    """bf16 parameters over an fp32 master: FSDP2's mixed precision (ZeRO-3) and the flat
+    engine's bf16 buffer (ZeRO 0-2, TP), with fp32 or bf16 gradient reduction."""
     bf16, fp32 = world2[name]["losses"], ref_for(name, refs)["losses"]
     assert bf16[-1] < bf16[0] - 0.5  # it learns
     assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05  # stated tolerance for bf16 compute

@@ -33,8 +33,7 @@ def build(world, monkeypatch, *overrides):
         (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"],
          "sequence parallelism splits training.seq_len = 33"),
         (2, ["--training.global_batch_size", "12"], "not a multiple of 16"),
-        (2, ["--training.mixed_precision_reduce", "bfloat16", "--parallelism.zero_stage", "1"],
-         "needs parallelism.zero_stage = 3"),
+        (2, ["--parallelism.bucket_mb", "0"], "bucket size must be positive"),
         (2, ["--parallelism.cpu_offload", "true", "--parallelism.zero_stage", "2"], "cpu_offload needs"),
         (
             2,

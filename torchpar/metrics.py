@@ -157,9 +157,10 @@ def describe_run(trainer) -> str:
     cfg, lay = trainer.cfg, trainer.layout
     n = trainer.model_family.num_params(trainer.args)
     tf32 = cfg.training.tf32 and trainer.device.type == "cuda"
-    precision = {"float32": "float32" + (" (TF32 matmuls)" if tf32 else ""),
-                 "bfloat16": "bfloat16 " + ("autocast" if lay.autocast else "FSDP2 mixed precision")
-                             + " over float32 weights"}[lay.param_dtype]
+    engine = "FSDP2 mixed precision" if lay.zero_stage == 3 else "flat ZeRO engine"
+    bf16 = f"bfloat16 parameters and activations over a float32 master ({engine})"
+    fp32 = "float32" + (" (TF32 matmuls)" if tf32 else "")
+    precision = {"float32": fp32, "bfloat16": bf16}[lay.param_dtype]
     peak = "unknown" if trainer.peak_flops is None else f"{trainer.peak_flops / 1e9:.1f} GFLOP/s per rank"
     line = (f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
             f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "

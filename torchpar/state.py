@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from torchpar.parallel.zero import ZeroState
 
@@ -27,21 +26,17 @@ class TrainState:
 
 
 class ModelState:
-    """The parameters of a rank's model parts (pipeline stages), by the unsplit model's names."""
+    """The fp32 weights of a rank's model parts (pipeline stages), by the unsplit model's names:
+    the ZeRO engine's master, whatever the compute dtype."""
 
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
+    def __init__(self, state: ZeroState):
+        self.state = state
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        return self.state.model_state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        for part in self.parts:
-            set_model_state_dict(part, {k: sd[k] for k in get_model_state_dict(part)})
+        self.state.load_model_state_dict(sd)
 
 
 class OptimizerState:

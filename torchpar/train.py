@@ -115,7 +115,7 @@ class Trainer:
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
-        return {"model": ModelState(self.model.parts), "optimizer": OptimizerState(self.model.state),
+        return {"model": ModelState(self.model.state), "optimizer": OptimizerState(self.model.state),
                 "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
                 "dataloader": self.dataloader, "rng": RNGState(self.rank)}
 
@@ -217,7 +217,7 @@ class Trainer:
         if not self.checkpointer.due(self.train_state.step, final):
             return
         self._phase(f"the checkpoint save of step {self.train_state.step}", short=False)
-        if not weights_finite([p for part in self.model.parts for p in part.parameters()]):
+        if not weights_finite(self.model.state.weights()):
             raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
                                   "they were not saved; last good checkpoint: "
                                   f"{self.checkpointer.latest() or 'none'}")
@@ -288,6 +288,7 @@ class Trainer:
         also wait for a checkpoint still being written, which takes collectives."""
         self._phase("shutdown", short=False)
         if graceful:
+            self.model.state.wait_params()  # the last step's parameters, whole, for whoever reads them
             self.checkpointer.close()
         self.profiler.close()
         if self.watchdog is not None:  # before the process group goes: it reads the group's store

@@ -93,10 +93,13 @@ class Training:
     max_norm: float = opt(1.0, "Gradient clipping threshold on the global norm (0 = no clipping).")
     mixed_precision_param: str = opt(
         "auto", "Dtype of compute; weights, gradients and optimizer states stay float32 (the master copy). "
-        "'auto' = bfloat16 on GPUs, float32 on CPUs (where bf16 is ~10x slower). bfloat16 is FSDP2's "
-        "MixedPrecisionPolicy under zero_stage 3 and autocast under stages 0-2.", ("auto", *DTYPES))
+        "'auto' = bfloat16 on GPUs, float32 on CPUs (where bf16 is ~10x slower). bfloat16 = parameters and "
+        "activations in bf16 for forward and backward, over an fp32 master copy that the optimizer updates: "
+        "FSDP2's MixedPrecisionPolicy under zero_stage 3, the flat engine's bf16 buffer under stages 0-2.",
+        ("auto", *DTYPES))
     mixed_precision_reduce: str = opt(
-        "float32", "Dtype of gradient reduction across data-parallel ranks (bfloat16: zero_stage 3 only).",
+        "float32", "Dtype of gradient reduction across data-parallel ranks (and, under zero stages 0-2, of "
+        "the gradient buckets). bfloat16 halves the bytes sent; the optimizer still gets fp32 gradients.",
         DTYPES)
     tf32: bool = opt(True, "GPUs: fp32 matmuls in TF32 (what stays fp32 under bf16, or an fp32 run); false "
                            "for full fp32 precision.")
@@ -164,6 +167,11 @@ class Parallelism:
         "shard is kept between micro-steps (one reduce-scatter per micro-step). false = accumulate full "
         "unsharded fp32 gradients on every rank and reduce once per step (fewer collectives; memory of a "
         "whole gradient per rank: 32 GB for an 8B model).")
+    bucket_mb: float = opt(
+        25.0, "ZeRO 0-2: gradients are reduced in buckets of this many MB (in the reduction dtype) while "
+        "backward still runs, and stages 1-2 gather updated parameters in the same buckets. Larger buckets "
+        "mean fewer, more efficient collectives; smaller ones start sooner and, under stage 2, hold less "
+        "gradient memory (two buckets in flight). 25 = DDP's default.")
     cpu_offload: bool = opt(
         False, "ZeRO-3 only: parameters, gradients and optimizer step on the CPU (FSDP2 CPUOffloadPolicy)."
     )

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchpar.parallel.flat import FlatZero
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
 from torchpar.parallel.recompute import apply_recompute
 from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
-from torchpar.parallel.zero import FlatZero, ZeroState, unique_params
+from torchpar.parallel.zero import ZeroState, unique_params
 
 
 def _local_part(p: torch.Tensor, full):
@@ -48,10 +49,9 @@ class ParallelModel:
 
 @contextlib.contextmanager
 def compute_context(layout: Layout):
-    """What every forward (and its loss) runs under: loss parallelism with TP, and autocast to bf16
-    for ZeRO 0-2 in bf16 (fp32 parameters and gradients; FSDP2 casts ZeRO-3's parameters itself)."""
-    autocast = torch.autocast(layout.mesh.device_type, torch.bfloat16, enabled=layout.autocast)
-    with loss_context(layout.loss_parallel), autocast:
+    """What every forward (and its loss) runs under: loss parallelism with TP. (bf16 needs no
+    autocast: the ZeRO engines hand forward parameters in the compute dtype.)"""
+    with loss_context(layout.loss_parallel):
         yield
 
 

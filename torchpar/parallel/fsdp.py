@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchpar.parallel.zero import local, merged_view, nbytes, optimizer_state_bytes, replicas, unique_params
+from torchpar.parallel.zero import (
+    load_parts_state_dict,
+    local,
+    merged_view,
+    nbytes,
+    optimizer_state_bytes,
+    parts_state_dict,
+    replicas,
+    unique_params,
+)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -59,8 +68,20 @@ class FSDPState:
     def step(self) -> None:
         self.optimizer.step()
 
+    def wait_params(self) -> None:
+        pass  # FSDP2's step updates the shards in place; gathers happen in forward
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def weights(self) -> list[torch.Tensor]:
+        return self.params
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return parts_state_dict(self.model_parts)  # FSDP2 keeps fp32 shards: they are the master
+
+    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        load_parts_state_dict(self.model_parts, sd)
 
     def state_bytes(self) -> dict[str, int]:
         return {"param_bytes": sum(nbytes(p) for p in self.params),

@@ -52,6 +52,7 @@ class Layout:
     param_dtype: str = "float32"  # compute copy of the weights
     reduce_dtype: str = "float32"  # gradient reduction over dp
     compile: bool = False
+    bucket_mb: float = 25.0  # ZeRO 0-2: gradient bucket size
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
 
     def __post_init__(self):
@@ -86,11 +87,6 @@ class Layout:
     @property
     def n_microbatches(self) -> int:
         return self.local_batch_size * self.accum // self.microbatch_size
-
-    @property
-    def autocast(self) -> bool:
-        """bf16 compute over fp32 parameters by autocast: ZeRO 0-2 (FSDP2 casts ZeRO-3's itself)."""
-        return self.param_dtype != "float32" and self.zero_stage != 3
 
     @property
     def param_dtype_bytes(self) -> int:
@@ -210,11 +206,9 @@ def _check_model(model, args, degrees: dict, par, tr) -> None:
 
 def _check_features(par, tr, zero: int, tp: int) -> None:
     """Precision, compile and offload against the ZeRO stage and TP."""
-    if zero != 3 and tr.mixed_precision_reduce != "float32":
-        raise ConfigError(
-            f"training.mixed_precision_reduce = {tr.mixed_precision_reduce} needs parallelism.zero_stage = 3 "
-            "(FSDP2's MixedPrecisionPolicy); zero stages 0-2 reduce their fp32 gradients in float32"
-        )
+    if not par.bucket_mb > 0:
+        raise ConfigError(f"parallelism.bucket_mb = {par.bucket_mb}: the gradient bucket size must be "
+                          "positive (25 = DDP's default)")
     if tr.compile and tp > 1:
         # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
         # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
@@ -259,7 +253,8 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
                     microbatch_size=par.pipeline_parallel_microbatch_size,
                     activation_checkpoint=tr.activation_checkpoint,
                     activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
-                    reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile)
+                    reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
+                    bucket_mb=par.bucket_mb)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
             par, tr, layout, model, args

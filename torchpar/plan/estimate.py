@@ -127,33 +127,73 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
     mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
-    mem["total_bytes"] = sum(mem.values()) - _not_at_once(mem, lay, n_micro)
+    if lay.zero_stage < 3:
+        mem["flat_grad_bytes"] = _flat_buckets(model, args, lay, pp_rank)
+    flat = mem.pop("flat_grad_bytes", 0)
+    mem["total_bytes"] = sum(mem.values()) - _not_at_once({**mem, "flat_grad_bytes": flat}, lay, n_micro)
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
     return mem
 
 
+def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
+    """ZeRO 0-2's gradient storage as backward ends: the whole flat gradient (stages 0, 1), or
+    (stage 2) the owned shard, the buckets in flight and the one being filled, and up to a block's
+    gradients more: a block's gradients arrive in backward's order, not the buffer's, so buckets
+    that are complete wait for the block's last one before they are reduced, in order."""
+    from torchpar.parallel.flat import IN_FLIGHT
+
+    elements = _flat_elements(lay, rank_params(model, args, lay, pp_rank))
+    whole = _reduce_bytes(lay) * elements
+    if lay.zero_stage != 2:
+        return whole
+    block = _reduce_bytes(lay) * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
+    return min(whole, whole / lay.dp_shard + (IN_FLIGHT + 1) * lay.bucket_mb * 2**20 + block)
+
+
 def _not_at_once(mem: dict, lay: Layout, n_micro: int) -> float:
-    """Bytes of the sum of parts never held at the same time (negative: a transient no part lists,
-    ZeRO 0-2's flat gradient buffer beside the per-parameter gradients). Backward frees activations as it
-    makes gradients, so the peak is the larger of two phases: as backward starts, the activations
-    and the loss's transients (plus, with accumulation or a pipeline, the gradients of earlier
-    microbatches: per parameter under ZeRO 0-2); as it ends, the gradients — under ZeRO 0-2 the
-    per-parameter ones and the flat buffer they are reduced into, both whole, at once."""
+    """Bytes of the sum of parts never held at the same time (negative: a transient no part
+    lists). Backward frees activations as it makes gradients, so the peak is the larger of two
+    phases: as backward starts, the activations and the loss's transients (plus, with accumulation
+    or a pipeline, the gradients of earlier microbatches: per parameter under ZeRO 0-2); as it
+    ends, the gradients — under ZeRO 0-2 the buckets they were copied into (:func:`_flat_buckets`)."""
     grads = mem.get("grad_bytes", 0)  # 0 when offloaded (then on the host)
     flat_engine = lay.zero_stage < 3
     kept = (mem["param_bytes"] if flat_engine else grads) if n_micro > 1 else 0
     start = mem["activation_bytes"] + mem["logits_bytes"] + kept
-    end = 2 * mem["param_bytes"] if flat_engine else grads
+    end = mem["flat_grad_bytes"] if flat_engine else grads
     return grads + mem["activation_bytes"] + mem["logits_bytes"] - max(start, end)
 
 
+def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float:
+    """ZeRO 0-2's communication that the step waits for. Buckets are reduced during the last
+    micro-step's backward (about 2/3 of its compute), except the last bucket, which starts as
+    backward ends; HSDP's all-reduce of the shard follows them; the parameter gathers overlap the
+    next step's first forward (1/3 of a micro-step)."""
+    def sec(dim):
+        return comm.get(dim, {}).get("seconds", 0.0)
+
+    n_micro = micro_steps(lay)[1]
+    if lay.zero_stage == 2:  # dp_shard: reduce-scatter and all-gather of the same elements
+        gather = sec("dp_shard") * lay.param_dtype_bytes / (lay.param_dtype_bytes + _reduce_bytes(lay))
+        reduce, after = sec("dp_shard") - gather, sec("dp_replicate")
+    else:
+        gather, reduce, after = sec("dp_shard"), sec("dp"), 0.0
+    grad_bytes = _reduce_bytes(lay) * _flat_elements(lay, rank_params(model, args, lay, 0))
+    buckets = max(1, math.ceil(grad_bytes / (lay.bucket_mb * 2**20)))
+    exposed_reduce = max(reduce / buckets, reduce - compute * 2 / 3 / n_micro)
+    return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
+
+
 def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float) -> float:
-    """Communication time the step waits for. torchpar reduces ZeRO 0-2 gradients after
-    backward (exposed); FSDP2 overlaps with compute; TP collectives sit on the critical path;
-    pipeline sends are mostly hidden (counted fully)."""
+    """Communication time the step waits for. ZeRO 0-2 overlap their reductions with backward
+    and their gathers with forward (:func:`_flat_exposed`); FSDP2 overlaps with compute; TP
+    collectives sit on the critical path; pipeline sends are mostly hidden (counted fully)."""
     dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate"))
     exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "pp", "world"))
-    exposed += max(0.0, dp_s - compute) if lay.zero_stage == 3 else dp_s
+    if lay.zero_stage == 3:
+        exposed += max(0.0, dp_s - compute)
+    elif lay.dp > 1:
+        exposed += _flat_exposed(model, args, lay, comm, compute)
     if lay.cpu_offload:
         # Sharded parameters cross PCIe to the device for every all-gather, gradients back once,
         # and Adam runs on the CPU (counted as memory-bound: 16 bytes read + written per parameter).
@@ -247,19 +287,29 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: l
             sent.add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
 
 
+def _reduce_bytes(lay: Layout) -> int:
+    return 2 if lay.reduce_dtype == "bfloat16" else 4
+
+
+def _flat_elements(lay: Layout, local: list[tuple[int, int]]) -> int:
+    """The flat ZeRO 0-2 buffer: the rank's parameters padded to a multiple of the shards."""
+    shards = lay.dp_shard if lay.zero_stage in (1, 2) else 1
+    return math.ceil(sum(a * b for a, b in local) / shards) * shards
+
+
 def _flat_zero(sent: _Sent, lay: Layout, local: list[tuple[int, int]]) -> None:
-    """ZeRO 0-2: one reduction of the padded fp32 buffer after backward, and the all-gather of
-    the updated shards after the step."""
+    """ZeRO 0-2: the padded buffer's gradients reduced once per step (bucket by bucket, the same
+    bytes) in the reduction dtype, and the updated pieces all-gathered in the compute dtype."""
     n, r = lay.dp_shard, lay.dp_replicate
-    shards = n if lay.zero_stage in (1, 2) else 1
-    flat = 4 * math.ceil(sum(a * b for a, b in local) / shards) * shards
+    elements = _flat_elements(lay, local)
+    grads = _reduce_bytes(lay) * elements
     if lay.zero_stage == 2:
-        sent.add("dp_shard", "reduce_scatter", flat, n)
-        sent.add("dp_replicate", "all_reduce", flat / n, r)
+        sent.add("dp_shard", "reduce_scatter", grads, n)
+        sent.add("dp_replicate", "all_reduce", grads / n, r)
     else:
-        sent.add("dp", "all_reduce", flat, lay.dp)
-    if shards > 1:
-        sent.add("dp_shard", "all_gather", flat, n)
+        sent.add("dp", "all_reduce", grads, lay.dp)
+    if lay.zero_stage in (1, 2):
+        sent.add("dp_shard", "all_gather", lay.param_dtype_bytes * elements, n)
 
 
 def _fsdp(

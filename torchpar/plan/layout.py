@@ -90,11 +90,17 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard
         n = sum(chunk(r, lay.dp_shard, coords.get("dp_shard", 0)) * c for r, c in local)
         return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": 8 * n}
+    # ZeRO 0-2 (the flat engine): the compute copy whole; the reduced gradient whole (0, 1) or its
+    # owned N-th (2) in the reduction dtype — in bf16 replaced by the fp32 copy the optimizer takes;
+    # Adam's moments and, when the compute copy is not fp32, the fp32 master, of the owned N-th.
     total = sum(r * c for r, c in local)
     shards = lay.dp_shard if lay.zero_stage in (1, 2) else 1
     shard = math.ceil(total / shards)
-    grads = shard if lay.zero_stage == 2 and shards > 1 else shard * shards
-    return {"param_bytes": 4 * total, "grad_bytes": 4 * grads, "optim_bytes": 8 * shard}
+    held = shard if lay.zero_stage == 2 else shard * shards
+    grads = 4 * held if lay.reduce_dtype == "float32" else 4 * shard
+    master = 4 * shard if lay.param_dtype != "float32" else 0
+    return {"param_bytes": lay.param_dtype_bytes * total, "grad_bytes": grads,
+            "optim_bytes": 8 * shard + master}
 
 
 def deepspeed_bytes(n_params: int, zero_stage: int, dp: int) -> dict[str, float]:

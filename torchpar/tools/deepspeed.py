@@ -17,9 +17,10 @@ import sys
 from torchpar.config import ConfigError, load_config, to_toml
 
 # Keys DeepSpeed users often set that have no torchpar counterpart, and why.
-NO_KNOB = "torchpar's engines have no such setting (bucketing and overlap are the engine's own)"
+NO_KNOB = ("torchpar's engines have no such setting (overlap is always on; stages 1-2 gather in the "
+           "reduction's buckets)")
 IGNORED_ZERO = ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-                "reduce_bucket_size", "contiguous_gradients", "round_robin_gradients", "sub_group_size",
+                "contiguous_gradients", "round_robin_gradients", "sub_group_size",
                 "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save")
@@ -58,7 +59,11 @@ def _zero(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
                 (f"zero_optimization.{key}.device = {device!r}",
                  "torchpar offloads to the CPU with ZeRO-3 only (FSDP2's CPUOffloadPolicy); no NVMe")
             )
-    for key in sorted(set(z) - {"stage", "offload_optimizer", "offload_param"}):
+    mapped = {"stage", "offload_optimizer", "offload_param"}
+    if "reduce_bucket_size" in z and stage < 3:  # elements; torchpar's buckets are MB of fp32 gradients
+        out += ["--parallelism.bucket_mb", f"{float(z['reduce_bucket_size']) * 4 / 2**20:g}"]
+        mapped.add("reduce_bucket_size")
+    for key in sorted(set(z) - mapped):
         notes.append((f"zero_optimization.{key}", NO_KNOB if key in IGNORED_ZERO else "not mapped"))
 
 

@@ -1,0 +1,350 @@
+"""ZeRO stages 0, 1 and 2: one flat buffer that the model's (local) parameters alias, its gradients
+reduced bucket by bucket while backward still runs.
+
+The buffer holds this rank's parameters in the compute dtype, in model order, padded to a multiple
+of the dp_shard degree N, cut into buckets of ``bucket_mb`` (multiples of N elements; a parameter
+may straddle two). Rank r owns the r-th N-th of every bucket: its optimizer updates those pieces of
+an fp32 master (the buffer itself in an fp32 run), so each collective is one call per bucket.
+
+- backward: a parameter's post-accumulate-grad hook (last micro-step; with a pipeline, last
+  microbatch) copies its gradient into its bucket(s) and drops it. A full bucket is reduced
+  asynchronously — all-reduce over dp (stages 0, 1), or reduce-scatter over dp_shard into the owned
+  piece (stage 2, which frees the bucket once reduced: the whole gradient never exists) — in one
+  fixed order on every rank, last bucket first;
+- ``reduce_gradients``: what backward did not reduce (split-backward schedules, unused parameters)
+  is reduced now and everything waited for; stage 2 all-reduces its shard over dp_replicate (HSDP);
+- ``step``: the optimizer updates the owned fp32 pieces, whose compute-dtype copies are gathered
+  back bucket by bucket, asynchronously; a module waits for its own buckets just before its next
+  forward, so the gathers of later blocks run while earlier blocks compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchpar.optim import ensure_state
+from torchpar.parallel import zero
+from torchpar.parallel.zero import local, nbytes
+
+IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before backward waits for the oldest (and frees it)
+
+
+def bucket_bounds(padded: int, shards: int, bucket_mb: float, elem_bytes: int) -> list[int]:
+    """Start of every bucket, then the end: each a multiple of ``shards`` elements."""
+    size = max(shards, int(bucket_mb * 2**20 / elem_bytes) // shards * shards)
+    return [*range(0, padded, size), padded]
+
+
+class FlatZero:
+    """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
+
+    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer):
+        self.stage, self.layout, self.parts = layout.zero_stage, layout, model_parts
+        params = zero.unique_params(model_parts)
+        self.names = zero.param_names(model_parts)
+        values = [local(p).detach() for p in params]
+        if {v.dtype for v in values} != {torch.float32}:
+            raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {({v.dtype for v in values})}")
+        self.compute_dtype = getattr(torch, layout.param_dtype)
+        self.grad_dtype = getattr(torch, layout.reduce_dtype)
+        self.shards = n = layout.dp_shard if self.stage in (1, 2) else 1
+        mesh = layout.mesh
+        self.dp_group, self.shard_group = mesh["dp"].get_group(), mesh["dp_shard"].get_group()
+        self.replicate_group = mesh["dp_replicate"].get_group()
+        rank = mesh["dp_shard"].get_local_rank() if n > 1 else 0
+        self.total = sum(v.numel() for v in values)
+        padded = math.ceil(self.total / n) * n
+        self.bounds = bucket_bounds(padded, n, layout.bucket_mb, self.grad_dtype.itemsize)
+        self.buckets = list(zip(self.bounds, self.bounds[1:]))
+        self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)
+                      for lo, hi in self.buckets]
+        self.segments: list[tuple[int, int, int]] = []  # (start, end, tp copies) per parameter
+        full = torch.zeros(padded, dtype=torch.float32, device=values[0].device)
+        offset = 0
+        for p, v in zip(params, values):
+            full[offset: offset + v.numel()].copy_(v.reshape(-1))
+            self.segments.append((offset, offset + v.numel(), zero.replicas(p, layout.tp)))
+            offset += v.numel()
+        self.separate_master = self.compute_dtype != torch.float32
+        self.flat = full.to(self.compute_dtype)  # what forward and backward read (``full`` in fp32)
+        if self.separate_master:
+            self.master = torch.cat([full[a:b] for a, b in self.owned])  # the owned pieces, in order
+            cuts = [0, *torch.tensor([b - a for a, b in self.owned]).cumsum(0).tolist()]
+            self.masters = [self.master[a:b] for a, b in zip(cuts, cuts[1:])]
+        else:
+            self.masters = [self.flat[a:b] for a, b in self.owned]
+        del full
+        self.params = self._alias(params)
+        self.optimizer = build_optimizer(self.masters)
+        # Which buckets each parameter touches, and how many parameters each bucket waits for.
+        self.buckets_of = [[k for k, (lo, hi) in enumerate(self.buckets) if s < hi and lo < e]
+                           for s, e, _ in self.segments]
+        self.expected = layout.n_microbatches if layout.pp > 1 else 1  # hook calls per step
+        self.sync, self.gathers, self.peak_grad_bytes = True, {}, 0
+        self.grads: list[torch.Tensor] | None = None  # reduced fp32 gradients of the owned pieces
+        self._start_step()
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
+        self._hook_gathers()
+
+    def _alias(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """New parameters over the buffer (in the compute dtype), put in place of the old ones in
+        every module that holds them (tied weights stay tied)."""
+        new = {}
+        for p, (start, end, _) in zip(params, self.segments):
+            view = self.flat[start:end].view(local(p).shape)
+            if isinstance(p, DTensor):
+                view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+            new[id(p)] = nn.Parameter(view, requires_grad=p.requires_grad)
+        for part in self.parts:
+            for module in part.modules():
+                for name, p in module._parameters.items():
+                    if p is not None and id(p) in new:
+                        module._parameters[name] = new[id(p)]
+        return [new[id(p)] for p in params]
+
+    def _hook_gathers(self) -> None:
+        """Before its forward, a module waits for the gathers of the buckets holding its own
+        parameters. Compiled blocks cannot wait inside their graph: then each part waits for all."""
+        if self.shards == 1:
+            return
+        if self.layout.compile:
+            for part in self.parts:
+                part.register_forward_pre_hook(lambda *_: self.wait_params())
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for part in self.parts:
+            for module in part.modules():
+                mine = {k for p in module.parameters(recurse=False) if id(p) in index
+                        for k in self.buckets_of[index[id(p)]]}
+                if mine:
+                    module.register_forward_pre_hook(lambda *_, mine=sorted(mine): self.wait_params(mine))
+
+    # ------------------------------------------------------------------ gradients
+
+    def _start_step(self) -> None:
+        self.arrivals = [0] * len(self.params)
+        self.taken = [False] * len(self.params)
+        self.missing = [0] * len(self.buckets)
+        for ks in self.buckets_of:
+            for k in ks:
+                self.missing[k] += 1
+        self.next = len(self.buckets) - 1  # buckets are reduced last first: backward's order
+        self.bucket_bufs: dict[int, torch.Tensor] = {}
+        self.in_flight: list[tuple[object, torch.Tensor | None]] = []
+        self.grad_flat = self.grad_shard = None
+
+    def set_sync(self, enabled: bool) -> None:
+        self.sync = enabled
+
+    def _on_grad(self, i: int) -> None:
+        if not self.sync:
+            return  # an earlier micro-step: the gradient accumulates in the parameter
+        self.arrivals[i] += 1
+        if self.arrivals[i] == self.expected:
+            self._take(i)
+
+    def _bucket(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s gradient buffer: a view of the whole flat gradient (stages 0, 1) or a
+        buffer of its own (stage 2); the padding is zeroed."""
+        lo, hi = self.buckets[k]
+        if self.stage != 2:
+            if self.grad_flat is None:
+                self.grad_flat = self.flat.new_empty(self.bounds[-1], dtype=self.grad_dtype)
+                self.grad_flat[self.total:].zero_()
+            return self.grad_flat[lo:hi]
+        if k not in self.bucket_bufs:
+            buf = self.flat.new_empty(hi - lo, dtype=self.grad_dtype)
+            buf[max(0, self.total - lo):].zero_()
+            self.bucket_bufs[k] = buf
+        return self.bucket_bufs[k]
+
+    def _take(self, i: int) -> None:
+        """Parameter ``i``'s gradient into its bucket(s) (zeros if it has none), each bucket
+        reduced as soon as it is ready (a large parameter spanning many buckets never has them
+        all allocated at once); the parameter's own gradient is dropped."""
+        p, (start, end, _) = self.params[i], self.segments[i]
+        g = zero.local_grad(p).reshape(-1) if p.grad is not None else None
+        for k in reversed(self.buckets_of[i]):
+            lo, hi = self.buckets[k]
+            a, b = max(start, lo), min(end, hi)
+            dst = self._bucket(k)[a - lo: b - lo]
+            dst.copy_(g[a - start: b - start]) if g is not None else dst.zero_()
+            self.missing[k] -= 1
+            self._launch_ready()
+        p.grad = None
+        self.taken[i] = True
+
+    def _launch_ready(self) -> None:
+        while self.next >= 0 and self.missing[self.next] == 0:
+            self._launch(self.next)
+            self.next -= 1
+
+    def _launch(self, k: int) -> None:
+        buf, work = self._bucket(k), None
+        if self.stage == 2:
+            if self.grad_shard is None:
+                self.grad_shard = self.flat.new_empty(self.bounds[-1] // self.shards, dtype=self.grad_dtype)
+            work = dist.reduce_scatter_tensor(self._shard_piece(k), buf, group=self.shard_group,
+                                              async_op=True)
+            del self.bucket_bufs[k]  # held by in_flight until reduced
+        elif self.layout.dp > 1:
+            work = dist.all_reduce(buf, group=self.dp_group, async_op=True)
+        self.in_flight.append((work, buf if self.stage == 2 else None))
+        self._note_grad_bytes()
+        while self.stage == 2 and len(self.in_flight) > IN_FLIGHT:
+            self.in_flight.pop(0)[0].wait()  # its bucket is freed here
+
+    def _shard_piece(self, k: int) -> torch.Tensor:
+        start = sum(b - a for a, b in self.owned[:k])
+        a, b = self.owned[k]
+        return self.grad_shard[start: start + b - a]
+
+    def _note_grad_bytes(self) -> None:  # the running peak of the gradient storage held
+        held = [self.grad_flat, self.grad_shard, *(b for _, b in self.in_flight), *self.bucket_bufs.values()]
+        self.peak_grad_bytes = max(self.peak_grad_bytes, sum(nbytes(b) for b in held))
+
+    def reduce_gradients(self) -> None:
+        for i in range(len(self.params)):
+            if not self.taken[i]:
+                self._take(i)
+        for work, _ in self.in_flight:
+            if work is not None:
+                work.wait()
+        self.in_flight.clear()
+        if self.stage == 2:
+            held = self.grad_shard
+            if self.layout.dp_replicate > 1:
+                dist.all_reduce(held, group=self.replicate_group)
+            pieces = [self._shard_piece(k) for k in range(len(self.buckets))]
+        else:
+            held = self.grad_flat
+            pieces = [held[a:b] for a, b in self.owned]
+        if self.layout.dp > 1:
+            held.div_(self.layout.dp)
+        # The optimizer's gradients are fp32 like its master: views, or copies of a bf16 reduction.
+        self.grads = [g if g.dtype == torch.float32 else g.float() for g in pieces]
+        for m, g in zip(self.masters, self.grads):
+            m.grad = g
+        grad_flat, grad_shard = self.grad_flat, self.grad_shard
+        self._start_step()
+        if self.grad_dtype == torch.float32:  # (otherwise dropped: the fp32 copies are the gradients)
+            self.grad_flat, self.grad_shard = grad_flat, grad_shard
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        # Owned pieces are distinct within dp_shard; stage 0's whole buffer is held by all of dp.
+        dp_copies = self.layout.dp if self.shards == 1 else self.layout.dp_replicate
+        pieces = []
+        for (lo, hi), g in zip(self.owned, self.grads):
+            for start, end, tp_copies in self.segments:
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    pieces.append((g[a - lo: b - lo], tp_copies * dp_copies))
+        return pieces
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        torch._foreach_mul_(self.grads, coef)
+
+    # ------------------------------------------------------------------ the update
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.shards == 1:
+            if self.separate_master:
+                self.flat.copy_(self.master)  # stage 0 owns every bucket, in order
+            return
+        self.wait_params()
+        for k, ((lo, hi), m) in enumerate(zip(self.buckets, self.masters)):
+            src = m.to(self.compute_dtype, copy=True)  # (gloo's all-gather may not read its output)
+            # The output shares the buffer's memory, not the version counter of its views (the
+            # parameters): a gather landing mid-forward (gloo writes when it finishes) must not mark
+            # the parameters earlier modules saved as modified; it writes buckets none has read yet.
+            out = self.flat.new_empty(0).set_(self.flat.untyped_storage(), lo, (hi - lo,))
+            work = dist.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
+            self.gathers[k] = (work, src)
+
+    def wait_params(self, buckets=None) -> None:
+        """Wait for the parameter gathers of ``buckets`` (all of them by default)."""
+        for k in list(self.gathers) if buckets is None else buckets:
+            if k in self.gathers:
+                self.gathers.pop(k)[0].wait()
+
+    def zero_grad(self) -> None:
+        self.grads, self.grad_flat, self.grad_shard, self.peak_grad_bytes = None, None, None, 0
+        for m in self.masters:
+            m.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def weights(self) -> list[torch.Tensor]:
+        return self.masters
+
+    def state_bytes(self) -> dict[str, int]:
+        grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
+        grads += sum(nbytes(g) for g in self.grads or () if g.dtype != self.grad_dtype)
+        master = nbytes(self.master) if self.separate_master else 0
+        return {"param_bytes": sum(nbytes(p) for p in self.params), "grad_bytes": grads,
+                "optim_bytes": zero.optimizer_state_bytes(self.optimizer) + master}
+
+    # ------------------------------------------------------------------ checkpoints
+    # Per-parameter tensors laid out like the parameters, for the model (fp32) and Adam's moments
+    # alike: the owned pieces are gathered over dp_shard (a transient whole copy: the price of a
+    # format that any layout can load).
+
+    def _whole(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The flat fp32 values of which this rank holds ``pieces`` (one per bucket)."""
+        if self.shards == 1:
+            return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        out = torch.empty(self.bounds[-1], dtype=pieces[0].dtype, device=pieces[0].device)
+        for (lo, hi), piece in zip(self.buckets, pieces):
+            dist.all_gather_into_tensor(out[lo:hi], piece.contiguous(), group=self.shard_group)
+        return out
+
+    def _per_param(self, flat: torch.Tensor, prefix: str = "", suffix: str = "") -> dict[str, torch.Tensor]:
+        return {f"{prefix}{name}{suffix}": zero.shaped_like(p, flat[start:end])
+                for name, p, (start, end, _) in zip(self.names, self.params, self.segments)}
+
+    def _load_pieces(self, values: dict, pieces: list[torch.Tensor], key=lambda n: n) -> None:
+        flat = torch.zeros(self.bounds[-1], dtype=torch.float32, device=self.flat.device)
+        for name, (start, end, _) in zip(self.names, self.segments):
+            flat[start:end].copy_(local(values[key(name)]).reshape(-1))
+        for (a, b), piece in zip(self.owned, pieces):
+            piece.copy_(flat[a:b])
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        self.wait_params()
+        sd = zero.parts_state_dict(self.parts)
+        if self.separate_master:  # the fp32 master, not the compute copy
+            sd.update(self._per_param(self._whole(self.masters)))
+        return sd
+
+    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.wait_params()
+        zero.load_parts_state_dict(self.parts, sd)
+        if self.separate_master:
+            self._load_pieces(sd, self.masters)
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        ensure_state(self.optimizer)
+        states = [self.optimizer.state[m] for m in self.masters]
+        out = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out.update(self._per_param(self._whole([s[key] for s in states]), "state.", f".{key}"))
+        for name in self.names:
+            out[f"state.{name}.step"] = states[0]["step"]
+        return out
+
+    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
+        ensure_state(self.optimizer)
+        states = [self.optimizer.state[m] for m in self.masters]
+        for key in ("exp_avg", "exp_avg_sq"):
+            self._load_pieces(loaded, [s[key] for s in states], lambda n, key=key: f"state.{n}.{key}")
+        for s in states:
+            s["step"].copy_(loaded[f"state.{self.names[0]}.step"])
+
