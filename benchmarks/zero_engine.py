@@ -6,7 +6,10 @@ Same model, batch and bucket size for all (DDP's ``bucket_cap_mb`` = torchpar's
 ``parallelism.bucket_mb``); each variant in fresh processes, one thread per rank, interleaved
 repeat by repeat; the first step untimed (its collectives counted by the communication ledger).
 Prints tokens/s, tokens per CPU-second (user + system of both ranks), peak resident memory (the
-larger rank's), MiB each rank sends per step, and the ratio of tokens per CPU-second to DDP's.
+larger rank's), MiB each rank sends per step, and the ratio of tokens per CPU-second to DDP's; then,
+for torchpar's stages 0-2, what the overlap hides: the time per step the host waits for gradient
+reductions after backward and for parameter gathers in the next forward, against the time the
+same collectives take when run alone, blocking (measured after the run, same sizes and groups).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import argparse
 import json
 import shutil
 import statistics
+import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from vs_plain_pytorch import SHAPE, worker
 
 from torchpar.selftest import spawn_ranks
@@ -29,6 +35,50 @@ VARIANTS = {
 }
 
 
+def timed_worker(rank, world, out, variant, steps, seq, batch, bucket_mb):
+    """:func:`worker`, with the flat engine's waits timed (steps 2 on) and, after it, the same
+    collectives run blocking for comparison."""
+    from torchpar.parallel.flat import FlatZero
+
+    waited = {"reduce": 0.0, "gather": 0.0}
+    engines = []
+
+    def timing(method, key):
+        def timed(self, *args):
+            if self not in engines:
+                engines.append(self)
+            t0 = time.perf_counter()
+            method(self, *args)
+            waited[key] += time.perf_counter() - t0
+        return timed
+
+    reduce, wait = FlatZero.reduce_gradients, FlatZero.wait_params
+    FlatZero.reduce_gradients, FlatZero.wait_params = timing(reduce, "reduce"), timing(wait, "gather")
+    worker(rank, world, out, variant, steps, seq, batch, bucket_mb)
+    if not engines or engines[0].layout.dp == 1:
+        return
+    e = engines[0]
+    grads = torch.zeros(e.bounds[-1], dtype=e.grad_dtype)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if e.stage == 2:
+        shard = grads[: grads.numel() // e.shards].clone()
+        dist.reduce_scatter_tensor(shard, grads, group=e._group("dp_shard"))
+    else:
+        dist.all_reduce(grads, group=e._group("dp"))
+    alone = {"reduce": time.perf_counter() - t0, "gather": 0.0}
+    if e.shards > 1:
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(e.flat.clone(), e.masters[0].new_zeros(e.bounds[-1] // e.shards),
+                                    group=e._group("dp_shard"))
+        alone["gather"] = time.perf_counter() - t0
+    # (waits are averaged over every step, the untimed first one included)
+    if rank == 0:
+        Path(out, "waits.json").write_text(json.dumps({
+            "waited_ms": {k: 1e3 * v / steps for k, v in waited.items()},
+            "alone_ms": {k: 1e3 * v for k, v in alone.items()}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
@@ -38,10 +88,13 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     a = ap.parse_args()
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    waits: dict[str, list[dict]] = {}
     for _ in range(a.repeats):
         for name, variant in VARIANTS.items():
-            out = spawn_ranks(worker, 2, variant, a.steps, a.seq, a.batch, a.bucket_mb)
+            out = spawn_ranks(timed_worker, 2, variant, a.steps, a.seq, a.batch, a.bucket_mb)
             runs[name].append(json.loads(Path(out, "result.json").read_text()))
+            if Path(out, "waits.json").exists():
+                waits.setdefault(name, []).append(json.loads(Path(out, "waits.json").read_text()))
             shutil.rmtree(out, ignore_errors=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     ddp = med["DDP (plain PyTorch)"]["tokens_per_cpu_s"]
@@ -53,6 +106,17 @@ def main() -> None:
         ratio = m["tokens_per_cpu_s"] / ddp
         print(f"{name:<26} {m['tokens_per_s']:>9,.0f} {m['tokens_per_cpu_s']:>13,.0f} "
               f"{m['peak_rss_mib']:>13,.0f} {m['sent_mib_per_step']:>14.2f}  {ratio:.3f}x")
+
+    print("\nwhat the overlap hides (ms per step on the host, median): waited for / the same "
+          "collectives alone")
+    for name, ws in waits.items():
+        parts = []
+        for key in ("reduce", "gather"):
+            waited = statistics.median(w["waited_ms"][key] for w in ws)
+            alone = statistics.median(w["alone_ms"][key] for w in ws)
+            if alone:
+                parts.append(f"{key} {waited:.1f} / {alone:.1f}")
+        print(f"{name:<26} " + "; ".join(parts))
 
 
 if __name__ == "__main__":

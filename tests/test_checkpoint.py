@@ -32,6 +32,8 @@ LAYOUTS = {  # name: (world, overrides)
     "single": (1, [Z, "0"]),
     "dp2_zero3": (2, [LB, "4", Z, "3"]),
     "dp2_zero1": (2, [LB, "4", Z, "1"]),
+    # bf16 parameters over the fp32 master: the checkpoint holds the master, so resume is exact
+    "dp2_zero2_bf16": (2, [LB, "4", Z, "2", "--training.mixed_precision_param", "bfloat16"]),
     "pp2": (2, [*PP2, Z, "0"]),
     "dp4": (4, [LB, "2", Z, "3"]),
     "dp2_tp2": (4, [LB, "4", *TP2, Z, "3"]),
@@ -39,7 +41,7 @@ LAYOUTS = {  # name: (world, overrides)
     "pp2_dp2": (4, [*PP2, LB, "4", Z, "3"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
-EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2")]
+EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"), ("dp2_zero2_bf16", "dp2_zero2_bf16")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1")]
 

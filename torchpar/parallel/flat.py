@@ -20,7 +20,10 @@ an fp32 master (the buffer itself in an fp32 run), so each collective is one cal
 
 from __future__ import annotations
 
+import bisect
 import math
+import weakref
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -32,12 +35,6 @@ from torchpar.parallel import zero
 from torchpar.parallel.zero import local, nbytes
 
 IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before backward waits for the oldest (and frees it)
-
-
-def bucket_bounds(padded: int, shards: int, bucket_mb: float, elem_bytes: int) -> list[int]:
-    """Start of every bucket, then the end: each a multiple of ``shards`` elements."""
-    size = max(shards, int(bucket_mb * 2**20 / elem_bytes) // shards * shards)
-    return [*range(0, padded, size), padded]
 
 
 class FlatZero:
@@ -54,12 +51,14 @@ class FlatZero:
         self.grad_dtype = getattr(torch, layout.reduce_dtype)
         self.shards = n = layout.dp_shard if self.stage in (1, 2) else 1
         mesh = layout.mesh
-        self.dp_group, self.shard_group = mesh["dp"].get_group(), mesh["dp_shard"].get_group()
-        self.replicate_group = mesh["dp_replicate"].get_group()
+        # Groups are looked up when used, never held: the hooks keep this engine alive until the
+        # garbage collector runs, and a held group would outlive destroy_process_group.
+        self.meshes = {dim: mesh[dim] for dim in ("dp", "dp_shard", "dp_replicate")}
         rank = mesh["dp_shard"].get_local_rank() if n > 1 else 0
         self.total = sum(v.numel() for v in values)
         padded = math.ceil(self.total / n) * n
-        self.bounds = bucket_bounds(padded, n, layout.bucket_mb, self.grad_dtype.itemsize)
+        size = max(n, int(layout.bucket_mb * 2**20 / self.grad_dtype.itemsize) // n * n)  # elements
+        self.bounds = [*range(0, padded, size), padded]  # bucket k = [bounds[k], bounds[k + 1])
         self.buckets = list(zip(self.bounds, self.bounds[1:]))
         self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)
                       for lo, hi in self.buckets]
@@ -78,19 +77,21 @@ class FlatZero:
             self.masters = [self.master[a:b] for a, b in zip(cuts, cuts[1:])]
         else:
             self.masters = [self.flat[a:b] for a, b in self.owned]
-        del full
         self.params = self._alias(params)
         self.optimizer = build_optimizer(self.masters)
-        # Which buckets each parameter touches, and how many parameters each bucket waits for.
-        self.buckets_of = [[k for k, (lo, hi) in enumerate(self.buckets) if s < hi and lo < e]
+        cut = self.bounds  # the buckets each parameter touches:
+        self.buckets_of = [list(range(bisect.bisect_right(cut, s) - 1, bisect.bisect_left(cut, e)))
                            for s, e, _ in self.segments]
+        members = Counter(k for ks in self.buckets_of for k in ks)
+        self.members = [members[k] for k in range(len(self.buckets))]  # parameters each bucket waits for
         self.expected = layout.n_microbatches if layout.pp > 1 else 1  # hook calls per step
         self.sync, self.gathers, self.peak_grad_bytes = True, {}, 0
         self.grads: list[torch.Tensor] | None = None  # reduced fp32 gradients of the owned pieces
         self._start_step()
+        engine = weakref.ref(self)  # the model's hooks must not keep the engine alive
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
-        self._hook_gathers()
+            p.register_post_accumulate_grad_hook(lambda _, i=i: engine()._on_grad(i))
+        self._hook_gathers(engine)
 
     def _alias(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """New parameters over the buffer (in the compute dtype), put in place of the old ones in
@@ -102,21 +103,20 @@ class FlatZero:
                 view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                           shape=p.shape, stride=p.stride())
             new[id(p)] = nn.Parameter(view, requires_grad=p.requires_grad)
-        for part in self.parts:
-            for module in part.modules():
-                for name, p in module._parameters.items():
-                    if p is not None and id(p) in new:
-                        module._parameters[name] = new[id(p)]
+        for module in (m for part in self.parts for m in part.modules()):
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in new:
+                    module._parameters[name] = new[id(p)]
         return [new[id(p)] for p in params]
 
-    def _hook_gathers(self) -> None:
+    def _hook_gathers(self, engine) -> None:
         """Before its forward, a module waits for the gathers of the buckets holding its own
         parameters. Compiled blocks cannot wait inside their graph: then each part waits for all."""
         if self.shards == 1:
             return
         if self.layout.compile:
             for part in self.parts:
-                part.register_forward_pre_hook(lambda *_: self.wait_params())
+                part.register_forward_pre_hook(lambda *_: engine().wait_params())
             return
         index = {id(p): i for i, p in enumerate(self.params)}
         for part in self.parts:
@@ -124,17 +124,16 @@ class FlatZero:
                 mine = {k for p in module.parameters(recurse=False) if id(p) in index
                         for k in self.buckets_of[index[id(p)]]}
                 if mine:
-                    module.register_forward_pre_hook(lambda *_, mine=sorted(mine): self.wait_params(mine))
+                    module.register_forward_pre_hook(lambda *_, mine=sorted(mine): engine().wait_params(mine))
+
+    def _group(self, dim: str):  # (looked up at each use: see __init__)
+        return self.meshes[dim].get_group()
 
     # ------------------------------------------------------------------ gradients
 
     def _start_step(self) -> None:
-        self.arrivals = [0] * len(self.params)
-        self.taken = [False] * len(self.params)
-        self.missing = [0] * len(self.buckets)
-        for ks in self.buckets_of:
-            for k in ks:
-                self.missing[k] += 1
+        self.arrivals, self.taken = [0] * len(self.params), [False] * len(self.params)
+        self.missing = list(self.members)
         self.next = len(self.buckets) - 1  # buckets are reduced last first: backward's order
         self.bucket_bufs: dict[int, torch.Tensor] = {}
         self.in_flight: list[tuple[object, torch.Tensor | None]] = []
@@ -191,11 +190,11 @@ class FlatZero:
         if self.stage == 2:
             if self.grad_shard is None:
                 self.grad_shard = self.flat.new_empty(self.bounds[-1] // self.shards, dtype=self.grad_dtype)
-            work = dist.reduce_scatter_tensor(self._shard_piece(k), buf, group=self.shard_group,
+            work = dist.reduce_scatter_tensor(self._shard_piece(k), buf, group=self._group("dp_shard"),
                                               async_op=True)
             del self.bucket_bufs[k]  # held by in_flight until reduced
         elif self.layout.dp > 1:
-            work = dist.all_reduce(buf, group=self.dp_group, async_op=True)
+            work = dist.all_reduce(buf, group=self._group("dp"), async_op=True)
         self.in_flight.append((work, buf if self.stage == 2 else None))
         self._note_grad_bytes()
         while self.stage == 2 and len(self.in_flight) > IN_FLIGHT:
@@ -221,7 +220,7 @@ class FlatZero:
         if self.stage == 2:
             held = self.grad_shard
             if self.layout.dp_replicate > 1:
-                dist.all_reduce(held, group=self.replicate_group)
+                dist.all_reduce(held, group=self._group("dp_replicate"))
             pieces = [self._shard_piece(k) for k in range(len(self.buckets))]
         else:
             held = self.grad_flat
@@ -241,8 +240,9 @@ class FlatZero:
         # Owned pieces are distinct within dp_shard; stage 0's whole buffer is held by all of dp.
         dp_copies = self.layout.dp if self.shards == 1 else self.layout.dp_replicate
         pieces = []
-        for (lo, hi), g in zip(self.owned, self.grads):
-            for start, end, tp_copies in self.segments:
+        for (start, end, tp_copies), ks in zip(self.segments, self.buckets_of):
+            for k in ks:
+                (lo, hi), g = self.owned[k], self.grads[k]
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     pieces.append((g[a - lo: b - lo], tp_copies * dp_copies))
@@ -266,7 +266,7 @@ class FlatZero:
             # parameters): a gather landing mid-forward (gloo writes when it finishes) must not mark
             # the parameters earlier modules saved as modified; it writes buckets none has read yet.
             out = self.flat.new_empty(0).set_(self.flat.untyped_storage(), lo, (hi - lo,))
-            work = dist.all_gather_into_tensor(out, src, group=self.shard_group, async_op=True)
+            work = dist.all_gather_into_tensor(out, src, group=self._group("dp_shard"), async_op=True)
             self.gathers[k] = (work, src)
 
     def wait_params(self, buckets=None) -> None:
@@ -303,7 +303,7 @@ class FlatZero:
             return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         out = torch.empty(self.bounds[-1], dtype=pieces[0].dtype, device=pieces[0].device)
         for (lo, hi), piece in zip(self.buckets, pieces):
-            dist.all_gather_into_tensor(out[lo:hi], piece.contiguous(), group=self.shard_group)
+            dist.all_gather_into_tensor(out[lo:hi], piece.contiguous(), group=self._group("dp_shard"))
         return out
 
     def _per_param(self, flat: torch.Tensor, prefix: str = "", suffix: str = "") -> dict[str, torch.Tensor]:

@@ -196,8 +196,11 @@ def clip_grad_norm(state, max_norm: float, world_group=None) -> torch.Tensor:
     pieces = state.grad_pieces()
     device = pieces[0][0].device if pieces else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for t, copies in pieces:
-        total += t.float().pow(2).sum() / copies
+        by_copies.setdefault(copies, []).append(t)
+    for copies, group in by_copies.items():  # one fused kernel per group, not three per piece
+        total += torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum() / copies
     if dist.get_world_size(world_group) > 1:
         dist.all_reduce(total, group=world_group)
     norm = total.sqrt()

@@ -61,7 +61,7 @@ def _zero(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
             )
     mapped = {"stage", "offload_optimizer", "offload_param"}
     if "reduce_bucket_size" in z and stage < 3:  # elements; torchpar's buckets are MB of fp32 gradients
-        out += ["--parallelism.bucket_mb", f"{float(z['reduce_bucket_size']) * 4 / 2**20:g}"]
+        out += ["--parallelism.bucket_mb", str(float(z["reduce_bucket_size"]) * 4 / 2**20)]
         mapped.add("reduce_bucket_size")
     for key in sorted(set(z) - mapped):
         notes.append((f"zero_optimization.{key}", NO_KNOB if key in IGNORED_ZERO else "not mapped"))
