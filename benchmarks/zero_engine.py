@@ -69,9 +69,10 @@ def timed_worker(rank, world, out, variant, steps, seq, batch, bucket_mb):
     alone = {"reduce": time.perf_counter() - t0, "gather": 0.0}
     if e.shards > 1:
         t0 = time.perf_counter()
-        dist.all_gather_into_tensor(e.flat.clone(), e.masters[0].new_zeros(e.bounds[-1] // e.shards),
-                                    group=e._group("dp_shard"))
+        gathered, piece = e.flat.clone(), e.masters[0].new_zeros(e.bounds[-1] // e.shards)
+        dist.all_gather_into_tensor(gathered, piece, group=e._group("dp_shard"))
         alone["gather"] = time.perf_counter() - t0
+    dist.barrier()  # (gloo's threads are done with the tensors above before they are freed)
     # (waits are averaged over every step, the untimed first one included)
     if rank == 0:
         Path(out, "waits.json").write_text(json.dumps({

@@ -41,7 +41,8 @@ LAYOUTS = {  # name: (world, overrides)
     "pp2_dp2": (4, [*PP2, LB, "4", Z, "3"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
-EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"), ("dp2_zero2_bf16", "dp2_zero2_bf16")]
+EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
+         ("dp2_zero2_bf16", "dp2_zero2_bf16")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1")]
 

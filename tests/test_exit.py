@@ -1,6 +1,7 @@
 """The exit path, many times over, under CPU load: no process may abort at exit ("terminate called
 without an active exception" is a C++ thread destroyed while still joinable) whatever it did last
-— an asynchronous checkpoint save, an evaluation, a pipeline step, or a trainer never closed. A
+— an asynchronous checkpoint save, an evaluation, a pipeline step, ZeRO-2's asynchronous
+bucket collectives, or a trainer never closed. A
 crash here fails the test; nothing is retried."""
 
 import subprocess
@@ -42,6 +43,11 @@ def _exit_worker(rank, world, out):
     folder = f"{out}/run"
     tp2 = ["--parallelism.tensor_parallel_degree", "2", "--training.steps", "2", *LAST_ACTS]
     Trainer(load_config(TINY, tp2 + ["--job.dump_folder", folder])).train()
+    # ZeRO-2's reductions and gathers are asynchronous: the last step's gathers are in flight
+    # until the trainer closes.
+    zero2 = ["--parallelism.zero_stage", "2", "--parallelism.bucket_mb", "1", "--training.steps", "2",
+             *LAST_ACTS]
+    Trainer(load_config(TINY, zero2 + ["--job.dump_folder", f"{folder}_zero2"])).train()
     # A trainer that is never closed: its watchdog thread is still running when the process group
     # goes and when the interpreter exits.
     pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.steps", "1"]

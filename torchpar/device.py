@@ -6,6 +6,7 @@ nccl with CUDA, gloo on CPU. Nothing else in torchpar calls ``torch.cuda``.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import resource
@@ -165,8 +166,12 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
 
 
 def shutdown_distributed() -> None:
-    """Destroy every process group (subgroups with the default one); a no-op when there is none."""
+    """Destroy every process group (subgroups with the default one); a no-op when there is none.
+    Garbage (a finished trainer's reference cycles, which may hold collectives' work objects and
+    tensors) is collected first, while every gloo worker thread can still take the interpreter's
+    lock to let go of a tensor."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -81,7 +81,7 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) 
     try:
         target(rank, world, out, *args)
     finally:
-        dist.destroy_process_group()
+        dev.shutdown_distributed()
 
 
 def spawn_ranks(target, world: int, *args) -> str:

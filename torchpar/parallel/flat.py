@@ -136,7 +136,7 @@ class FlatZero:
         self.missing = list(self.members)
         self.next = len(self.buckets) - 1  # buckets are reduced last first: backward's order
         self.bucket_bufs: dict[int, torch.Tensor] = {}
-        self.in_flight: list[tuple[object, torch.Tensor | None]] = []
+        self.in_flight: list[tuple] = []  # (work, the bucket if it has its own memory, views...)
         self.grad_flat = self.grad_shard = None
 
     def set_sync(self, enabled: bool) -> None:
@@ -167,14 +167,18 @@ class FlatZero:
     def _take(self, i: int) -> None:
         """Parameter ``i``'s gradient into its bucket(s) (zeros if it has none), each bucket
         reduced as soon as it is ready (a large parameter spanning many buckets never has them
-        all allocated at once); the parameter's own gradient is dropped."""
+        all allocated at once); the parameter's own gradient is dropped. The copy divides by the
+        dp degree on the way (the reduction's sum is then the mean, without a pass of its own)."""
         p, (start, end, _) = self.params[i], self.segments[i]
         g = zero.local_grad(p).reshape(-1) if p.grad is not None else None
         for k in reversed(self.buckets_of[i]):
             lo, hi = self.buckets[k]
             a, b = max(start, lo), min(end, hi)
             dst = self._bucket(k)[a - lo: b - lo]
-            dst.copy_(g[a - start: b - start]) if g is not None else dst.zero_()
+            if g is None:
+                dst.zero_()
+            else:
+                torch.mul(g[a - start: b - start], 1 / self.layout.dp, out=dst)
             self.missing[k] -= 1
             self._launch_ready()
         p.grad = None
@@ -186,16 +190,15 @@ class FlatZero:
             self.next -= 1
 
     def _launch(self, k: int) -> None:
-        buf, work = self._bucket(k), None
+        buf = self._bucket(k)
         if self.stage == 2:
             if self.grad_shard is None:
                 self.grad_shard = self.flat.new_empty(self.bounds[-1] // self.shards, dtype=self.grad_dtype)
-            work = dist.reduce_scatter_tensor(self._shard_piece(k), buf, group=self._group("dp_shard"),
-                                              async_op=True)
-            del self.bucket_bufs[k]  # held by in_flight until reduced
+            out = self._shard_piece(k)
+            work = dist.reduce_scatter_tensor(out, buf, group=self._group("dp_shard"), async_op=True)
+            self.in_flight.append((work, self.bucket_bufs.pop(k), out))  # (the bucket: its own memory)
         elif self.layout.dp > 1:
-            work = dist.all_reduce(buf, group=self._group("dp"), async_op=True)
-        self.in_flight.append((work, buf if self.stage == 2 else None))
+            self.in_flight.append((dist.all_reduce(buf, group=self._group("dp"), async_op=True), None, buf))
         self._note_grad_bytes()
         while self.stage == 2 and len(self.in_flight) > IN_FLIGHT:
             self.in_flight.pop(0)[0].wait()  # its bucket is freed here
@@ -206,17 +209,15 @@ class FlatZero:
         return self.grad_shard[start: start + b - a]
 
     def _note_grad_bytes(self) -> None:  # the running peak of the gradient storage held
-        held = [self.grad_flat, self.grad_shard, *(b for _, b in self.in_flight), *self.bucket_bufs.values()]
+        held = [self.grad_flat, self.grad_shard, *self.bucket_bufs.values(), *(e[1] for e in self.in_flight)]
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(nbytes(b) for b in held))
 
     def reduce_gradients(self) -> None:
         for i in range(len(self.params)):
             if not self.taken[i]:
                 self._take(i)
-        for work, _ in self.in_flight:
-            if work is not None:
-                work.wait()
-        self.in_flight.clear()
+        for work, *_ in self.in_flight:
+            work.wait()
         if self.stage == 2:
             held = self.grad_shard
             if self.layout.dp_replicate > 1:
@@ -225,8 +226,6 @@ class FlatZero:
         else:
             held = self.grad_flat
             pieces = [held[a:b] for a, b in self.owned]
-        if self.layout.dp > 1:
-            held.div_(self.layout.dp)
         # The optimizer's gradients are fp32 like its master: views, or copies of a bf16 reduction.
         self.grads = [g if g.dtype == torch.float32 else g.float() for g in pieces]
         for m, g in zip(self.masters, self.grads):
@@ -267,7 +266,7 @@ class FlatZero:
             # the parameters earlier modules saved as modified; it writes buckets none has read yet.
             out = self.flat.new_empty(0).set_(self.flat.untyped_storage(), lo, (hi - lo,))
             work = dist.all_gather_into_tensor(out, src, group=self._group("dp_shard"), async_op=True)
-            self.gathers[k] = (work, src)
+            self.gathers[k] = (work, src, out)
 
     def wait_params(self, buckets=None) -> None:
         """Wait for the parameter gathers of ``buckets`` (all of them by default)."""

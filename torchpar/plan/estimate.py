@@ -138,8 +138,8 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
 def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     """ZeRO 0-2's gradient storage as backward ends: the whole flat gradient (stages 0, 1), or
     (stage 2) the owned shard, the buckets in flight and the one being filled, and up to a block's
-    gradients more: a block's gradients arrive in backward's order, not the buffer's, so buckets
-    that are complete wait for the block's last one before they are reduced, in order."""
+    gradients more: a block's gradients arrive in backward's order, not the buffer's, so complete
+    buckets wait for the block's last one before they are reduced, in order."""
     from torchpar.parallel.flat import IN_FLIGHT
 
     elements = _flat_elements(lay, rank_params(model, args, lay, pp_rank))
