@@ -21,6 +21,7 @@ an fp32 master (the buffer itself in an fp32 run), so each collective is one cal
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import weakref
 from collections import Counter
@@ -30,14 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchpar.optim import ensure_state
 from torchpar.parallel import zero
+from torchpar.parallel.flat_state import FlatCheckpoints
 from torchpar.parallel.zero import local, nbytes
 
 IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before backward waits for the oldest (and frees it)
 
 
-class FlatZero:
+class FlatZero(FlatCheckpoints):
     """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
 
     def __init__(self, model_parts: list[nn.Module], layout, build_optimizer):
@@ -62,6 +63,7 @@ class FlatZero:
         self.buckets = list(zip(self.bounds, self.bounds[1:]))
         self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)
                       for lo, hi in self.buckets]
+        self.shard_starts = [0, *itertools.accumulate(b - a for a, b in self.owned)]  # in the shard
         self.segments: list[tuple[int, int, int]] = []  # (start, end, tp copies) per parameter
         full = torch.zeros(padded, dtype=torch.float32, device=values[0].device)
         offset = 0
@@ -73,7 +75,7 @@ class FlatZero:
         self.flat = full.to(self.compute_dtype)  # what forward and backward read (``full`` in fp32)
         if self.separate_master:
             self.master = torch.cat([full[a:b] for a, b in self.owned])  # the owned pieces, in order
-            cuts = [0, *torch.tensor([b - a for a, b in self.owned]).cumsum(0).tolist()]
+            cuts = self.shard_starts
             self.masters = [self.master[a:b] for a, b in zip(cuts, cuts[1:])]
         else:
             self.masters = [self.flat[a:b] for a, b in self.owned]
@@ -102,7 +104,8 @@ class FlatZero:
             if isinstance(p, DTensor):
                 view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                           shape=p.shape, stride=p.stride())
-            new[id(p)] = nn.Parameter(view, requires_grad=p.requires_grad)
+            new[id(p)] = q = nn.Parameter(view, requires_grad=p.requires_grad)
+            q.grad_dtype = torch.float32  # bf16 parameters: micro-steps accumulate their gradients in fp32
         for module in (m for part in self.parts for m in part.modules()):
             for name, p in module._parameters.items():
                 if p is not None and id(p) in new:
@@ -204,16 +207,18 @@ class FlatZero:
             self.in_flight.pop(0)[0].wait()  # its bucket is freed here
 
     def _shard_piece(self, k: int) -> torch.Tensor:
-        start = sum(b - a for a, b in self.owned[:k])
-        a, b = self.owned[k]
-        return self.grad_shard[start: start + b - a]
+        start = self.shard_starts[k]
+        return self.grad_shard[start: start + self.owned[k][1] - self.owned[k][0]]
 
     def _note_grad_bytes(self) -> None:  # the running peak of the gradient storage held
-        held = [self.grad_flat, self.grad_shard, *self.bucket_bufs.values(), *(e[1] for e in self.in_flight)]
+        if self.stage != 2:  # (only the whole buffer)
+            self.peak_grad_bytes = nbytes(self.grad_flat)
+            return
+        held = [self.grad_shard, *self.bucket_bufs.values(), *(e[1] for e in self.in_flight)]
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(nbytes(b) for b in held))
 
     def reduce_gradients(self) -> None:
-        for i in range(len(self.params)):
+        for i in reversed(range(len(self.params))):  # (buckets go last first)
             if not self.taken[i]:
                 self._take(i)
         for work, *_ in self.in_flight:
@@ -253,12 +258,12 @@ class FlatZero:
     # ------------------------------------------------------------------ the update
 
     def step(self) -> None:
+        self.wait_params()  # (a gather nobody waited for still writes this rank's piece too)
         self.optimizer.step()
         if self.shards == 1:
             if self.separate_master:
                 self.flat.copy_(self.master)  # stage 0 owns every bucket, in order
             return
-        self.wait_params()
         for k, ((lo, hi), m) in enumerate(zip(self.buckets, self.masters)):
             src = m.to(self.compute_dtype, copy=True)  # (gloo's all-gather may not read its output)
             # The output shares the buffer's memory, not the version counter of its views (the
@@ -290,60 +295,3 @@ class FlatZero:
         master = nbytes(self.master) if self.separate_master else 0
         return {"param_bytes": sum(nbytes(p) for p in self.params), "grad_bytes": grads,
                 "optim_bytes": zero.optimizer_state_bytes(self.optimizer) + master}
-
-    # ------------------------------------------------------------------ checkpoints
-    # Per-parameter tensors laid out like the parameters, for the model (fp32) and Adam's moments
-    # alike: the owned pieces are gathered over dp_shard (a transient whole copy: the price of a
-    # format that any layout can load).
-
-    def _whole(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The flat fp32 values of which this rank holds ``pieces`` (one per bucket)."""
-        if self.shards == 1:
-            return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        out = torch.empty(self.bounds[-1], dtype=pieces[0].dtype, device=pieces[0].device)
-        for (lo, hi), piece in zip(self.buckets, pieces):
-            dist.all_gather_into_tensor(out[lo:hi], piece.contiguous(), group=self._group("dp_shard"))
-        return out
-
-    def _per_param(self, flat: torch.Tensor, prefix: str = "", suffix: str = "") -> dict[str, torch.Tensor]:
-        return {f"{prefix}{name}{suffix}": zero.shaped_like(p, flat[start:end])
-                for name, p, (start, end, _) in zip(self.names, self.params, self.segments)}
-
-    def _load_pieces(self, values: dict, pieces: list[torch.Tensor], key=lambda n: n) -> None:
-        flat = torch.zeros(self.bounds[-1], dtype=torch.float32, device=self.flat.device)
-        for name, (start, end, _) in zip(self.names, self.segments):
-            flat[start:end].copy_(local(values[key(name)]).reshape(-1))
-        for (a, b), piece in zip(self.owned, pieces):
-            piece.copy_(flat[a:b])
-
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        self.wait_params()
-        sd = zero.parts_state_dict(self.parts)
-        if self.separate_master:  # the fp32 master, not the compute copy
-            sd.update(self._per_param(self._whole(self.masters)))
-        return sd
-
-    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.wait_params()
-        zero.load_parts_state_dict(self.parts, sd)
-        if self.separate_master:
-            self._load_pieces(sd, self.masters)
-
-    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
-        ensure_state(self.optimizer)
-        states = [self.optimizer.state[m] for m in self.masters]
-        out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            out.update(self._per_param(self._whole([s[key] for s in states]), "state.", f".{key}"))
-        for name in self.names:
-            out[f"state.{name}.step"] = states[0]["step"]
-        return out
-
-    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
-        ensure_state(self.optimizer)
-        states = [self.optimizer.state[m] for m in self.masters]
-        for key in ("exp_avg", "exp_avg_sq"):
-            self._load_pieces(loaded, [s[key] for s in states], lambda n, key=key: f"state.{n}.{key}")
-        for s in states:
-            s["step"].copy_(loaded[f"state.{self.names[0]}.step"])
-

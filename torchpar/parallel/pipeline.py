@@ -222,7 +222,7 @@ class Pipeline:
         from torchpar.loss import cross_entropy_sum
 
         loss = torch.zeros((), device=inputs.device)
-        x = inputs
+        x, dtype = inputs, getattr(torch, self.layout.param_dtype)  # activations in the compute dtype
         for s in range(self.layout.num_stages):
             if self.holder[s] != self.pp_rank:
                 continue
@@ -230,7 +230,7 @@ class Pipeline:
                 # Shape first: it depends on the layout (sequence parallel sends the local shard).
                 shape = torch.empty(3, dtype=torch.long, device=inputs.device)
                 dist.recv(shape, group=self.group, group_src=self.holder[s - 1])
-                x = torch.empty(shape.tolist(), dtype=torch.float32, device=inputs.device)
+                x = torch.empty(shape.tolist(), dtype=dtype, device=inputs.device)
                 dist.recv(x, group=self.group, group_src=self.holder[s - 1])
             x = self.parts[s](x)
             if s == self.layout.num_stages - 1:
@@ -238,7 +238,7 @@ class Pipeline:
             elif self.holder[s + 1] != self.pp_rank:
                 dist.send(torch.tensor(x.shape, dtype=torch.long, device=inputs.device), group=self.group,
                           group_dst=self.holder[s + 1])
-                dist.send(x.float().contiguous(), group=self.group, group_dst=self.holder[s + 1])
+                dist.send(x.to(dtype).contiguous(), group=self.group, group_dst=self.holder[s + 1])
         return loss
 
     def time_actions(self, timer) -> None:

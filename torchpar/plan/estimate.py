@@ -158,7 +158,8 @@ def _not_at_once(mem: dict, lay: Layout, n_micro: int) -> float:
     ends, the gradients — under ZeRO 0-2 the buckets they were copied into (:func:`_flat_buckets`)."""
     grads = mem.get("grad_bytes", 0)  # 0 when offloaded (then on the host)
     flat_engine = lay.zero_stage < 3
-    kept = (mem["param_bytes"] if flat_engine else grads) if n_micro > 1 else 0
+    # (ZeRO 0-2 accumulate per-parameter gradients in fp32 whatever the compute dtype)
+    kept = (mem["param_bytes"] * 4 / lay.param_dtype_bytes if flat_engine else grads) if n_micro > 1 else 0
     start = mem["activation_bytes"] + mem["logits_bytes"] + kept
     end = mem["flat_grad_bytes"] if flat_engine else grads
     return grads + mem["activation_bytes"] + mem["logits_bytes"] - max(start, end)
