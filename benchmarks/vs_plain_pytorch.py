@@ -137,20 +137,38 @@ def worker(rank, world, out, variant, steps, seq, batch, bucket_mb=25.0):
                        "sent_mib_per_step": most[1].item() / 2**20}, f)
 
 
-def main() -> None:
+def arguments(repeats: int) -> argparse.ArgumentParser:
+    """The options of the benchmarks that run :func:`worker` (the model is :data:`SHAPE`)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
-    a = ap.parse_args()
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for _ in range(a.repeats):
-        for name, (ranks, _, _) in VARIANTS.items():  # interleaved: the machine's drift hits all alike
-            out = spawn_ranks(worker, ranks, VARIANTS[name], a.steps, a.seq, a.batch)
-            runs[name].append(json.loads(Path(out, "result.json").read_text()))
+    return ap
+
+
+def interleaved(variants: dict, repeats: int, target, *args) -> dict[str, dict[str, list[dict]]]:
+    """Each variant ``target(rank, world, out, variant, *args)`` in fresh processes, the variants
+    interleaved repeat by repeat (the machine's drift hits all alike): {name: {json file: [its
+    contents, one per run]}}."""
+    runs: dict[str, dict[str, list[dict]]] = {name: {} for name in variants}
+    for _ in range(repeats):
+        for name, variant in variants.items():
+            out = spawn_ranks(target, variant[0], variant, *args)
+            for path in sorted(Path(out).glob("*.json")):
+                runs[name].setdefault(path.name, []).append(json.loads(path.read_text()))
             shutil.rmtree(out, ignore_errors=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    return runs
+
+
+def medians(runs: list[dict]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> None:
+    a = arguments(repeats=2).parse_args()
+    runs = interleaved(VARIANTS, a.repeats, worker, a.steps, a.seq, a.batch)
+    med = {name: medians(files["result.json"]) for name, files in runs.items()}
     print(f"llama {SHAPE}, batch {a.batch} x seq {a.seq} per rank, fp32, 1 thread per rank; "
           f"median of {a.repeats} runs of {a.steps - 1} timed steps")
     print(f"{'variant':<24} {'tokens/s':>9} {'tokens/CPU-s':>13} {'GFLOP/CPU-s':>12}  ratio (tokens/CPU-s)")

@@ -14,18 +14,14 @@ same collectives take when run alone, blocking (measured after the run, same siz
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from vs_plain_pytorch import SHAPE, worker
-
-from torchpar.selftest import spawn_ranks
+from vs_plain_pytorch import SHAPE, arguments, interleaved, medians, worker
 
 Z = "--parallelism.zero_stage"
 VARIANTS = {
@@ -81,23 +77,12 @@ def timed_worker(rank, world, out, variant, steps, seq, batch, bucket_mb):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
+    ap = arguments(repeats=3)
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     a = ap.parse_args()
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    waits: dict[str, list[dict]] = {}
-    for _ in range(a.repeats):
-        for name, variant in VARIANTS.items():
-            out = spawn_ranks(timed_worker, 2, variant, a.steps, a.seq, a.batch, a.bucket_mb)
-            runs[name].append(json.loads(Path(out, "result.json").read_text()))
-            if Path(out, "waits.json").exists():
-                waits.setdefault(name, []).append(json.loads(Path(out, "waits.json").read_text()))
-            shutil.rmtree(out, ignore_errors=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    runs = interleaved(VARIANTS, a.repeats, timed_worker, a.steps, a.seq, a.batch, a.bucket_mb)
+    med = {name: medians(files["result.json"]) for name, files in runs.items()}
+    waits = {name: files["waits.json"] for name, files in runs.items() if "waits.json" in files}
     ddp = med["DDP (plain PyTorch)"]["tokens_per_cpu_s"]
     print(f"llama {SHAPE}, batch {a.batch} x seq {a.seq} per rank, dp 2, fp32, buckets of {a.bucket_mb} MB, "
           f"1 thread per rank; median of {a.repeats} runs of {a.steps - 1} timed steps")

@@ -55,7 +55,7 @@ class FlatZero(FlatCheckpoints):
         # Groups are looked up when used, never held: the hooks keep this engine alive until the
         # garbage collector runs, and a held group would outlive destroy_process_group.
         self.meshes = {dim: mesh[dim] for dim in ("dp", "dp_shard", "dp_replicate")}
-        rank = mesh["dp_shard"].get_local_rank() if n > 1 else 0
+        rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         self.total = sum(v.numel() for v in values)
         padded = math.ceil(self.total / n) * n
         size = max(n, int(layout.bucket_mb * 2**20 / self.grad_dtype.itemsize) // n * n)  # elements
@@ -80,6 +80,7 @@ class FlatZero(FlatCheckpoints):
         else:
             self.masters = [self.flat[a:b] for a, b in self.owned]
         self.params = self._alias(params)
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}  # parameter -> its position
         self.optimizer = build_optimizer(self.masters)
         cut = self.bounds  # the buckets each parameter touches:
         self.buckets_of = [list(range(bisect.bisect_right(cut, s) - 1, bisect.bisect_left(cut, e)))
@@ -88,6 +89,7 @@ class FlatZero(FlatCheckpoints):
         self.members = [members[k] for k in range(len(self.buckets))]  # parameters each bucket waits for
         self.expected = layout.n_microbatches if layout.pp > 1 else 1  # hook calls per step
         self.sync, self.gathers, self.peak_grad_bytes = True, {}, 0
+        self.grad_flat = self.grad_shard = None  # stages 0-1's whole reduced gradient, stage 2's shard
         self.grads: list[torch.Tensor] | None = None  # reduced fp32 gradients of the owned pieces
         self._start_step()
         engine = weakref.ref(self)  # the model's hooks must not keep the engine alive
@@ -121,7 +123,7 @@ class FlatZero(FlatCheckpoints):
             for part in self.parts:
                 part.register_forward_pre_hook(lambda *_: engine().wait_params())
             return
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self.index_of
         for part in self.parts:
             for module in part.modules():
                 mine = {k for p in module.parameters(recurse=False) if id(p) in index
@@ -140,7 +142,6 @@ class FlatZero(FlatCheckpoints):
         self.next = len(self.buckets) - 1  # buckets are reduced last first: backward's order
         self.bucket_bufs: dict[int, torch.Tensor] = {}
         self.in_flight: list[tuple] = []  # (work, the bucket if it has its own memory, views...)
-        self.grad_flat = self.grad_shard = None
 
     def set_sync(self, enabled: bool) -> None:
         self.sync = enabled
@@ -235,10 +236,9 @@ class FlatZero(FlatCheckpoints):
         self.grads = [g if g.dtype == torch.float32 else g.float() for g in pieces]
         for m, g in zip(self.masters, self.grads):
             m.grad = g
-        grad_flat, grad_shard = self.grad_flat, self.grad_shard
         self._start_step()
-        if self.grad_dtype == torch.float32:  # (otherwise dropped: the fp32 copies are the gradients)
-            self.grad_flat, self.grad_shard = grad_flat, grad_shard
+        if self.grad_dtype != torch.float32:  # the fp32 copies are the gradients now
+            self.grad_flat = self.grad_shard = None
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
         # Owned pieces are distinct within dp_shard; stage 0's whole buffer is held by all of dp.

@@ -46,8 +46,7 @@ class FlatCheckpoints:
         self.wait_params()
         sd = zero.parts_state_dict(self.parts)
         if self.separate_master:  # the fp32 master under every name (tied weights have two)
-            index = {id(p): i for i, p in enumerate(self.params)}
-            names = [(canonical_name(n), index[id(p)])
+            names = [(canonical_name(n), self.index_of[id(p)])
                      for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)]
             sd.update(self._per_param(self._whole(self.masters), names=names))
         return sd

@@ -127,10 +127,8 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
     mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
-    if lay.zero_stage < 3:
-        mem["flat_grad_bytes"] = _flat_buckets(model, args, lay, pp_rank)
-    flat = mem.pop("flat_grad_bytes", 0)
-    mem["total_bytes"] = sum(mem.values()) - _not_at_once({**mem, "flat_grad_bytes": flat}, lay, n_micro)
+    flat = _flat_buckets(model, args, lay, pp_rank) if lay.zero_stage < 3 else 0
+    mem["total_bytes"] = sum(mem.values()) - _not_at_once(mem, lay, n_micro, flat)
     mem.update({k: 0 for k in cpu}, cpu_bytes=sum(cpu.values()))
     return mem
 
@@ -150,7 +148,7 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     return min(whole, whole / lay.dp_shard + (IN_FLIGHT + 1) * lay.bucket_mb * 2**20 + block)
 
 
-def _not_at_once(mem: dict, lay: Layout, n_micro: int) -> float:
+def _not_at_once(mem: dict, lay: Layout, n_micro: int, flat_grad_bytes: float) -> float:
     """Bytes of the sum of parts never held at the same time (negative: a transient no part
     lists). Backward frees activations as it makes gradients, so the peak is the larger of two
     phases: as backward starts, the activations and the loss's transients (plus, with accumulation
@@ -161,7 +159,7 @@ def _not_at_once(mem: dict, lay: Layout, n_micro: int) -> float:
     # (ZeRO 0-2 accumulate per-parameter gradients in fp32 whatever the compute dtype)
     kept = (mem["param_bytes"] * 4 / lay.param_dtype_bytes if flat_engine else grads) if n_micro > 1 else 0
     start = mem["activation_bytes"] + mem["logits_bytes"] + kept
-    end = mem["flat_grad_bytes"] if flat_engine else grads
+    end = flat_grad_bytes if flat_engine else grads
     return grads + mem["activation_bytes"] + mem["logits_bytes"] - max(start, end)
 
 
