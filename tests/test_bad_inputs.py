@@ -87,6 +87,7 @@ DS = "config from-deepspeed {t}/ds.json"
 EXPORT = "export --checkpoint {run} "
 GENERATE = "generate --checkpoint {run} --prompt x "
 PP2 = " --parallelism.pipeline_parallel_degree 2"
+MIX, SOURCE = "train --config {t}/mix.toml --check", "[[data.sources]]\n"
 
 
 def tokenizer_changed(run: Path) -> None:
@@ -177,6 +178,20 @@ CASES = [
     Case("held-out files missing", CHECK + FILES + " --validation.enable true", "validation.path is required",
          files=X),
     Case("lanes 0", CHECK + " --data.lanes 0", "data.lanes must be positive"),
+    Case("mixture weight 0", MIX, "data.sources[1]: weight must be a number > 0",
+         files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + "weight = 1\n" + SOURCE + "weight = 0\n"}),
+    Case("mixture unknown key", MIX, "data.sources[0]: unknown key 'paht'",
+         files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + 'weight = 1\npaht = "x"\n'}),
+    Case("mixture source without path", MIX, "data.sources[0].path is required",
+         files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + 'weight = 1\ndataset = "files"\n'}),
+    Case("mixture names repeat", MIX, "data.sources: names", "give each source its own `name`",
+         files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + "weight = 1\n" + SOURCE + "weight = 2\n"}),
+    Case("tokenized folder not prepared", CHECK + " --data.dataset tokenized --data.path {t}",
+         "is not a prepared corpus", "torchpar prepare-data"),
+    Case("prepare-data: out is a file", "prepare-data --config {tiny} --out {t}/f", "--out", "is a file",
+         files={"f": "x"}),
+    Case("prepare-data: zero processes", "prepare-data --config {tiny} --out {t}/p --processes 0",
+         "--processes must be >= 1"),
     Case("tokenizer missing", CHECK + " --model.tokenizer_path {t}/none.tiktoken", "model.tokenizer_path",
          "none.tiktoken"),
     Case("tokenizer damaged", CHECK + " --model.tokenizer_path {t}/bad.tiktoken", "model.tokenizer_path",
@@ -209,7 +224,7 @@ CASES = [
     Case("another number of lanes", CKPT + " --data.lanes 8", "data.lanes", "64 there, 8 here", run=True),
     Case("another tokenizer", CKPT, "model.tokenizer_path", "another tokenizer", run=True,
          edit=tokenizer_changed),
-    Case("position beyond the corpus", CKPT + FILES, "does not fit this corpus of 1 documents", files=X,
+    Case("position beyond the corpus", CKPT + FILES, "does not fit files (1 documents)", files=X,
          run=True, edit=lambda run: edit_manifest(run, data=None)),
     Case("initial weights missing", TRAIN + " --checkpoint.initial_load_path {t}/w.pt", "w.pt"),
     Case("initial weights not HF", TRAIN + " --checkpoint.initial_load_path {t}"

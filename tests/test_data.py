@@ -1,18 +1,66 @@
+import hashlib
 import json
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from harness import ROOT, TINY
+from test_train import env
 
-from torchpar.config import ConfigError
-from torchpar.data import FileSource, PackedWindows, StdlibSource, build_dataloader
+from torchpar.config import ConfigError, load_config
+from torchpar.data import (
+    DocumentSource,
+    FileSource,
+    PackedWindows,
+    StdlibSource,
+    TokenizedCorpus,
+    build_dataloader,
+    document_ids,
+)
+from torchpar.data.streams import Mixture
+from torchpar.data.tokenized import prepare
+from torchpar.models import adapter, model_args
 from torchpar.tokenizer import BUILTIN, Tokenizer
 
 TOK = Tokenizer(BUILTIN)
 
 
 @pytest.fixture(scope="module")
-def source():
+def stdlib():
     return StdlibSource("train", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prepared(stdlib, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prepared")
+    prepare(stdlib, TOK, folder, processes=2, docs_per_shard=64, quiet=True)
+    return TokenizedCorpus(str(folder))
+
+
+@pytest.fixture(scope="module", params=["text", "tokenized"])
+def source(request, stdlib, prepared):
+    """The stdlib corpus read both ways: every loader property holds for both readers."""
+    return stdlib if request.param == "text" else prepared
+
+
+class ListSource(DocumentSource):
+    """Documents from a list, empty ones included (the stdlib has a few files that read as empty)."""
+
+    def __init__(self, docs):
+        super().__init__("list")
+        self.docs = docs
+
+    def fingerprint(self) -> str:
+        return f"{len(self.docs)} documents"
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> str:
+        return self.docs[i]
 
 
 def batches(ds_or_loader, n):
@@ -20,10 +68,10 @@ def batches(ds_or_loader, n):
     return [next(it) for _ in range(n)]
 
 
-def test_stdlib_split_is_held_out_and_deterministic(source):
+def test_stdlib_split_is_held_out_and_deterministic(stdlib):
     val = StdlibSource("validation", seed=0)
-    assert set(source.files).isdisjoint(val.files) and len(val) > 10
-    assert StdlibSource("train", seed=0).files == source.files
+    assert set(stdlib.files).isdisjoint(val.files) and len(val) > 10
+    assert StdlibSource("train", seed=0).files == stdlib.files
 
 
 def test_packing_is_the_token_stream_cut_into_windows(tmp_path):
@@ -112,3 +160,201 @@ def test_hf_datasets_on_a_local_file(tmp_path):
     assert len(src) == 5 and src[3] == "document number 3"
     with pytest.raises(ConfigError, match="no column 'text'"):
         HFSource(str(tmp_path / "d.jsonl"), "train", "text")
+
+
+# ---------------------------------------------------------------- prepared corpora
+
+
+def folder_bytes(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def prepare_cli(tmp_path, out, *more):
+    cmd = [sys.executable, "-m", "torchpar.cli", "prepare-data", "--config", str(TINY), "--out", str(out),
+           *more]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout + r.stderr
+
+
+def test_prepare_data_is_deterministic_and_resumable(tmp_path):
+    """The same bytes whatever the number of processes; an interrupted preparation (shards without
+    their commit file, no manifest) redoes only what is missing and ends with the same bytes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    out = prepare_cli(tmp_path, one, "--processes", "1", "--docs-per-shard", "200")
+    assert "1,731 documents" in out or "documents" in out
+    prepare_cli(tmp_path, two, "--processes", "2", "--docs-per-shard", "200")
+    whole = folder_bytes(one)
+    assert whole == folder_bytes(two) and len([n for n in whole if n.endswith(".bin")]) > 2
+    for name in ("manifest.json", "shard-00001.json", "shard-00003.json"):
+        (two / name).unlink()
+    (two / "shard-00003.bin").write_bytes(b"half a shard")
+    shards = len([n for n in whole if n.endswith(".bin")])
+    out = prepare_cli(tmp_path, two, "--processes", "2", "--docs-per-shard", "200")
+    assert f"resuming, {shards - 2} of {shards} shards already written" in out
+    assert folder_bytes(two) == whole
+    manifest = json.loads((one / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["documents"] == StdlibSource("train", 0).fingerprint()
+
+
+def test_prepared_windows_equal_text_windows(stdlib, prepared):
+    """Same corpus, same tokenizer: the pre-tokenized reader yields the text reader's windows and
+    positions, batch for batch, on every rank."""
+    for dp, rank in ((1, 0), (4, 3)):
+        text = PackedWindows(stdlib, TOK, 64, 2, rank, dp, seed=0)
+        tokens = PackedWindows(prepared, TOK, 64, 2, rank, dp, seed=0)
+        for a, b in zip(batches(text, 12), batches(tokens, 12)):
+            assert torch.equal(a, b)
+        assert text.with_lanes(text.state_dict()) == tokens.with_lanes(tokens.state_dict())
+
+
+@pytest.mark.parametrize("lanes,seq_len", [(3, 15), (7, 4), (1, 40), (5, 9)])
+def test_prepared_windows_across_epochs_and_empty_documents(tmp_path, lanes, seq_len):
+    """Many epochs of a small corpus with empty documents: windows and every lane's position agree."""
+    rng = random.Random(lanes)
+    docs = [" ".join(f"w{rng.randint(0, 99)}" for _ in range(rng.randint(1, 30))) if i % 4 else ""
+            for i in range(30)]
+    src = ListSource(docs)
+    prepare(src, TOK, tmp_path, processes=1, docs_per_shard=7, quiet=True)
+    corpus = TokenizedCorpus(str(tmp_path))
+    assert (corpus.lengths == 0).sum() == 8
+    text, tokens = (PackedWindows(s, TOK, seq_len, 2, 1, 2, seed=5, lanes=lanes) for s in (src, corpus))
+    it_text, it_tokens = iter(text), iter(tokens)
+    for _ in range(60):
+        assert torch.equal(next(it_text), next(it_tokens))
+        assert text.with_lanes(text.state_dict()) == tokens.with_lanes(tokens.state_dict())
+    assert min(lane[0] for lane in text.state_dict()["sources"][0]["lanes"]) >= 1  # every lane past an epoch
+
+
+def test_lanes_without_tokens_are_one_error(tmp_path):
+    """More lanes than documents: a lane holding only an empty document would wait forever for a
+    token; both readers say so instead."""
+    src = ListSource(["alpha beta", "", "gamma"])
+    prepare(src, TOK, tmp_path, processes=1, docs_per_shard=2, quiet=True)
+    for source in (src, TokenizedCorpus(str(tmp_path))):
+        with pytest.raises(ConfigError, match=r"data.lanes = 8: lane \d gets no tokens"):
+            batches(PackedWindows(source, TOK, 8, 8, 0, 1, seed=0, lanes=8), 1)
+
+
+def test_a_position_carries_over_between_readers(stdlib, prepared):
+    """A position saved by one reader resumes in the other: the same windows follow."""
+    ref = batches(build_dataloader(stdlib, TOK, 32, 4, 0, 2, seed=0), 6)
+    for first, second in ((stdlib, prepared), (prepared, stdlib)):
+        loader = build_dataloader(first, TOK, 32, 4, 0, 2, seed=0)
+        batches(loader, 3)
+        resumed = build_dataloader(second, TOK, 32, 4, 0, 2, seed=0)
+        resumed.load_state_dict(loader.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(batches(resumed, 3), ref[3:]))
+
+
+def test_resharded_prepared_stream_sees_every_window_once(prepared):
+    """dp 4 with no workers for 3 steps, then dp 2 with 2 workers for 3 more: the windows trained
+    on are exactly the first 6 global batches of one rank alone, none twice."""
+    def rows(loader, n):
+        return [tuple(w.tolist()) for b in batches(loader, n) for w in b]
+
+    one = rows(build_dataloader(prepared, TOK, 32, 8, 0, 1, seed=0), 6)
+    four = [build_dataloader(prepared, TOK, 32, 2, r, 4, seed=0) for r in range(4)]
+    seen = [w for loader in four for w in rows(loader, 3)]
+    state = four[0].state_dict()
+    assert all(loader.state_dict() == state for loader in four) and state["windows_consumed"] == 24
+    two = [build_dataloader(prepared, TOK, 32, 4, r, 2, seed=0, num_workers=2) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(state)
+        seen += rows(loader, 3)
+    assert len(seen) == len(set(seen)) == 48 and set(seen) == set(one)
+
+
+def test_mixture_is_exact_and_the_same_under_any_layout(tmp_path, prepared):
+    """70/30 of a prepared and a text source: exactly 7 of every 10 windows from the first, each
+    source's windows in its own order, the same global batches under dp 1 and dp 2, and the tokens
+    read per source counted in the position."""
+    mix = Mixture([0.7, 0.3])
+    assert (mix.period, mix.counts) == (10, [7, 3])
+    assert [mix.before(g) for g in (10, 40, 1000)] == [[7, 3], [28, 12], [700, 300]]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"})
+                                                 + "\n" for i in range(50)))
+    code = FileSource(str(tmp_path / "code.jsonl"), "text")
+
+    def global_batches(dp, steps):
+        loaders = [PackedWindows([prepared, code], TOK, 16, 10 // dp, r, dp, seed=0, weights=[0.7, 0.3])
+                   for r in range(dp)]
+        return [torch.cat(group) for group in zip(*(batches(ld, steps) for ld in loaders))], loaders[0]
+
+    one, loader = global_batches(1, 4)
+    two, _ = global_batches(2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    rows = torch.cat(one)  # the first 40 global windows
+    alone = [torch.cat(batches(PackedWindows(s, TOK, 16, n, 0, 1, seed=0), 1))
+             for s, n in ((prepared, 28), (code, 12))]
+    which = [mix.locate(g)[0] for g in range(40)]
+    assert which.count(1) == 12
+    for s in (0, 1):
+        assert torch.equal(rows[[g for g in range(40) if which[g] == s]], alone[s])
+    state = loader.state_dict()
+    assert state["windows_consumed"] == 40 and state["source_tokens"] == [28 * 16, 12 * 16]
+
+
+def test_document_masking_packed_equals_documents_alone():
+    """A packed window (starting inside a document) under document masking gives each token the
+    logits of its document run alone, from position 0; without masking it does not."""
+    docs = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())", "class A:\n    pass\n" * 3]
+    ids = [TOK.encode(d) for d in docs]
+    window = torch.tensor([sum(ids, [])[3:]])
+    pieces = [ids[0][3:], ids[1], ids[2]]
+    for family in ("llama3", "gpt2"):
+        cfg = load_config(None, ["--model.name", family])
+        model = adapter(family).build(model_args(cfg.model))
+        model.init_weights(0)
+        with torch.no_grad():
+            masked = model(window, documents=document_ids(window, TOK.bos_id))[0]
+            alone = torch.cat([model(torch.tensor([p]))[0] for p in pieces])
+            plain = model(window)[0]
+        assert (masked - alone).abs().max() < 1e-5, family
+        assert (plain - alone).abs().max() > 1e-2, family
+
+
+# ---------------------------------------------------------------- in the trainer
+
+
+def train(tmp_path, folder, *overrides, config=TINY):
+    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(config), "--job.dump_folder", str(folder),
+           "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode", "off",
+           *overrides]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_trainer_reads_prepared_data_and_resumes_across_readers(tmp_path, prepared):
+    """A run on the prepared corpus has the text run's losses; a text run's checkpoint resumes on
+    the prepared corpus (the same data position) and ends where the uninterrupted run ends."""
+    tokenized = ["--data.dataset", "tokenized", "--data.path", str(prepared.folder)]
+    text = losses(train(tmp_path, tmp_path / "text", "--training.steps", "4"))
+    assert losses(train(tmp_path, tmp_path / "tok", "--training.steps", "4", *tokenized)) == text
+    train(tmp_path, tmp_path / "switch", "--training.steps", "2")
+    resumed = losses(train(tmp_path, tmp_path / "switch", "--training.steps", "4", *tokenized))
+    assert resumed[4] == text[4]
+
+
+def test_trainer_logs_and_checkpoints_tokens_per_source(tmp_path, prepared):
+    """A 3:1 mixture: tokens read per source logged at every step, in the proportion of the weights,
+    and restored from a checkpoint (a resumed run counts on from the saved figures)."""
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"})
+                                                 + "\n" for i in range(50)))
+    mix = tmp_path / "mix.toml"
+    mix.write_text(f'extends = "{TINY}"\n[[data.sources]]\nname = "web"\nweight = 3\n'
+                   f'dataset = "tokenized"\npath = "{prepared.folder}"\n'
+                   f'[[data.sources]]\nname = "code"\nweight = 1\ndataset = "files"\n'
+                   f'path = "{tmp_path}/code.jsonl"\n')
+    whole = train(tmp_path, tmp_path / "whole", "--training.steps", "4", config=mix)
+    last = [r for r in whole if r.get("step") == 4 and "loss" in r][0]
+    assert (last["tokens_seen/web"], last["tokens_seen/code"]) == (24 * 32, 8 * 32)  # 4 steps x 8 windows
+    train(tmp_path, tmp_path / "half", "--training.steps", "2", config=mix)
+    again = train(tmp_path, tmp_path / "half", "--training.steps", "4", config=mix)
+    resumed = [r for r in again if r.get("step") == 4 and "loss" in r][0]
+    assert resumed["tokens_seen/web"] == last["tokens_seen/web"] and resumed["loss"] == last["loss"]

@@ -8,7 +8,7 @@ step 1.
 
 import pytest
 import torch
-from harness import assert_matches, run_layouts
+from harness import ROOT, assert_matches, run_layouts
 
 from torchpar.parallel.pipeline import SCHEDULES
 
@@ -26,6 +26,10 @@ VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=3"
 AC = "--training.activation_checkpoint=full"
 SAC = "--training.activation_checkpoint=selective"
 EVERY2 = [AC, "--training.activation_checkpoint_every=2"]
+# Short documents (a few lines each), so that most windows hold several: attention kept inside them.
+DOCS = str(ROOT / "tests" / "data" / "short_docs.jsonl")
+DOCMASK = ["--data.dataset", "files", "--data.path", DOCS, "--validation.path", DOCS,
+           "--data.document_masking", "true", *VAL]
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -71,6 +75,10 @@ WORLD2 = {
     "dp2_zero2_every2": [LB, "4", Z, "2", *EVERY2],
     "pp2_Interleaved1F1B_selective": pp(2, "Interleaved1F1B", Z, "0", SAC),
     "pp2_1F1B_every2": pp(2, "1F1B", Z, "3", *EVERY2),
+    # Document masking: every stage gets each microbatch's document ids beside its activations.
+    "dp2_zero3_docmask": [LB, "4", Z, "3", *DOCMASK],
+    "tp2_sp_lp_docmask": [*TP2, Z, "0", *DOCMASK],
+    **{f"pp2_{s}_docmask": pp(2, s, Z, "0", *DOCMASK) for s in ("Interleaved1F1B", "ZBVZeroBubble")},
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -119,6 +127,8 @@ def refs():
         "accum4_of_1": [Z, "0", LB, "1", "--training.global_batch_size", "4"],
         "batch4": [Z, "0", LB, "4"],
         "ref_val": [Z, "0", *VAL],
+        "ref_docmask": [Z, "0", *DOCMASK],
+        "ref_docs_unmasked": [Z, "0", *DOCMASK, "--data.document_masking", "false"],
     }))
 
 
@@ -138,7 +148,7 @@ def param_tols(name: str) -> dict:
 
 def ref_for(name, refs):
     family, layout = name.split("/")
-    for kind in ("val", "tied", "5layers"):
+    for kind in ("docmask", "val", "tied", "5layers"):
         if kind in layout:
             return refs[f"{family}/ref_{kind}"]
     return refs[f"{family}/ref"]
@@ -175,6 +185,13 @@ def test_evaluation_leaves_training_untouched(refs, family):
     assert all(torch.equal(ref_val["params"][k], p) for k, p in ref["params"].items())
     val = ref_val["val_losses"]
     assert [s for s, _ in val] == [2, 4, 5] and val[0][1] > val[-1][1] and not ref["val_losses"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_document_masking_changes_training(refs, family):
+    """Masking is on in the document-masked layouts: the same windows train differently."""
+    masked, plain = refs[f"{family}/ref_docmask"], refs[f"{family}/ref_docs_unmasked"]
+    assert max(abs(a - b) for a, b in zip(masked["losses"], plain["losses"])) > 1e-3
 
 
 BF16 = tuple(name for name in WORLD2 if "bf16" in name)

@@ -9,6 +9,8 @@ USAGE = """usage: torchpar <command> [args]
 
 commands:
   train      train a model: torchpar train --config FILE [--section.key value ...]
+  prepare-data  tokenize the config's corpus once into shards that data.dataset = 'tokenized' reads:
+               torchpar prepare-data --config FILE --out DIR [--processes N] [--section.key value ...]
   schedule   draw a pipeline schedule and its bubble:
                torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
   export     consolidate a checkpoint into one weights file, or a Hugging Face folder:
@@ -26,6 +28,7 @@ commands:
 
 COMMANDS = {
     "train": ("torchpar.train", "main"),
+    "prepare-data": ("torchpar.data.tokenized", "prepare_main"),
     "schedule": ("torchpar.tools.schedule", "main"),
     "export": ("torchpar.weights", "export_main"),
     "plan": ("torchpar.plan.search", "main"),

@@ -33,10 +33,11 @@ def held_out_loss(trainer) -> float:
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
             rows = rows.to(trainer.device, non_blocking=True)
             inputs, targets = rows[:, :-1], rows[:, 1:]
+            kwargs = trainer.forward_kwargs(inputs)
             if pipeline is not None:
-                loss_sum += full_value(pipeline.forward_only(inputs, targets))
+                loss_sum += full_value(pipeline.forward_only(inputs, targets, **kwargs))
             else:
-                loss_sum += full_value(cross_entropy_sum(trainer.model.parts[0](inputs), targets))
+                loss_sum += full_value(cross_entropy_sum(trainer.model.parts[0](inputs, **kwargs), targets))
     return trainer.global_sum(loss_sum) / (steps * trainer.global_tokens)
 
 

@@ -192,6 +192,9 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
               else trainer.flops_per_token * tps / (trainer.peak_flops * lay.world),
               "tokens_seen": trainer.train_state.tokens_seen,
               **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
+    if len(trainer.source_names) > 1:  # a mixture: tokens read from each source so far (global)
+        seen = trainer.dataloader.state_dict()["source_tokens"]
+        record.update({f"tokens_seen/{name}": n for name, n in zip(trainer.source_names, seen)})
     if step == first:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, trainer.model.state.state_bytes())

@@ -18,7 +18,8 @@ from typing import NamedTuple
 from torchpar.checkpoint import find_resume, read_manifest
 from torchpar.config import ConfigError, JobConfig
 from torchpar.console import warn
-from torchpar.data import build_source, data_identity, resume_notes
+from torchpar.data import build_source, data_identity, resume_notes, source_specs
+from torchpar.data.tokenized import TokenizedCorpus
 from torchpar.device import compute_dtype
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
@@ -31,7 +32,9 @@ class Preflight(NamedTuple):
     args: object  # the model's args dataclass
     tokenizer: Tokenizer
     layout: Layout
-    source: object  # training documents
+    sources: list  # training documents: one source, or a mixture's (see source_specs)
+    shares: list[float]  # each source's share of the windows
+    source_names: list[str]  # each source's name in the logs
     val_source: object | None  # held-out documents when [validation] is enabled
     resume: Path | None  # checkpoint to resume from
     weights: object | None  # initial weights by name (checkpoint.initial_load_path): tensors or LazyWeights
@@ -61,11 +64,18 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
         )
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param))
-    source = build_source(cfg.data, cfg.training.seed)
+    specs = source_specs(cfg.data)
+    sources = [build_source(spec, cfg.training.seed) for _, spec, _ in specs]
     val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
+    for source in [*sources, val_source]:
+        if isinstance(source, TokenizedCorpus) and source.tokenizer != tokenizer.fingerprint:
+            raise ConfigError(f"data.path {str(source.folder)!r} was tokenized with another tokenizer "
+                              f"({source.tokenizer}, here {tokenizer.fingerprint}); prepare it again with "
+                              "this model.tokenizer_path, or use the tokenizer it was made with")
     tr = cfg.training
-    data = data_identity(source, tokenizer, tr.seq_len, tr.local_batch_size * layout.accum * layout.dp,
-                         cfg.data.lanes)
+    shares = [w for _, _, w in specs]
+    data = data_identity(sources, tokenizer, tr.seq_len, tr.local_batch_size * layout.accum * layout.dp,
+                         cfg.data.lanes, shares)
     resume = find_resume(cfg, args)
     manifest = read_manifest(resume) if resume is not None else None
     weights = None
@@ -74,7 +84,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             warn(note)
     elif cfg.checkpoint.initial_load_path:
         weights = initial_weights(cfg, model, args)
-    return Preflight(model, args, tokenizer, layout, source, val_source, resume, weights, data, manifest)
+    return Preflight(model, args, tokenizer, layout, sources, shares, [n for n, _, _ in specs], val_source,
+                     resume, weights, data, manifest)
 
 
 def initial_weights(cfg: JobConfig, model: ModelAdapter, args):

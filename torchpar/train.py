@@ -23,7 +23,7 @@ from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.console import progress, tee_output, warn
-from torchpar.data import build_dataloader
+from torchpar.data import build_dataloader, document_ids
 from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, TrainingStopped, skipped_where, weights_finite
 from torchpar.loss import cross_entropy_sum
@@ -68,9 +68,10 @@ class Trainer:
                 pre.model, self.args, lay, self.device, tr.seed,
                 lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
-        self.dataloader = build_dataloader(pre.source, self.tokenizer, tr.seq_len, tr.local_batch_size,
+        self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,
-                                           pin_memory=self.device.type == "cuda")
+                                           self.device.type == "cuda", pre.shares)
+        self.source_names = pre.source_names
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
@@ -119,6 +120,13 @@ class Trainer:
                 "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
                 "dataloader": self.dataloader, "rng": RNGState(self.rank)}
 
+    def forward_kwargs(self, inputs: torch.Tensor) -> dict:
+        """The model's inputs beside the tokens: each token's document, when attention is kept
+        inside documents."""
+        if not self.cfg.data.document_masking:
+            return {}
+        return {"documents": document_ids(inputs, self.tokenizer.bos_id)}
+
     def manifest(self) -> dict:
         """What a checkpoint records beside its tensors, to check a resume or an export against."""
         lay, cfg = self.layout, self.cfg
@@ -150,7 +158,8 @@ class Trainer:
                                    for _ in range(self.layout.accum)])
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
-                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale)
+                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale,
+                                                     **self.forward_kwargs(batch[:, :-1]))
         else:
             for micro in range(self.layout.accum):
                 with phase("data"):
@@ -158,7 +167,8 @@ class Trainer:
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
-                    loss = cross_entropy_sum(self.model.parts[0](inputs), targets)
+                    kwargs = self.forward_kwargs(inputs)  # (the logits must not outlive the loss)
+                    loss = cross_entropy_sum(self.model.parts[0](inputs, **kwargs), targets)
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())
         with phase("reduce_clip"):

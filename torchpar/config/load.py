@@ -216,15 +216,17 @@ def _validate_files_and_runtime(cfg: JobConfig) -> None:
     if ck.interval <= 0 or ck.keep_latest_k < 0 or ck.load_step < -1:
         raise ConfigError("checkpoint.interval must be positive, keep_latest_k >= 0 and load_step >= -1 "
                           f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
-    if cfg.data.dataset != "stdlib" and not cfg.data.path:
+    if cfg.data.dataset != "stdlib" and not cfg.data.path and not cfg.data.sources:
         raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")
+    from torchpar.data.sources import source_specs
+
+    source_specs(cfg.data)
     v = cfg.validation
     if v.freq <= 0 or v.steps <= 0:
         raise ConfigError(f"validation.freq and validation.steps must be positive (got {v.freq}, {v.steps})")
-    if v.enable and cfg.data.dataset == "files" and not v.path:
-        raise ConfigError(
-            "validation.path is required with data.dataset = 'files' (held-out files, not the training ones)"
-        )
+    if v.enable and cfg.data.dataset in ("files", "tokenized") and not v.path:
+        raise ConfigError(f"validation.path is required with data.dataset = '{cfg.data.dataset}' (held-out "
+                          "documents, not the training ones)")
     pr = cfg.profiling
     if not (pr.profile_warmup >= 0 and pr.profile_active >= 1
             and pr.profile_freq >= pr.profile_warmup + pr.profile_active):

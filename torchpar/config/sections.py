@@ -58,10 +58,13 @@ class Data:
     dataset: str = opt(
         "stdlib",
         "'stdlib' = the Python standard library's own sources (no download); 'files' = local .txt/.jsonl "
-        "files or globs in `path`; 'hf' = a Hugging Face `datasets` dataset.",
-        ("stdlib", "files", "hf"),
+        "files or globs in `path`; 'hf' = a Hugging Face `datasets` dataset; 'tokenized' = a folder written "
+        "by `torchpar prepare-data` (also recognised under 'files' when `path` is such a folder): each rank "
+        "reads only its own windows.",
+        ("stdlib", "files", "hf", "tokenized"),
     )
-    path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path.")
+    path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path. "
+                        "For 'tokenized': the prepared folder.")
     text_field: str = opt("text", "Key of the text in .jsonl records and HF rows.")
     split: str = opt(
         "train", "'train' or the held-out 'validation' split of the stdlib corpus; HF split name for 'hf'."
@@ -71,7 +74,23 @@ class Data:
         "Documents are read through this many interleaved streams so a batch mixes files; 1 = one file "
         "after another.",
     )
-    num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process).")
+    num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process). "
+                              "Workers take whole steps in turn: from a prepared corpus each reads only its "
+                              "steps' windows; from text each still tokenizes the whole stream.")
+    sources: list = opt(
+        [],
+        "A weighted mixture instead of the single source above: [[data.sources]] tables, each with `weight` "
+        "(> 0) and `dataset`, `path`, `text_field`, `split` as above, and an optional `name` for the logs. "
+        "Window g of the global stream comes from a source fixed by g alone, so the proportions are exact "
+        "over every period of windows (70/30 -> 7 and 3 in every 10) under any layout; tokens read per "
+        "source are logged and checkpointed. [validation] still reads the single source above.",
+    )
+    document_masking: bool = opt(
+        False,
+        "Attention stays inside each document of a packed window (block-causal: a token sees earlier tokens "
+        "of its own document only) and positions restart at every document's BOS. false = plain causal "
+        "attention over the whole window.",
+    )
     resume_position: bool = opt(
         True,
         "On resume, continue the data where the checkpoint left it. false = read the corpus from its start "

@@ -1,129 +1,134 @@
-"""Packing documents into training windows, sharded over data-parallel ranks, resumable.
+"""This rank's training windows of the global stream, resumable under any layout.
 
-Every rank walks the same global stream. Documents (in source order, reshuffled each epoch) are
-dealt to ``lanes`` interleaved readers; each lane tokenizes its documents as BOS + text + EOS,
-concatenates them and cuts non-overlapping windows of ``seq_len + 1`` tokens, and window i of
-the stream comes from lane i mod lanes — so a batch mixes many files instead of walking one
-long file for dozens of steps. Windows are dealt out in groups of ``local_batch_size x dp_degree``:
-rank r takes the r-th run of ``local_batch_size`` windows of each group. So a micro-step of the
-whole job always covers the same consecutive windows, whatever the layout, and no window is
-seen twice or skipped.
+The global stream is one source's windows (see :mod:`torchpar.data.streams`), or several
+sources' interleaved by a :class:`Mixture`. Windows are dealt out in groups of
+``local_batch_size x dp_degree``: rank r takes the r-th run of ``local_batch_size`` windows of
+each group. So a micro-step of the whole job always covers the same consecutive windows,
+whatever the layout, and no window is seen twice or skipped. From a prepared corpus a rank reads
+only its own windows; from text it tokenizes the whole stream to find them.
 
-The position is kept in global terms — windows consumed, and each lane's (epoch, document,
-token offset) where its next window starts — identical on every rank, so it can be restored under
-another data-parallel degree or another number of loader workers. :class:`WindowLoader`'s
-``state_dict`` is that position (not StatefulDataLoader's per-worker snapshot).
+The position is kept in global terms — windows consumed, and per source its windows consumed and
+each lane's (epoch, document, token offset) — identical on every rank, so it can be restored under
+another data-parallel degree, another number of loader workers, or the other reader of the same
+corpus. :class:`WindowLoader`'s ``state_dict`` is that position (not StatefulDataLoader's
+per-worker snapshot).
 """
 
 from __future__ import annotations
 
-import random
+import itertools
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchpar.config import ConfigError
-from torchpar.data.sources import DocumentSource
+from torchpar.data.streams import Mixture, TextStream, TokenStream
+from torchpar.data.tokenized import TokenizedCorpus
 from torchpar.tokenizer import Tokenizer
 
 
 class PackedWindows(IterableDataset):
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, seed: int, lanes: int = 64):
+    """This rank's windows of the global stream: ``sources`` (one, or several mixed by ``weights``),
+    each a text source read through :class:`TextStream` or a prepared corpus through :class:`TokenStream`."""
+
+    def __init__(self, sources, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, seed: int, lanes: int = 64,
+                 weights: list[float] | None = None):
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_degree - 1}")
-        self.source, self.tokenizer = source, tokenizer
-        self.window = seq_len + 1
+        self.sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        self.mixture = Mixture(weights or [1.0] * len(self.sources))
+        self.tokenizer, self.window = tokenizer, seq_len + 1
         self.local_batch_size, self.dp_rank, self.dp_degree, self.seed = (local_batch_size, dp_rank,
                                                                           dp_degree, seed)
         self.lanes = lanes
-        self.position = {"windows_consumed": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
+        start = {"windows": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
+        self.position = {"windows_consumed": 0, "sources": [dict(start) for _ in self.sources],
+                         "source_tokens": [0] * len(self.sources)}
 
-    # -- global stream ------------------------------------------------------------------
-
-    def _lane_docs(self, lane: int, epoch: int) -> list[int]:
-        """Lane ``lane`` reads every ``lanes``-th document of the epoch's order."""
-        order = list(range(len(self.source)))
-        if epoch:  # epoch 0 keeps the source's own (already seeded) order
-            random.Random(self.seed * 7919 + epoch).shuffle(order)
-        return order[lane::self.lanes] or order  # more lanes than documents: lanes share them
-
-    def _tokens(self, docs: list[int], i: int) -> list[int]:
-        text = self.source[docs[i]]
-        return self.tokenizer.encode(text) if text.strip() else []
-
-    def _lane_windows(self, lane: int, epoch: int, doc: int, offset: int):
-        """Yield (window, (epoch, doc, offset) after it) forever from one lane."""
-        docs = self._lane_docs(lane, epoch)
-        tokens = self._tokens(docs, doc)
-        while True:
-            out: list[int] = []
-            while len(out) < self.window:
-                take = tokens[offset: offset + self.window - len(out)]
-                out += take
-                offset += len(take)
-                if offset >= len(tokens):
-                    doc, offset = doc + 1, 0
-                    if doc == len(docs):
-                        epoch, doc = epoch + 1, 0
-                        docs = self._lane_docs(lane, epoch)
-                    tokens = self._tokens(docs, doc)
-            yield out, (epoch, doc, offset)
-
-    def _windows(self, pos: dict):
-        """The global stream: window i comes from lane i mod lanes. Yields (window, position after it)."""
-        lanes = [list(p) for p in pos["lanes"]]
-        consumed = pos["windows_consumed"]
-        streams = [self._lane_windows(j, *lanes[j]) for j in range(self.lanes)]
-        while True:
-            j = consumed % self.lanes
-            window, lanes[j] = next(streams[j])
-            consumed += 1
-            yield window, {"windows_consumed": consumed, "lanes": [list(p) for p in lanes]}
-
-    # -- this rank's share --------------------------------------------------------------
+    def _streams(self, pos: dict) -> list:
+        return [TokenStream(src, self.window, self.seed, self.lanes, p) if isinstance(src, TokenizedCorpus)
+                else TextStream(src, self.tokenizer, self.window, self.seed, self.lanes, p)
+                for src, p in zip(self.sources, pos["sources"])]
 
     def __iter__(self):
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        group = self.local_batch_size * self.dp_degree
-        lo = self.dp_rank * self.local_batch_size
-        start = self.position["windows_consumed"]
-        mine: list[list[int]] = []
-        for i, (window, pos) in enumerate(self._windows(dict(self.position))):
-            k = i % group
-            if lo <= k < lo + self.local_batch_size:
-                mine.append(window)
-            if k == group - 1:
-                # Workers take whole groups in turn, counted from where this iteration started
-                # (the loader asks worker 0 first); it interleaves them back in order.
-                group_index = (pos["windows_consumed"] - start) // group - 1
-                self.position = pos
-                if group_index % n_workers == worker:
-                    yield torch.tensor(mine, dtype=torch.long)  # [local_batch, seq_len + 1]
-                mine = []
+        group, b = self.local_batch_size * self.dp_degree, self.local_batch_size
+        pos = dict(self.position)
+        streams, g = self._streams(pos), pos["windows_consumed"]
+        tokens = list(pos["source_tokens"])
+        for index in itertools.count():
+            # Workers take whole groups of local_batch_size x dp windows in turn, counted from where
+            # this iteration started (the loader asks worker 0 first); it interleaves them back in order.
+            mine = index % n_workers == worker
+            first = self.mixture.before(g)
+            counts = [n - f for n, f in zip(self.mixture.before(g + group), first)]
+            wanted = [self.mixture.locate(g + self.dp_rank * b + i) for i in range(b)] if mine else []
+            keep = [{k - first[s] for s, k in wanted if s == src} for src in range(len(streams))]
+            got = [stream.take(n, kept) for stream, n, kept in zip(streams, counts, keep)]
+            g += group
+            tokens = [t + n * (self.window - 1) for t, n in zip(tokens, counts)]
+            self.position = {"windows_consumed": g, "sources": [s.position() for s in streams],
+                             "source_tokens": tokens}
+            if mine:
+                rows = np.stack([got[s][k - first[s]] for s, k in wanted])
+                yield torch.from_numpy(rows)  # [local_batch, seq_len + 1]
 
     def state_dict(self) -> dict:
         return dict(self.position)
 
+    def with_lanes(self, state: dict) -> dict:
+        """``state`` with each prepared source's lane positions worked out, as a checkpoint keeps
+        them (so that the text reader of the same corpus can resume it too)."""
+        def full(src, p):
+            if p["lanes"] is not None:
+                return p
+            return TokenStream(src, self.window, self.seed, self.lanes, p).position(lanes=True)
+
+        return {**state, "sources": [full(src, p) for src, p in zip(self.sources, state["sources"])]}
+
     def load_state_dict(self, state: dict) -> None:
-        lanes = [[int(x) for x in lane] for lane in state["lanes"]]
-        n = len(self.source)
-        # Documents per lane (order[lane::lanes], or every document when that is empty).
-        bad = [j for j, (_, doc, _) in enumerate(lanes) if doc >= (len(range(j, n, self.lanes)) or n)]
-        if len(lanes) != self.lanes or bad:
-            raise ConfigError(
-                f"the saved data position ({len(lanes)} lanes) does not fit this corpus of {n} documents "
-                f"in data.lanes = {self.lanes}; set data.resume_position = false to read it from its start"
-            )
-        self.position = {"windows_consumed": int(state["windows_consumed"]), "lanes": lanes}
+        if "lanes" in state:  # saved by a single-source version: the one source's position
+            state = {"windows_consumed": state["windows_consumed"], "source_tokens": [0],
+                     "sources": [{"windows": state["windows_consumed"], "lanes": state["lanes"]}]}
+        state = self.with_lanes(state) if len(state["sources"]) == len(self.sources) else state
+        sources = [{"windows": int(p["windows"]), "lanes": [[int(x) for x in lane] for lane in p["lanes"]]}
+                   for p in state["sources"]]
+        for src, p in zip(self.sources, sources):
+            n = len(src)
+            # Documents per lane (order[lane::lanes], or every document when that is empty).
+            bad = [j for j, (_, doc, _) in enumerate(p["lanes"])
+                   if doc >= (len(range(j, n, self.lanes)) or n)]
+            if len(sources) != len(self.sources) or len(p["lanes"]) != self.lanes or bad:
+                raise ConfigError(
+                    f"the saved data position ({len(sources)} source(s), {len(p['lanes'])} lanes) does not "
+                    f"fit "
+                    f"{src.name} ({n} documents) in data.lanes = {self.lanes}; set data.resume_position = "
+                    "false to read it from its start")
+        self.position = {"windows_consumed": int(state["windows_consumed"]), "sources": sources,
+                         "source_tokens": [int(t) for t in state["source_tokens"]]}
 
 
-def data_identity(source: DocumentSource, tokenizer: Tokenizer, seq_len: int, global_batch: int,
-                  lanes: int) -> dict:
-    """What a saved data position depends on; every checkpoint's manifest records it."""
-    return {"source": source.name, "documents": source.fingerprint(), "tokenizer": tokenizer.fingerprint,
+def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Each token's document inside its packed window [b, s]: every document starts with BOS (text
+    never encodes to it), and the tokens before a window's first BOS belong to document 0."""
+    return (tokens == bos_id).cumsum(dim=1)
+
+
+def data_identity(sources, tokenizer: Tokenizer, seq_len: int, global_batch: int, lanes: int,
+                  weights: list[float] | None = None) -> dict:
+    """What a saved data position depends on; every checkpoint's manifest records it. A prepared
+    corpus reports the source it was made from, so either reader resumes the other's position."""
+    sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if len(sources) == 1:
+        source, documents = sources[0].name, sources[0].fingerprint()
+    else:
+        source = " + ".join(f"{w:g} x {s.name}" for s, w in zip(sources, weights))
+        documents = "; ".join(s.fingerprint() for s in sources)
+    return {"source": source, "documents": documents, "tokenizer": tokenizer.fingerprint,
             "lanes": lanes, "seq_len": seq_len, "global_batch": global_batch}
 
 
@@ -167,14 +172,14 @@ class WindowLoader(StatefulDataLoader):
         else:
             states = [sd.get("dataset_state")]
         states = [st for st in states if st] or [self.dataset.state_dict()]
-        return dict(max(states, key=lambda st: st["windows_consumed"]))
+        return self.dataset.with_lanes(max(states, key=lambda st: st["windows_consumed"]))
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
 
 
 def build_dataloader(
-    source: DocumentSource,
+    sources,
     tokenizer: Tokenizer,
     seq_len: int,
     local_batch_size: int,
@@ -184,8 +189,11 @@ def build_dataloader(
     num_workers: int = 0,
     lanes: int = 64,
     pin_memory: bool = False,
+    weights: list[float] | None = None,
 ) -> WindowLoader:
-    """``pin_memory``: batches in page-locked memory, so the copy to a GPU can overlap compute."""
-    ds = PackedWindows(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes)
+    """``sources``: one source or a mixture's list, with ``weights``. ``pin_memory``: batches in
+    page-locked memory, so the copy to a GPU can overlap compute."""
+    ds = PackedWindows(sources, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes,
+                       weights)
     return WindowLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                         persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

@@ -3,6 +3,7 @@ built (before any process group exists), never in the middle of training."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import random
@@ -177,10 +178,51 @@ class HFSource(DocumentSource):
         return text or ""
 
 
-def build_source(cfg, seed: int) -> DocumentSource:
-    """``cfg`` is the [data] section."""
+def build_source(cfg, seed: int):
+    """``cfg`` is the [data] section (or one of its sources)."""
+    from torchpar.data.tokenized import TokenizedCorpus, is_prepared
+
     if cfg.dataset == "stdlib":
         return StdlibSource(cfg.split, seed)
+    if cfg.dataset == "tokenized" or (cfg.dataset == "files" and is_prepared(cfg.path)):
+        return TokenizedCorpus(cfg.path)
     if cfg.dataset == "files":
         return FileSource(cfg.path, cfg.text_field)
     return HFSource(cfg.path, cfg.split, cfg.text_field)
+
+
+SOURCE_KEYS = ("dataset", "path", "text_field", "split", "weight", "name")
+
+
+def source_specs(cfg) -> list[tuple[str, object, float]]:
+    """(name, [data] section for that source, weight) of each source: [[data.sources]] entries, or
+    the [data] section itself. Every mistake in an entry is one line naming it."""
+    if not cfg.sources:
+        return [(cfg.dataset if cfg.dataset == "stdlib" else f"{cfg.dataset}:{cfg.path}", cfg, 1.0)]
+    specs = []
+    for i, entry in enumerate(cfg.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: expected a table ([[data.sources]]), got {entry!r}")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}; a source has {', '.join(SOURCE_KEYS)}")
+        weight = entry.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{where}: weight must be a number > 0, got {weight!r}")
+        fields = {k: v for k, v in entry.items() if k not in ("weight", "name")}
+        bad = [k for k, v in fields.items() if not isinstance(v, str)]
+        if bad:
+            raise ConfigError(f"{where}.{bad[0]} must be a string, got {fields[bad[0]]!r}")
+        spec = dataclasses.replace(cfg, sources=[], **fields)
+        if spec.dataset not in ("stdlib", "files", "hf", "tokenized"):
+            raise ConfigError(f"{where}.dataset = {spec.dataset!r} is not one of stdlib, files, hf, "
+                              "tokenized")
+        if spec.dataset != "stdlib" and not spec.path:
+            raise ConfigError(f"{where}.path is required when its dataset is '{spec.dataset}'")
+        name = str(entry.get("name") or (spec.dataset if spec.dataset == "stdlib" else Path(spec.path).name))
+        specs.append((name, spec, float(weight)))
+    names = [n for n, _, _ in specs]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"data.sources: names {names} repeat; give each source its own `name`")
+    return specs

@@ -5,7 +5,10 @@ A model is single-device code. The parallel code and the planner know it only th
 * the module itself: ``layers`` (an ``nn.ModuleDict`` of blocks keyed by global index, so a
   pipeline stage keeps its blocks' names), ``args`` (a frozen dataclass with at least ``dim``,
   ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len`` and ``tie_embeddings``),
-  ``block_args()`` (the extra positional inputs every block takes after the hidden states),
+  ``block_args(positions)`` (the extra positional inputs every block takes after the hidden
+  states, for positions [b, s] or None = 0..s-1; a block's last input is the attention mask or
+  None = causal), ``forward(x, documents=None)`` (with each token's document index [b, s],
+  attention stays inside documents: :func:`document_layout`),
   ``tie_weights()`` and ``init_weights()`` (:class:`SeededInit`); its forward skips top-level
   modules that a pipeline split set to ``None``;
 * its :class:`ModelAdapter`: flavours, the tensor-parallel plan in words, which top-level
@@ -40,6 +43,20 @@ def canonical_name(name: str) -> str:
     """A parameter's name in the unwrapped model: wrapper segments (activation checkpointing,
     compile, FSDP) start with '_', model modules never do."""
     return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
+
+def document_layout(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """documents [b, s]: each token's document index, non-decreasing along a row (a packed window).
+    Returns each token's position inside its document [b, s] and the block-causal attention mask
+    [b, 1, s, s] (True = may attend): a token sees the earlier tokens of its own document only."""
+    b, s = documents.shape
+    idx = torch.arange(s, device=documents.device).expand(b, s)
+    starts_here = torch.ones_like(documents, dtype=torch.bool)
+    starts_here[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    starts = torch.where(starts_here, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [b, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
+    mask = (documents.unsqueeze(2) == documents.unsqueeze(1)) & causal  # [b, s, s]
+    return idx - starts, mask.unsqueeze(1)
 
 
 class SeededInit(nn.Module):

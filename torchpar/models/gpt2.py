@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit
+from torchpar.models.common import ModelAdapter, SeededInit, document_layout
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,14 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(args.dim, args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = self.query(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         k = self.key(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         v = self.value(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, h, s, hd]
+        # mask [b, 1, s, s] (documents kept apart) or None: causal over the whole window.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [b, h, s, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # [b, s, d]
 
 
@@ -105,8 +106,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
 
@@ -122,7 +123,7 @@ class GPT2(SeededInit):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
 
-    def block_args(self) -> tuple[()]:
+    def block_args(self, positions: torch.Tensor | None = None) -> tuple[()]:
         """What every block takes after the hidden states: nothing (positions are added once, at
         the bottom)."""
         return ()
@@ -133,17 +134,20 @@ class GPT2(SeededInit):
         if self.args.tie_embeddings and self.wte is not None and self.lm_head is not None:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it."""
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
+        each token's document [b, s] to keep attention inside (positions restart per document)."""
+        positions, mask = document_layout(documents) if documents is not None else (None, None)
         if self.wte is not None:
             # [1, s], not [s]: the position lookup then comes out [1, s, d], sequence on dim 1 like
             # the token lookup's [b, s, d], so sequence parallelism shards both the same way.
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            h = self.wte(x) + self.wpe(positions)  # [b, s, d] + [1, s, d]
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            h = self.wte(x) + self.wpe(positions)  # [b, s, d] + [1 or b, s, d]
         else:
             h = x  # [b, s, d]
         for layer in self.layers.values():
-            h = layer(h, *self.block_args())
+            h = layer(h, *self.block_args(), mask)
         if self.ln_f is not None:
             h = self.ln_f(h)
         return self.lm_head(h) if self.lm_head is not None else h  # [b, s, v] logits

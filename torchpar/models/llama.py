@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit
+from torchpar.models.common import ModelAdapter, SeededInit, document_layout
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x0, x1) of each head by the position's angle. x: [b, s, h, hd]."""
+    """Rotate consecutive pairs (x0, x1) of each head by the position's angle. x: [b, s, h, hd];
+    cos, sin: the tables [max_s, hd/2] (positions 0..s-1) or each token's row [b, s, hd/2]."""
     b, s, h, hd = x.shape
     pairs = x.float().view(b, s, h, hd // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, sn = cos[:s].view(1, s, 1, hd // 2), sin[:s].view(1, s, 1, hd // 2)
+    if cos.dim() == 2:
+        cos, sin = cos[:s].unsqueeze(0), sin[:s].unsqueeze(0)
+    c, sn = cos.view(-1, s, 1, hd // 2), sin.view(-1, s, 1, hd // 2)
     out = torch.stack((x0 * c - x1 * sn, x0 * sn + x1 * c), dim=-1)
     return out.view(b, s, h, hd).type_as(x)
 
@@ -115,7 +118,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h, hd]
@@ -125,7 +129,9 @@ class Attention(nn.Module):
         # Grouped-query attention: each KV head serves h / h_kv query heads, inside the kernel
         # (no repeated copy of K and V).
         gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [b, h, s, hd]
+        # mask [b, 1, s, s] (documents kept apart) or None: causal over the whole window.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=gqa)  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -148,8 +154,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -167,9 +174,12 @@ class Transformer(SeededInit):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def block_args(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What every block takes after the hidden states: the RoPE tables."""
-        return self.rope_cos, self.rope_sin
+    def block_args(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every block takes after the hidden states: the RoPE tables, or for given
+        positions [b, s] each token's row of them [b, s, hd/2]."""
+        if positions is None:
+            return self.rope_cos, self.rope_sin
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def tie_weights(self) -> None:
         """Share the embedding table with the head (when tied and both are here). Moving a meta
@@ -177,11 +187,14 @@ class Transformer(SeededInit):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it."""
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
+        each token's document [b, s] to keep attention inside (positions restart per document)."""
+        positions, mask = document_layout(documents) if documents is not None else (None, None)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
+        block_args = self.block_args(positions)
         for layer in self.layers.values():
-            h = layer(h, *self.block_args())
+            h = layer(h, *block_args, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # [b, s, v] logits

@@ -203,19 +203,21 @@ class Pipeline:
         self._sums.append(full_value(loss.detach()))
         return loss * self._scale
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
+        """``kwargs``: the model's other inputs (``documents``), split into microbatches like the
+        tokens and given to every stage."""
         self._scale, self._sums = scale, []
         target = targets if self.has_last else None
         if self.has_first:
-            self.schedule.step(inputs, target=target)
+            self.schedule.step(inputs, target=target, **kwargs)
         else:
-            self.schedule.step(target=target)
+            self.schedule.step(target=target, **kwargs)
         # The first step may also call the loss once while torch infers stage shapes: keep the
         # microbatches' own calls, the last n.
         sums = self._sums[-self.n_microbatches:]
         return torch.stack(sums).sum() if sums else torch.zeros((), device=inputs.device)
 
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
         """Evaluation (call under no_grad): a batch through the stages in stage order, with
         plain sends between ranks and no schedule — torch 2.13's ``schedule.eval`` fails for the
         V-shaped schedules. Returns the summed token loss on the last stage's ranks, else 0."""
@@ -232,7 +234,7 @@ class Pipeline:
                 dist.recv(shape, group=self.group, group_src=self.holder[s - 1])
                 x = torch.empty(shape.tolist(), dtype=dtype, device=inputs.device)
                 dist.recv(x, group=self.group, group_src=self.holder[s - 1])
-            x = self.parts[s](x)
+            x = self.parts[s](x, **kwargs)
             if s == self.layout.num_stages - 1:
                 loss = cross_entropy_sum(x, targets)
             elif self.holder[s + 1] != self.pp_rank:

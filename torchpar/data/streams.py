@@ -1,0 +1,211 @@
+"""One source's stream of training windows, and the mixture that interleaves several sources.
+
+A source's documents (in source order in epoch 0, reshuffled in each later epoch) are dealt to
+``lanes`` interleaved readers; lane j reads every lanes-th document of the epoch's order, as
+BOS + text + EOS back to back, and cuts windows of ``seq_len + 1`` tokens. Window k of the source
+is lane (k mod lanes)'s (k div lanes)-th window, so a batch mixes many documents. Two readers
+produce the same windows:
+
+- :class:`TextStream` tokenizes as it goes, so reaching window k means reading every window
+  before it (every rank walks the whole stream);
+- :class:`TokenStream` reads a prepared corpus whose document lengths it knows, so it finds
+  window k arithmetically and reads only the windows asked for.
+
+A lane's position is (epoch, index in the lane's documents, token offset) where its next window
+starts; both readers report it alike, so a position saved by one resumes in the other.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from fractions import Fraction
+
+import numpy as np
+
+from torchpar.config import ConfigError
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    if epoch:  # epoch 0 keeps the source's own (already seeded) order
+        random.Random(seed * 7919 + epoch).shuffle(order)
+    return order
+
+
+def lane_docs(order, lane: int, lanes: int):
+    """Lane ``lane`` reads every ``lanes``-th document; with more lanes than documents, lanes share them."""
+    mine = order[lane::lanes]
+    return mine if len(mine) else order
+
+
+def no_tokens(lanes: int, lane: int, source: str) -> str:
+    return (f"data.lanes = {lanes}: lane {lane} gets no tokens from {source} (its documents are empty); "
+            "use fewer lanes than the corpus has non-empty documents")
+
+
+class TextStream:
+    """Windows of a text source, tokenized as they are read."""
+
+    def __init__(self, source, tokenizer, window: int, seed: int, lanes: int, position: dict):
+        self.source, self.tokenizer = source, tokenizer
+        self.window, self.seed, self.lanes = window, seed, lanes
+        self.k = position["windows"]
+        self.lane_pos = [list(p) for p in position["lanes"]]
+        self.readers = [self._lane(j, *self.lane_pos[j]) for j in range(lanes)]
+
+    def _tokens(self, docs, i: int) -> list[int]:
+        text = self.source[docs[i]]
+        return self.tokenizer.encode(text) if text.strip() else []
+
+    def _lane(self, lane: int, epoch: int, doc: int, offset: int):
+        """Yield (window, (epoch, doc, offset) after it) forever from one lane."""
+        docs = lane_docs(epoch_order(len(self.source), self.seed, epoch), lane, self.lanes)
+        tokens = self._tokens(docs, doc)
+        whole, seen = doc == 0 and offset == 0, len(tokens)  # this epoch read from its start; its tokens
+        while True:
+            out: list[int] = []
+            while len(out) < self.window:
+                take = tokens[offset: offset + self.window - len(out)]
+                out += take
+                offset += len(take)
+                if offset >= len(tokens):
+                    doc, offset = doc + 1, 0
+                    if doc == len(docs):
+                        if whole and not seen:  # without this the lane would wait forever for a token
+                            raise ConfigError(no_tokens(self.lanes, lane, self.source.name))
+                        epoch, doc, whole, seen = epoch + 1, 0, True, 0
+                        docs = lane_docs(epoch_order(len(self.source), self.seed, epoch), lane, self.lanes)
+                    tokens = self._tokens(docs, doc)
+                    seen += len(tokens)
+            yield out, (epoch, doc, offset)
+
+    def take(self, count: int, keep) -> dict[int, np.ndarray]:
+        """The next ``count`` windows; returns those whose offset (0..count-1) is in ``keep``."""
+        out = {}
+        for i in range(count):
+            j = self.k % self.lanes
+            window, self.lane_pos[j] = next(self.readers[j])
+            self.k += 1
+            if i in keep:
+                out[i] = np.asarray(window, dtype=np.int64)
+        return out
+
+    def position(self) -> dict:
+        return {"windows": self.k, "lanes": [list(p) for p in self.lane_pos]}
+
+
+class TokenStream:
+    """Windows of a prepared corpus, each read directly: the cost of a window does not depend on
+    how many windows come before it (or on how many ranks share the stream)."""
+
+    def __init__(self, corpus, window: int, seed: int, lanes: int, position: dict):
+        self.corpus, self.window, self.seed, self.lanes = corpus, window, seed, lanes
+        self.k = position["windows"]
+        self._orders: dict[int, np.ndarray] = {}  # epoch -> document order (the last few)
+        self._lanes: dict[tuple[int, int], tuple] = {}  # (epoch, lane) -> its documents, their end offsets
+        # the lane token where each epoch starts, per lane
+        self._starts: list[np.ndarray] = [np.zeros(lanes, dtype=np.int64)]
+
+    def _lane(self, e: int, lane: int) -> tuple[np.ndarray, np.ndarray]:
+        """The lane's documents in epoch ``e`` and the lane token where each ends. Lanes drift a
+        few epochs apart over a long run, so a few epochs' worth are kept."""
+        if (e, lane) not in self._lanes:
+            if e not in self._orders:
+                if len(self._orders) >= 4:
+                    del self._orders[min(self._orders)]
+                self._orders[e] = np.asarray(epoch_order(len(self.corpus), self.seed, e), dtype=np.int64)
+            if len(self._lanes) >= 4 * self.lanes:
+                del self._lanes[min(self._lanes)]
+            docs = lane_docs(self._orders[e], lane, self.lanes)
+            self._lanes[e, lane] = docs, np.cumsum(self.corpus.lengths[docs])
+        return self._lanes[e, lane]
+
+    def _locate(self, lane: int, p: int) -> tuple[int, int]:
+        """(epoch, token within the epoch) of the lane's token ``p``."""
+        while p >= self._starts[-1][lane]:
+            e = len(self._starts) - 1
+            totals = np.array([self._lane(e, j)[1][-1] if len(self.corpus) else 0 for j in range(self.lanes)])
+            if not totals.all():
+                raise ConfigError(no_tokens(self.lanes, int(np.argmin(totals)), self.corpus.name))
+            self._starts.append(self._starts[-1] + totals)
+        e = bisect.bisect_right([int(s[lane]) for s in self._starts], p) - 1
+        return e, p - int(self._starts[e][lane])
+
+    def _read(self, k: int) -> np.ndarray:
+        lane, p = k % self.lanes, (k // self.lanes) * self.window
+        epoch, q = self._locate(lane, p)
+        pieces, need = [], self.window
+        while need:
+            docs, ends = self._lane(epoch, lane)
+            i = int(np.searchsorted(ends, q, side="right"))  # the document holding token q
+            while need and i < len(ends):
+                start = int(ends[i]) - int(self.corpus.lengths[docs[i]])
+                take = min(int(ends[i]) - q, need)
+                pieces.append(self.corpus.tokens(int(docs[i]), q - start, q - start + take))
+                need, q, i = need - take, q + take, i + 1
+            epoch, q = epoch + 1, 0
+        return np.concatenate(pieces).astype(np.int64)
+
+    def take(self, count: int, keep) -> dict[int, np.ndarray]:
+        out = {i: self._read(self.k + i) for i in sorted(keep) if i < count}
+        self.k += count
+        return out
+
+    def _lane_position(self, lane: int) -> list[int]:
+        """Where the lane's next window starts, as :class:`TextStream` counts it: the document
+        after the last one read from once it is finished."""
+        p = max(0, -(-(self.k - lane) // self.lanes)) * self.window  # tokens the lane has given
+        if p == 0:
+            return [0, 0, 0]
+        epoch, q = self._locate(lane, p - 1)
+        docs, ends = self._lane(epoch, lane)
+        i = int(np.searchsorted(ends, q, side="right"))
+        if q + 1 < ends[i]:
+            return [epoch, i, q + 1 - (int(ends[i]) - int(self.corpus.lengths[docs[i]]))]
+        return [epoch + 1, 0, 0] if i + 1 == len(docs) else [epoch, i + 1, 0]
+
+    def position(self, lanes: bool = False) -> dict:
+        """Lanes cost a search each: they are worked out only for a position that is saved."""
+        return {"windows": self.k,
+                "lanes": [self._lane_position(j) for j in range(self.lanes)] if lanes else None}
+
+
+class Mixture:
+    """Which source global window g comes from. Weights become exact integer counts per period of
+    ``period`` windows (70/30 -> 7 and 3 in every 10), spread evenly inside it, so the mixture is
+    exact over every period and window g's source and its index in that source are arithmetic."""
+
+    def __init__(self, weights: list[float]):
+        fractions = [Fraction(w).limit_denominator(10 ** 4) for w in weights]
+        total = sum(fractions)
+        shares = [f / total for f in fractions]
+        self.period = math.lcm(*(s.denominator for s in shares))
+        if self.period > 10 ** 6:
+            raise ConfigError(f"data.sources weights {weights} need a period of {self.period} windows to be "
+                              "exact; round them (e.g. to percent)")
+        self.counts = [int(s * self.period) for s in shares]
+        self.slot_source, self.slot_index = [], []  # per slot of the period: source, its index there
+        before = [0] * len(weights)
+        for i in range(self.period):  # each slot to the source furthest behind its share
+            s = max(range(len(weights)),
+                    key=lambda s: ((i + 1) * self.counts[s] - before[s] * self.period, -s))
+            self.slot_source.append(s)
+            self.slot_index.append(before[s])
+            before[s] += 1
+        self.prefix = np.zeros((len(weights), self.period + 1), dtype=np.int64)
+        for i, s in enumerate(self.slot_source):
+            self.prefix[:, i + 1] = self.prefix[:, i]
+            self.prefix[s, i + 1] += 1
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(source, index of the window in that source) of global window g."""
+        cycle, slot = divmod(g, self.period)
+        s = self.slot_source[slot]
+        return s, cycle * self.counts[s] + self.slot_index[slot]
+
+    def before(self, g: int) -> list[int]:
+        """How many of the first g global windows each source gave."""
+        cycle, slot = divmod(g, self.period)
+        return [cycle * c + int(self.prefix[s, slot]) for s, c in enumerate(self.counts)]
