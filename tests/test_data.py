@@ -1,5 +1,6 @@
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -226,14 +227,49 @@ def test_prepared_windows_across_epochs_and_empty_documents(tmp_path, lanes, seq
     assert min(lane[0] for lane in text.state_dict()["sources"][0]["lanes"]) >= 1  # every lane past an epoch
 
 
-def test_lanes_without_tokens_are_one_error(tmp_path):
-    """More lanes than documents: a lane holding only an empty document would wait forever for a
-    token; both readers say so instead."""
-    src = ListSource(["alpha beta", "", "gamma"])
-    prepare(src, TOK, tmp_path, processes=1, docs_per_shard=2, quiet=True)
-    for source in (src, TokenizedCorpus(str(tmp_path))):
-        with pytest.raises(ConfigError, match=r"data.lanes = 8: lane \d gets no tokens"):
-            batches(PackedWindows(source, TOK, 8, 8, 0, 1, seed=0, lanes=8), 1)
+def test_a_lane_with_only_empty_documents_skips_the_epoch(tmp_path):
+    """More lanes than documents: a lane whose one document is empty goes on to its next epoch,
+    alike in both readers; a corpus with no token at all is one error, never a wait."""
+    src = ListSource(["alpha beta gamma", "", "delta epsilon", " "])
+    prepare(src, TOK, tmp_path / "p", processes=1, docs_per_shard=3, quiet=True)
+    corpus = TokenizedCorpus(str(tmp_path / "p"))
+    text, tokens = (PackedWindows(s, TOK, 6, 4, 0, 1, seed=1, lanes=6) for s in (src, corpus))
+    for a, b in zip(batches(text, 30), batches(tokens, 30)):
+        assert torch.equal(a, b)
+    assert text.with_lanes(text.state_dict()) == tokens.with_lanes(tokens.state_dict())
+    empty = ListSource(["", " \n"])
+    prepare(empty, TOK, tmp_path / "e", processes=1, docs_per_shard=3, quiet=True)
+    for source in (empty, TokenizedCorpus(str(tmp_path / "e"))):
+        with pytest.raises(ConfigError, match="list: its documents are all empty"):
+            batches(PackedWindows(source, TOK, 8, 8, 0, 1, seed=0), 1)
+
+
+class LoggedSource(ListSource):
+    """Records, per process, which documents it was asked for."""
+
+    def __init__(self, docs, folder: Path):
+        super().__init__(docs)
+        self.folder = folder
+
+    def __getitem__(self, i: int) -> str:
+        with open(self.folder / f"{os.getpid()}.log", "a") as f:
+            f.write(f"{i}\n")
+        return super().__getitem__(i)
+
+
+def test_workers_split_the_lanes(tmp_path):
+    """Two loader workers each tokenize only their own lanes: no document is read twice, and the
+    batches are those of the loader without workers."""
+    rng = random.Random(0)
+    docs = [" ".join(f"w{rng.randint(0, 99)}" for _ in range(rng.randint(5, 40))) for _ in range(200)]
+    ref = batches(build_dataloader(ListSource(docs), TOK, 16, 4, 1, 2, seed=0, lanes=8), 10)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    loader = build_dataloader(LoggedSource(docs, logs), TOK, 16, 4, 1, 2, seed=0, lanes=8, num_workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(batches(loader, 10), ref))
+    read = [[int(x) for x in f.read_text().split()] for f in logs.iterdir()]
+    assert len(read) == 2 and not set(read[0]) & set(read[1])
+    assert all(len(r) == len(set(r)) for r in read)  # each document tokenized once
 
 
 def test_a_position_carries_over_between_readers(stdlib, prepared):

@@ -166,6 +166,15 @@ def describe_run(trainer) -> str:
             f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
             f"{lay.zero_stage}, global batch {trainer.global_batch} ({lay.accum} accumulation step(s)), "
             f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
+    windows = trainer.dataloader.dataset
+    from torchpar.data import TokenizedCorpus
+
+    how = {True: "prepared: own windows only", False: "tokenized on the fly"}
+    read = ", ".join(f"{name} ({how[isinstance(src, TokenizedCorpus)]})"
+                     for name, src in zip(trainer.source_names, windows.sources))
+    mix = f", mixture exact over every {windows.mixture.period} windows" if len(windows.sources) > 1 else ""
+    masking = ", attention inside documents" if cfg.data.document_masking else ""
+    line += f"\ntorchpar: data {read}{mix}{masking}"
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
 

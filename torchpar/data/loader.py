@@ -16,8 +16,6 @@ per-worker snapshot).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -54,28 +52,31 @@ class PackedWindows(IterableDataset):
                 for src, p in zip(self.sources, pos["sources"])]
 
     def __iter__(self):
+        """This rank's batches [local_batch, seq_len + 1]. In a loader worker, for each step the
+        rows from the lanes it owns (lane mod workers = its id) with their places in the batch:
+        each worker tokenizes or reads only its lanes, and :class:`WindowLoader` joins the parts."""
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info else (1, 0)
         group, b = self.local_batch_size * self.dp_degree, self.local_batch_size
         pos = dict(self.position)
         streams, g = self._streams(pos), pos["windows_consumed"]
         tokens = list(pos["source_tokens"])
-        for index in itertools.count():
-            # Workers take whole groups of local_batch_size x dp windows in turn, counted from where
-            # this iteration started (the loader asks worker 0 first); it interleaves them back in order.
-            mine = index % n_workers == worker
+        while True:
             first = self.mixture.before(g)
             counts = [n - f for n, f in zip(self.mixture.before(g + group), first)]
-            wanted = [self.mixture.locate(g + self.dp_rank * b + i) for i in range(b)] if mine else []
-            keep = [{k - first[s] for s, k in wanted if s == src} for src in range(len(streams))]
-            got = [stream.take(n, kept) for stream, n, kept in zip(streams, counts, keep)]
+            wanted = [self.mixture.locate(g + self.dp_rank * b + i) for i in range(b)]
+            places = [i for i, (_, k) in enumerate(wanted) if k % self.lanes % n_workers == worker]
+            keep = [{wanted[i][1] - first[s] for i in places if wanted[i][0] == s}
+                    for s in range(len(streams))]
+            got = [stream.take(n, kept, (worker, n_workers))
+                   for stream, n, kept in zip(streams, counts, keep)]
             g += group
             tokens = [t + n * (self.window - 1) for t, n in zip(tokens, counts)]
             self.position = {"windows_consumed": g, "sources": [s.position() for s in streams],
                              "source_tokens": tokens}
-            if mine:
-                rows = np.stack([got[s][k - first[s]] for s, k in wanted])
-                yield torch.from_numpy(rows)  # [local_batch, seq_len + 1]
+            rows = [got[s][k - first[s]] for s, k in (wanted[i] for i in places)]
+            rows = torch.from_numpy(np.stack(rows) if rows else np.zeros((0, self.window), np.int64))
+            yield rows if info is None else (torch.tensor(places, dtype=torch.long), rows)
 
     def state_dict(self) -> dict:
         return dict(self.position)
@@ -163,16 +164,38 @@ def resume_notes(saved: dict | None, now: dict, resume_position: bool) -> list[s
 
 class WindowLoader(StatefulDataLoader):
     """A StatefulDataLoader whose state is the global stream position after the last batch it
-    yielded; ``load_state_dict`` takes effect at the next ``iter()``."""
+    yielded; ``load_state_dict`` takes effect at the next ``iter()``. With worker processes it joins
+    each step's parts (one per worker, in worker order) into the batch."""
+
+    def __iter__(self):
+        parts = super().__iter__()
+        if not self.num_workers:
+            yield from parts
+            return
+        b = self.dataset.local_batch_size
+        while True:
+            # Joined in numpy: a torch op here would wake the intra-op thread pool, whose spinning
+            # threads take the CPU the workers need.
+            batch = np.empty((b, self.dataset.window), dtype=np.int64)
+            for places, rows in (next(parts) for _ in range(self.num_workers)):
+                batch[places.numpy()] = rows.numpy()
+            yield torch.from_numpy(batch).pin_memory() if self.pin_memory else torch.from_numpy(batch)
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        if "_snapshot" in sd:  # worker processes: each reports where its own last group ended
-            states = [w["dataset_state"] for w in sd["_snapshot"]["_worker_snapshots"].values()]
-        else:
-            states = [sd.get("dataset_state")]
-        states = [st for st in states if st] or [self.dataset.state_dict()]
-        return self.dataset.with_lanes(max(states, key=lambda st: st["windows_consumed"]))
+        if "_snapshot" not in sd:
+            return self.dataset.with_lanes(sd.get("dataset_state") or self.dataset.state_dict())
+        # Workers: all are at the same step; each knows the lanes it owns.
+        snapshots = sd["_snapshot"]["_worker_snapshots"]
+        states = [snapshots[f"worker_{w}"]["dataset_state"] for w in range(len(snapshots))]
+        if not all(states):  # no batch yet
+            return self.dataset.with_lanes(self.dataset.state_dict())
+        merged = dict(states[0])
+        merged["sources"] = [
+            {**p, "lanes": None if p["lanes"] is None else
+             [states[j % len(states)]["sources"][s]["lanes"][j] for j in range(len(p["lanes"]))]}
+            for s, p in enumerate(states[0]["sources"])]
+        return self.dataset.with_lanes(merged)
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import random
 from fractions import Fraction
 
 import numpy as np
@@ -27,22 +26,39 @@ import numpy as np
 from torchpar.config import ConfigError
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(n))
-    if epoch:  # epoch 0 keeps the source's own (already seeded) order
-        random.Random(seed * 7919 + epoch).shuffle(order)
-    return order
+def _mix(x: np.ndarray, keys: np.ndarray, bits: int) -> np.ndarray:
+    """A keyed bijection of [0, 2**bits), in place: rounds of XOR with a key, multiplication by an
+    odd key and an xorshift, each invertible modulo 2**bits."""
+    mask, shift = np.uint64((1 << bits) - 1), np.uint64(max(1, bits // 2))
+    for add, mul in keys.reshape(-1, 2):
+        x ^= add & mask
+        np.multiply(x, mul | np.uint64(1), out=x)
+        x &= mask
+        x ^= x >> shift
+    return x
 
 
-def lane_docs(order, lane: int, lanes: int):
-    """Lane ``lane`` reads every ``lanes``-th document; with more lanes than documents, lanes share them."""
-    mine = order[lane::lanes]
-    return mine if len(mine) else order
+def lane_docs(n: int, seed: int, epoch: int, wanted: list[int], lanes: int) -> list[np.ndarray]:
+    """The documents each ``wanted`` lane reads in an epoch, in order: every ``lanes``-th place of
+    the epoch's order (with more lanes than documents, lanes share them all). The order is the
+    source's own (already seeded) in epoch 0, then a permutation by (seed, epoch) that gives any
+    place's document directly (a keyed bijection, cycle-walked into range): a reader computes only
+    its lanes' documents, so an epoch costs it its lanes' share of the corpus, not all of it."""
+    places = [np.arange(j, n, lanes, dtype=np.int64) for j in wanted]
+    places = [p if len(p) else np.arange(n, dtype=np.int64) for p in places]
+    if not epoch:
+        return places
+    bits = max(1, (n - 1).bit_length())
+    keys = np.random.Generator(np.random.PCG64([seed % 2 ** 63, epoch])).integers(
+        0, 2 ** 63, size=8, dtype=np.uint64)
+    docs = _mix(np.concatenate(places).astype(np.uint64), keys, bits)  # all lanes in one pass
+    while (outside := docs >= n).any():  # a bijection of [0, 2**bits) walked until it lands in [0, n)
+        docs[outside] = _mix(docs[outside], keys, bits)
+    return np.split(docs.astype(np.int64), np.cumsum([len(p) for p in places])[:-1])
 
 
-def no_tokens(lanes: int, lane: int, source: str) -> str:
-    return (f"data.lanes = {lanes}: lane {lane} gets no tokens from {source} (its documents are empty); "
-            "use fewer lanes than the corpus has non-empty documents")
+def no_tokens(source: str) -> str:
+    return f"{source}: its documents are all empty; choose a corpus with text (data.dataset / data.path)"
 
 
 class TextStream:
@@ -56,14 +72,13 @@ class TextStream:
         self.readers = [self._lane(j, *self.lane_pos[j]) for j in range(lanes)]
 
     def _tokens(self, docs, i: int) -> list[int]:
-        text = self.source[docs[i]]
+        text = self.source[int(docs[i])]
         return self.tokenizer.encode(text) if text.strip() else []
 
     def _lane(self, lane: int, epoch: int, doc: int, offset: int):
         """Yield (window, (epoch, doc, offset) after it) forever from one lane."""
-        docs = lane_docs(epoch_order(len(self.source), self.seed, epoch), lane, self.lanes)
-        tokens = self._tokens(docs, doc)
-        whole, seen = doc == 0 and offset == 0, len(tokens)  # this epoch read from its start; its tokens
+        docs = lane_docs(len(self.source), self.seed, epoch, [lane], self.lanes)[0]
+        tokens, empty = self._tokens(docs, doc), 0
         while True:
             out: list[int] = []
             while len(out) < self.window:
@@ -73,21 +88,24 @@ class TextStream:
                 if offset >= len(tokens):
                     doc, offset = doc + 1, 0
                     if doc == len(docs):
-                        if whole and not seen:  # without this the lane would wait forever for a token
-                            raise ConfigError(no_tokens(self.lanes, lane, self.source.name))
-                        epoch, doc, whole, seen = epoch + 1, 0, True, 0
-                        docs = lane_docs(epoch_order(len(self.source), self.seed, epoch), lane, self.lanes)
+                        epoch, doc = epoch + 1, 0
+                        docs = lane_docs(len(self.source), self.seed, epoch, [lane], self.lanes)[0]
                     tokens = self._tokens(docs, doc)
-                    seen += len(tokens)
+                    empty = 0 if tokens else empty + 1
+                    if empty > 10 * len(self.source):  # else it would wait forever for a token
+                        raise ConfigError(no_tokens(self.source.name))
             yield out, (epoch, doc, offset)
 
-    def take(self, count: int, keep) -> dict[int, np.ndarray]:
-        """The next ``count`` windows; returns those whose offset (0..count-1) is in ``keep``."""
+    def take(self, count: int, keep, owner: tuple[int, int] = (0, 1)) -> dict[int, np.ndarray]:
+        """The next ``count`` windows; returns those whose offset (0..count-1) is in ``keep``.
+        ``owner`` = (w, n): only lanes j with j mod n = w are read (one of n loader workers)."""
         out = {}
         for i in range(count):
             j = self.k % self.lanes
-            window, self.lane_pos[j] = next(self.readers[j])
             self.k += 1
+            if j % owner[1] != owner[0]:
+                continue
+            window, self.lane_pos[j] = next(self.readers[j])
             if i in keep:
                 out[i] = np.asarray(window, dtype=np.int64)
         return out
@@ -102,36 +120,34 @@ class TokenStream:
 
     def __init__(self, corpus, window: int, seed: int, lanes: int, position: dict):
         self.corpus, self.window, self.seed, self.lanes = corpus, window, seed, lanes
+        if not corpus.lengths.any():
+            raise ConfigError(no_tokens(corpus.name))
         self.k = position["windows"]
-        self._orders: dict[int, np.ndarray] = {}  # epoch -> document order (the last few)
-        self._lanes: dict[tuple[int, int], tuple] = {}  # (epoch, lane) -> its documents, their end offsets
-        # the lane token where each epoch starts, per lane
-        self._starts: list[np.ndarray] = [np.zeros(lanes, dtype=np.int64)]
+        # Per lane, and only for the lanes this rank reads: its documents and their end offsets in
+        # its last two epochs, and the lane token where each epoch starts.
+        self._lanes: list[dict[int, tuple]] = [{} for _ in range(lanes)]
+        self._starts: list[list[int]] = [[0] for _ in range(lanes)]
 
     def _lane(self, e: int, lane: int) -> tuple[np.ndarray, np.ndarray]:
-        """The lane's documents in epoch ``e`` and the lane token where each ends. Lanes drift a
-        few epochs apart over a long run, so a few epochs' worth are kept."""
-        if (e, lane) not in self._lanes:
-            if e not in self._orders:
-                if len(self._orders) >= 4:
-                    del self._orders[min(self._orders)]
-                self._orders[e] = np.asarray(epoch_order(len(self.corpus), self.seed, e), dtype=np.int64)
-            if len(self._lanes) >= 4 * self.lanes:
-                del self._lanes[min(self._lanes)]
-            docs = lane_docs(self._orders[e], lane, self.lanes)
-            self._lanes[e, lane] = docs, np.cumsum(self.corpus.lengths[docs])
-        return self._lanes[e, lane]
+        """The lane's documents in epoch ``e`` and the lane token where each ends."""
+        if e not in self._lanes[lane]:
+            # The lanes this reader uses that reach epoch e next are computed in one pass.
+            wanted = [j for j, c in enumerate(self._lanes) if j == lane or (c and max(c) == e - 1)]
+            for j, docs in zip(wanted, lane_docs(len(self.corpus), self.seed, e, wanted, self.lanes)):
+                cache = self._lanes[j]
+                if len(cache) >= 2:
+                    del cache[min(cache)]
+                cache[e] = docs, np.cumsum(self.corpus.lengths[docs])
+        return self._lanes[lane][e]
 
     def _locate(self, lane: int, p: int) -> tuple[int, int]:
         """(epoch, token within the epoch) of the lane's token ``p``."""
-        while p >= self._starts[-1][lane]:
-            e = len(self._starts) - 1
-            totals = np.array([self._lane(e, j)[1][-1] if len(self.corpus) else 0 for j in range(self.lanes)])
-            if not totals.all():
-                raise ConfigError(no_tokens(self.lanes, int(np.argmin(totals)), self.corpus.name))
-            self._starts.append(self._starts[-1] + totals)
-        e = bisect.bisect_right([int(s[lane]) for s in self._starts], p) - 1
-        return e, p - int(self._starts[e][lane])
+        starts = self._starts[lane]
+        while p >= starts[-1]:
+            # A lane whose documents are all empty in an epoch skips it, as the text reader does.
+            starts.append(starts[-1] + int(self._lane(len(starts) - 1, lane)[1][-1]))
+        e = bisect.bisect_right(starts, p) - 1
+        return e, p - starts[e]
 
     def _read(self, k: int) -> np.ndarray:
         lane, p = k % self.lanes, (k // self.lanes) * self.window
@@ -148,8 +164,8 @@ class TokenStream:
             epoch, q = epoch + 1, 0
         return np.concatenate(pieces).astype(np.int64)
 
-    def take(self, count: int, keep) -> dict[int, np.ndarray]:
-        out = {i: self._read(self.k + i) for i in sorted(keep) if i < count}
+    def take(self, count: int, keep, owner: tuple[int, int] = (0, 1)) -> dict[int, np.ndarray]:
+        out = {i: self._read(self.k + i) for i in sorted(keep) if i < count}  # (keep is this owner's)
         self.k += count
         return out
 

@@ -1,0 +1,106 @@
+"""One rank's data loader as the data-parallel degree grows: text tokenized on the fly against a
+prepared (pre-tokenized) corpus.
+
+    python benchmarks/data_loader.py [--seq-len 2048] [--local-batch 8] [--dps 1,8,64,512] [--copies 32]
+
+A rank of a dp-way job is simulated by its loader alone (rank dp // 2 of dp): per step it yields
+local_batch x (seq_len + 1) tokens. On the fly, the rank tokenizes the whole global stream to find
+its windows (the stdlib corpus, 9M tokens); pre-tokenized, it reads only its own windows from a
+prepared corpus (the stdlib corpus prepared once, then its shard repeated ``--copies`` times, so
+that even dp = 512 crosses an epoch only every few dozen steps, as a real corpus would; the shards
+sit in the page cache). Prints the preparation's rate, per dp degree the time per step and tokens
+per second of each path, then tokens per second with 0 and 2 loader worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchpar.data import PackedWindows, StdlibSource, TokenizedCorpus, build_dataloader  # noqa: E402
+from torchpar.data.tokenized import MANIFEST, prepare  # noqa: E402
+from torchpar.tokenizer import BUILTIN, Tokenizer  # noqa: E402
+
+
+def repeated(folder: Path, out: Path, copies: int) -> TokenizedCorpus:
+    """A prepared corpus of one shard, as ``copies`` shards (documents repeated, format intact)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    out.mkdir()
+    for i in range(copies):
+        for suffix in (".bin", ".lengths.npy", ".json"):
+            shutil.copyfile(folder / f"shard-00000{suffix}", out / f"shard-{i:05d}{suffix}")
+    manifest.update(shards=manifest["shards"] * copies, n_documents=manifest["n_documents"] * copies,
+                    n_tokens=manifest["n_tokens"] * copies, documents=f"{copies} x {manifest['documents']}")
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return TokenizedCorpus(str(out))
+
+
+def time_per_step(loader, budget_s: float, max_steps: int) -> tuple[float, int]:
+    """Seconds per batch after the first (which sets up the readers), over up to ``max_steps``
+    batches or ``budget_s`` seconds, whichever ends first."""
+    it = iter(loader)
+    next(it)
+    steps, start = 0, time.perf_counter()
+    while steps < max_steps and (steps < 2 or time.perf_counter() - start < budget_s):
+        next(it)
+        steps += 1
+    return (time.perf_counter() - start) / steps, steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--local-batch", type=int, default=8)
+    p.add_argument("--dps", default="1,8,64,512")
+    p.add_argument("--copies", type=int, default=32)
+    p.add_argument("--steps", type=int, default=300, help="pre-tokenized steps timed per dp degree")
+    p.add_argument("--budget-s", type=float, default=8.0, help="time spent per on-the-fly measurement")
+    args = p.parse_args()
+    tok, stdlib = Tokenizer(BUILTIN), StdlibSource("train", seed=0)
+    tmp = Path(tempfile.mkdtemp(prefix="torchpar_data_bench_"))
+    try:
+        start = time.perf_counter()
+        m = prepare(stdlib, tok, tmp / "prepared", processes=2, docs_per_shard=32, quiet=True)
+        took = time.perf_counter() - start
+        print(f"prepare-data, 2 processes: {m['n_tokens']:,} tokens in {took:.1f} s = "
+              f"{m['n_tokens'] / took / 1e6:.1f}M tokens/s")
+        prepare(stdlib, tok, tmp / "one", processes=1, docs_per_shard=len(stdlib), quiet=True)
+        big = repeated(tmp / "one", tmp / "big", args.copies)
+        print(f"pre-tokenized corpus: {big.manifest['n_tokens']:,} tokens in {args.copies} shards")
+        local = args.local_batch * (args.seq_len + 1)
+        print(f"\nper rank and step: {args.local_batch} x {args.seq_len + 1} = {local:,} tokens\n")
+        print(f"{'dp':>5} | {'on the fly ms/step':>18} {'tokens/s':>12} | {'pre-tokenized ms/step':>21} "
+              f"{'tokens/s':>12}")
+        flat = {}
+        for dp in (int(x) for x in args.dps.split(",")):
+            text = PackedWindows(stdlib, tok, args.seq_len, args.local_batch, dp // 2, dp, seed=0)
+            t_text, _ = time_per_step(text, args.budget_s, 1000)
+            tokens = PackedWindows(big, tok, args.seq_len, args.local_batch, dp // 2, dp, seed=0)
+            t_tok, _ = time_per_step(tokens, 60.0, args.steps)
+            flat[dp] = t_tok
+            print(f"{dp:>5} | {t_text * 1e3:>18.2f} {local / t_text:>12,.0f} | {t_tok * 1e3:>21.3f} "
+                  f"{local / t_tok:>12,.0f}")
+        lo, hi = min(flat), max(flat)
+        print(f"\npre-tokenized time per step, dp {hi} / dp {lo}: {flat[hi] / flat[lo]:.2f}")
+        print("\nloader workers (tokens/s of the rank's batches):")
+        for name, source, dp in (("on the fly", stdlib, 8), ("pre-tokenized", big, 512)):
+            row = []
+            for workers in (0, 2):
+                loader = build_dataloader(source, tok, args.seq_len, args.local_batch, dp // 2, dp, seed=0,
+                                          num_workers=workers)
+                t, _ = time_per_step(loader, args.budget_s, args.steps)
+                row.append(f"{workers} workers {local / t:>12,.0f}")
+            print(f"  {name:>13}, dp {dp:>3}: " + " | ".join(row))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
