@@ -26,6 +26,17 @@ import numpy as np
 from torchpar.config import ConfigError
 
 
+def _keys(seed: int, epoch: int, count: int) -> list[int]:
+    """``count`` 64-bit keys from (seed, epoch): splitmix64 steps."""
+    state, out = (seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03) % 2 ** 64, []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) % 2 ** 64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+        out.append(z ^ (z >> 31))
+    return out
+
+
 def _mix(x: np.ndarray, keys: np.ndarray, bits: int) -> np.ndarray:
     """A keyed bijection of [0, 2**bits), in place: rounds of XOR with a key, multiplication by an
     odd key and an xorshift, each invertible modulo 2**bits."""
@@ -49,11 +60,12 @@ def lane_docs(n: int, seed: int, epoch: int, wanted: list[int], lanes: int) -> l
     if not epoch:
         return places
     bits = max(1, (n - 1).bit_length())
-    keys = np.random.Generator(np.random.PCG64([seed % 2 ** 63, epoch])).integers(
-        0, 2 ** 63, size=8, dtype=np.uint64)
+    keys = np.array(_keys(seed, epoch, 6), dtype=np.uint64)
     docs = _mix(np.concatenate(places).astype(np.uint64), keys, bits)  # all lanes in one pass
-    while (outside := docs >= n).any():  # a bijection of [0, 2**bits) walked until it lands in [0, n)
-        docs[outside] = _mix(docs[outside], keys, bits)
+    walking = np.flatnonzero(docs >= n)
+    while walking.size:  # a bijection of [0, 2**bits) applied again until it lands in [0, n)
+        docs[walking] = moved = _mix(docs[walking], keys, bits)
+        walking = walking[moved >= n]
     return np.split(docs.astype(np.int64), np.cumsum([len(p) for p in places])[:-1])
 
 
