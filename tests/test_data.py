@@ -198,6 +198,23 @@ def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     assert manifest["dtype"] == "uint16" and manifest["documents"] == StdlibSource("train", 0).fingerprint()
 
 
+def test_prepare_an_hf_dataset_and_detect_a_prepared_folder(tmp_path):
+    """A Hugging Face dataset (a local JSON-lines file through its builder) prepares like any
+    source; a prepared folder named under data.dataset = 'files' is read as prepared."""
+    pytest.importorskip("datasets")
+    from torchpar.data import HFSource, build_source
+
+    rows = [{"content": f"def f{i}(x):\n    return x + {i}\n" * (i % 5 + 1)} for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = HFSource(str(tmp_path / "d.jsonl"), "train", "content")
+    prepare(src, TOK, tmp_path / "p", processes=2, docs_per_shard=16, quiet=True)
+    cfg = load_config(None, ["--data.dataset", "files", "--data.path", str(tmp_path / "p")]).data
+    corpus = build_source(cfg, seed=0)
+    assert isinstance(corpus, TokenizedCorpus) and corpus.fingerprint() == src.fingerprint()
+    text, tokens = (batches(PackedWindows(s, TOK, 16, 4, 0, 1, seed=0, lanes=8), 20) for s in (src, corpus))
+    assert all(torch.equal(a, b) for a, b in zip(text, tokens))
+
+
 def test_prepared_windows_equal_text_windows(stdlib, prepared):
     """Same corpus, same tokenizer: the pre-tokenized reader yields the text reader's windows and
     positions, batch for batch, on every rank."""

@@ -204,9 +204,10 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
     # The same attention with K and V repeated to every query head, as before enable_gqa.
     from torchpar.models import llama
 
-    def repeated_sdpa(q, k, v, is_causal, enable_gqa):
+    def repeated_sdpa(q, k, v, attn_mask, is_causal, enable_gqa):
         n = q.shape[1] // k.shape[1]
-        return sdpa(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1), is_causal=is_causal)
+        return sdpa(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1), attn_mask=attn_mask,
+                    is_causal=is_causal)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     llama.F.scaled_dot_product_attention = repeated_sdpa

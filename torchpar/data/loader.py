@@ -106,9 +106,8 @@ class PackedWindows(IterableDataset):
             if len(sources) != len(self.sources) or len(p["lanes"]) != self.lanes or bad:
                 raise ConfigError(
                     f"the saved data position ({len(sources)} source(s), {len(p['lanes'])} lanes) does not "
-                    f"fit "
-                    f"{src.name} ({n} documents) in data.lanes = {self.lanes}; set data.resume_position = "
-                    "false to read it from its start")
+                    f"fit {src.name} ({n} documents) in data.lanes = {self.lanes}; set "
+                    "data.resume_position = false to read it from its start")
         self.position = {"windows_consumed": int(state["windows_consumed"]), "sources": sources,
                          "source_tokens": [int(t) for t in state["source_tokens"]]}
 
