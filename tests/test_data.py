@@ -111,6 +111,7 @@ def test_exact_resume(source, workers, resume_workers):
     state = loader.state_dict()
     assert state["windows_consumed"] == 3 * 4 * 2
     resumed = build_dataloader(source, TOK, 32, 4, 1, 2, seed=0, num_workers=resume_workers)
+    resumed.state_dict()  # as the checkpointer does before loading: must not pin the old position
     resumed.load_state_dict(state)
     rest = batches(resumed, 4)
     for a, b in zip(rest, ref[3:]):
@@ -298,6 +299,32 @@ def test_a_position_carries_over_between_readers(stdlib, prepared):
         resumed = build_dataloader(second, TOK, 32, 4, 0, 2, seed=0)
         resumed.load_state_dict(loader.state_dict())
         assert all(torch.equal(a, b) for a, b in zip(batches(resumed, 3), ref[3:]))
+
+
+def test_a_new_sequence_length_goes_on_from_each_lanes_position(tmp_path):
+    """A resume with a longer seq_len: each lane goes on from its saved document and token, alike
+    in both readers (the prepared one must not count windows of the new length from the start)."""
+    rng = random.Random(2)
+    docs = [" ".join(f"w{rng.randint(0, 99)}" for _ in range(rng.randint(1, 40))) for _ in range(30)]
+    src = ListSource(docs)
+    prepare(src, TOK, tmp_path, processes=1, docs_per_shard=8, quiet=True)
+    corpus = TokenizedCorpus(str(tmp_path))
+    before = build_dataloader(src, TOK, 8, 2, 0, 1, seed=3, lanes=3)
+    batches(before, 25)  # past the first epoch of some lanes
+    state = before.state_dict()
+    after = [build_dataloader(s, TOK, 16, 2, 0, 1, seed=3, lanes=3) for s in (src, corpus)]
+    for loader in after:
+        loader.load_state_dict(state)
+    text, tokens = (batches(loader, 20) for loader in after)
+    assert all(torch.equal(a, b) for a, b in zip(text, tokens))
+    assert after[0].state_dict() == after[1].state_dict()
+
+
+def test_mixture_weights_too_small_are_one_error():
+    assert Mixture([1, 2]).counts == [1, 2]
+    assert Mixture([1e-5, 2e-5]).counts == [1, 2]
+    with pytest.raises(ConfigError, match="each must be at least 1/10000 of their sum"):
+        Mixture([1, 1e-5])
 
 
 def test_resharded_prepared_stream_sees_every_window_once(prepared):

@@ -202,7 +202,7 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
               "tokens_seen": trainer.train_state.tokens_seen,
               **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
     if len(trainer.source_names) > 1:  # a mixture: tokens read from each source so far (global)
-        seen = trainer.dataloader.state_dict()["source_tokens"]
+        seen = trainer.dataloader.position()["source_tokens"]
         record.update({f"tokens_seen/{name}": n for name, n in zip(trainer.source_names, seen)})
     if step == first:
         per_rank = [None] * dist.get_world_size()

@@ -75,8 +75,8 @@ class Data:
         "after another.",
     )
     num_workers: int = opt(0, "StatefulDataLoader worker processes (0 = load in the training process). "
-                              "Workers take whole steps in turn: from a prepared corpus each reads only its "
-                              "steps' windows; from text each still tokenizes the whole stream.")
+                              "Workers split the lanes (lane mod workers): each tokenizes or reads only its "
+                              "own. Worth it for text; a prepared corpus reads faster without them.")
     sources: list = opt(
         [],
         "A weighted mixture instead of the single source above: [[data.sources]] tables, each with `weight` "

@@ -22,9 +22,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchpar.config import ConfigError
-from torchpar.data.streams import Mixture, TextStream, TokenStream
+from torchpar.data.streams import Mixture, TextStream, TokenStream, lane_size
 from torchpar.data.tokenized import TokenizedCorpus
 from torchpar.tokenizer import Tokenizer
+
+
+def as_list(sources) -> list:
+    """One source, or a mixture's list of them, as a list."""
+    return list(sources) if isinstance(sources, (list, tuple)) else [sources]
 
 
 class PackedWindows(IterableDataset):
@@ -36,15 +41,15 @@ class PackedWindows(IterableDataset):
                  weights: list[float] | None = None):
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_degree - 1}")
-        self.sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        self.sources = as_list(sources)
         self.mixture = Mixture(weights or [1.0] * len(self.sources))
         self.tokenizer, self.window = tokenizer, seq_len + 1
         self.local_batch_size, self.dp_rank, self.dp_degree, self.seed = (local_batch_size, dp_rank,
                                                                           dp_degree, seed)
         self.lanes = lanes
-        start = {"windows": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
-        self.position = {"windows_consumed": 0, "sources": [dict(start) for _ in self.sources],
-                         "source_tokens": [0] * len(self.sources)}
+        self.position = {"windows_consumed": 0, "source_tokens": [0] * len(self.sources),
+                         "sources": [{"windows": 0, "lanes": [[0, 0, 0] for _ in range(lanes)]}
+                                     for _ in self.sources]}
 
     def _streams(self, pos: dict) -> list:
         return [TokenStream(src, self.window, self.seed, self.lanes, p) if isinstance(src, TokenizedCorpus)
@@ -100,9 +105,7 @@ class PackedWindows(IterableDataset):
                    for p in state["sources"]]
         for src, p in zip(self.sources, sources):
             n = len(src)
-            # Documents per lane (order[lane::lanes], or every document when that is empty).
-            bad = [j for j, (_, doc, _) in enumerate(p["lanes"])
-                   if doc >= (len(range(j, n, self.lanes)) or n)]
+            bad = [j for j, (_, doc, _) in enumerate(p["lanes"]) if doc >= lane_size(n, j, self.lanes)]
             if len(sources) != len(self.sources) or len(p["lanes"]) != self.lanes or bad:
                 raise ConfigError(
                     f"the saved data position ({len(sources)} source(s), {len(p['lanes'])} lanes) does not "
@@ -122,7 +125,7 @@ def data_identity(sources, tokenizer: Tokenizer, seq_len: int, global_batch: int
                   weights: list[float] | None = None) -> dict:
     """What a saved data position depends on; every checkpoint's manifest records it. A prepared
     corpus reports the source it was made from, so either reader resumes the other's position."""
-    sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    sources = as_list(sources)
     if len(sources) == 1:
         source, documents = sources[0].name, sources[0].fingerprint()
     else:
@@ -164,7 +167,12 @@ def resume_notes(saved: dict | None, now: dict, resume_position: bool) -> list[s
 class WindowLoader(StatefulDataLoader):
     """A StatefulDataLoader whose state is the global stream position after the last batch it
     yielded; ``load_state_dict`` takes effect at the next ``iter()``. With worker processes it joins
-    each step's parts (one per worker, in worker order) into the batch."""
+    each step's parts (one per worker, in worker order) into the batch. ``pin_batches``: batches in
+    page-locked memory (the joined batch with workers, else the loader's own pinning)."""
+
+    def __init__(self, dataset: PackedWindows, pin_batches: bool = False, **kwargs):
+        super().__init__(dataset, pin_memory=pin_batches and not kwargs.get("num_workers"), **kwargs)
+        self.pin_batches = pin_batches
 
     def __iter__(self):
         parts = super().__iter__()
@@ -178,26 +186,34 @@ class WindowLoader(StatefulDataLoader):
             batch = np.empty((b, self.dataset.window), dtype=np.int64)
             for places, rows in (next(parts) for _ in range(self.num_workers)):
                 batch[places.numpy()] = rows.numpy()
-            yield torch.from_numpy(batch).pin_memory() if self.pin_memory else torch.from_numpy(batch)
+            yield torch.from_numpy(batch).pin_memory() if self.pin_batches else torch.from_numpy(batch)
 
-    def state_dict(self) -> dict:
+    def position(self) -> dict:
+        """The position after the last batch yielded, without the prepared sources' lane
+        positions (see :meth:`state_dict`): windows consumed, per source, tokens per source."""
+        if self._iterator is None:  # nothing iterated (making an iterator here would fork workers)
+            return self.dataset.state_dict()
         sd = super().state_dict()
         if "_snapshot" not in sd:
-            return self.dataset.with_lanes(sd.get("dataset_state") or self.dataset.state_dict())
+            return sd.get("dataset_state") or self.dataset.state_dict()
         # Workers: all are at the same step; each knows the lanes it owns.
         snapshots = sd["_snapshot"]["_worker_snapshots"]
         states = [snapshots[f"worker_{w}"]["dataset_state"] for w in range(len(snapshots))]
-        if not all(states):  # no batch yet
-            return self.dataset.with_lanes(self.dataset.state_dict())
         merged = dict(states[0])
         merged["sources"] = [
             {**p, "lanes": None if p["lanes"] is None else
              [states[j % len(states)]["sources"][s]["lanes"][j] for j in range(len(p["lanes"]))]}
             for s, p in enumerate(states[0]["sources"])]
-        return self.dataset.with_lanes(merged)
+        return merged
+
+    def state_dict(self) -> dict:
+        return self.dataset.with_lanes(self.position())
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
+        # The next iter() starts from it in fresh workers: an iterator made before (a state_dict()
+        # call makes one) has forked its workers with the old position.
+        self._iterator, self._initial_iter_for_state_dict = None, False
 
 
 def build_dataloader(
@@ -217,5 +233,5 @@ def build_dataloader(
     page-locked memory, so the copy to a GPU can overlap compute."""
     ds = PackedWindows(sources, tokenizer, seq_len, local_batch_size, dp_rank, dp_degree, seed, lanes,
                        weights)
-    return WindowLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+    return WindowLoader(ds, pin_batches=pin_memory, batch_size=None, num_workers=num_workers,
                         persistent_workers=False, multiprocessing_context="fork" if num_workers else None)

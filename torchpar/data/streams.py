@@ -49,14 +49,20 @@ def _mix(x: np.ndarray, keys: np.ndarray, bits: int) -> np.ndarray:
     return x
 
 
+def lane_size(n: int, lane: int, lanes: int) -> int:
+    """How many documents a lane reads per epoch: every lanes-th, or all when it has none of its
+    own (more lanes than documents)."""
+    return len(range(lane, n, lanes)) if lane < n else n
+
+
 def lane_docs(n: int, seed: int, epoch: int, wanted: list[int], lanes: int) -> list[np.ndarray]:
     """The documents each ``wanted`` lane reads in an epoch, in order: every ``lanes``-th place of
     the epoch's order (with more lanes than documents, lanes share them all). The order is the
     source's own (already seeded) in epoch 0, then a permutation by (seed, epoch) that gives any
     place's document directly (a keyed bijection, cycle-walked into range): a reader computes only
     its lanes' documents, so an epoch costs it its lanes' share of the corpus, not all of it."""
-    places = [np.arange(j, n, lanes, dtype=np.int64) for j in wanted]
-    places = [p if len(p) else np.arange(n, dtype=np.int64) for p in places]
+    places = [np.arange(j, n, lanes, dtype=np.int64) if j < n else np.arange(n, dtype=np.int64)
+              for j in wanted]
     if not epoch:
         return places
     bits = max(1, (n - 1).bit_length())
@@ -134,6 +140,14 @@ class TokenStream:
         self.corpus, self.window, self.seed, self.lanes = corpus, window, seed, lanes
         if not corpus.lengths.any():
             raise ConfigError(no_tokens(corpus.name))
+        # The last explicit position (a resume's; the "anchor" of a later lazy one): each lane's
+        # (epoch, document, offset) at k0, turned into lane tokens when the lane is first read, so
+        # that after a resume with another window length lane j's m-th window starts at
+        # base[j] + (m - windows it had given at k0) x window. None: every window had this length.
+        anchor = position.get("anchor") or position
+        self.k0, self.saved, self._base = anchor["windows"], anchor["lanes"], {}
+        if self.k0 == 0 and self.saved is not None and not any(map(any, self.saved)):
+            self.saved = None
         self.k = position["windows"]
         # Per lane, and only for the lanes this rank reads: its documents and their end offsets in
         # its last two epochs, and the lane token where each epoch starts.
@@ -152,28 +166,54 @@ class TokenStream:
                 cache[e] = docs, np.cumsum(self.corpus.lengths[docs])
         return self._lanes[lane][e]
 
-    def _locate(self, lane: int, p: int) -> tuple[int, int]:
-        """(epoch, token within the epoch) of the lane's token ``p``."""
+    def _epoch_start(self, lane: int, e: int) -> int:
         starts = self._starts[lane]
-        while p >= starts[-1]:
+        while len(starts) <= e:
             # A lane whose documents are all empty in an epoch skips it, as the text reader does.
             starts.append(starts[-1] + int(self._lane(len(starts) - 1, lane)[1][-1]))
+        return starts[e]
+
+    def _locate(self, lane: int, p: int) -> tuple[int, int, int, int]:
+        """The lane's token ``p``: (epoch, token within it, index of the document holding it in the
+        lane's documents, the token where that document starts)."""
+        starts = self._starts[lane]
+        while p >= starts[-1]:
+            self._epoch_start(lane, len(starts))  # the start of one more epoch
         e = bisect.bisect_right(starts, p) - 1
-        return e, p - starts[e]
+        q = p - starts[e]
+        docs, ends = self._lane(e, lane)
+        i = int(np.searchsorted(ends, q, side="right"))
+        return e, q, i, int(ends[i]) - int(self.corpus.lengths[docs[i]])
+
+    @staticmethod
+    def _given(lane: int, k: int, lanes: int) -> int:
+        """Windows lane ``lane`` has given when the stream has given ``k``."""
+        return max(0, -(-(k - lane) // lanes))
+
+    def _token(self, lane: int, m: int) -> int:
+        """Where the lane's m-th window starts, in lane tokens."""
+        if lane not in self._base:
+            if self.saved is None:  # every window so far had this length
+                self._base[lane] = self._given(lane, self.k0, self.lanes) * self.window
+            else:
+                e, d, o = self.saved[lane]
+                docs, ends = self._lane(e, lane)
+                doc_start = int(ends[d]) - int(self.corpus.lengths[docs[d]])
+                self._base[lane] = self._epoch_start(lane, e) + doc_start + o
+        return self._base[lane] + (m - self._given(lane, self.k0, self.lanes)) * self.window
 
     def _read(self, k: int) -> np.ndarray:
-        lane, p = k % self.lanes, (k // self.lanes) * self.window
-        epoch, q = self._locate(lane, p)
+        lane = k % self.lanes
+        epoch, q, i, _ = self._locate(lane, self._token(lane, k // self.lanes))
         pieces, need = [], self.window
         while need:
             docs, ends = self._lane(epoch, lane)
-            i = int(np.searchsorted(ends, q, side="right"))  # the document holding token q
             while need and i < len(ends):
                 start = int(ends[i]) - int(self.corpus.lengths[docs[i]])
                 take = min(int(ends[i]) - q, need)
                 pieces.append(self.corpus.tokens(int(docs[i]), q - start, q - start + take))
                 need, q, i = need - take, q + take, i + 1
-            epoch, q = epoch + 1, 0
+            epoch, q, i = epoch + 1, 0, 0
         return np.concatenate(pieces).astype(np.int64)
 
     def take(self, count: int, keep, owner: tuple[int, int] = (0, 1)) -> dict[int, np.ndarray]:
@@ -184,20 +224,23 @@ class TokenStream:
     def _lane_position(self, lane: int) -> list[int]:
         """Where the lane's next window starts, as :class:`TextStream` counts it: the document
         after the last one read from once it is finished."""
-        p = max(0, -(-(self.k - lane) // self.lanes)) * self.window  # tokens the lane has given
+        p = self._token(lane, self._given(lane, self.k, self.lanes))  # tokens the lane has given
         if p == 0:
             return [0, 0, 0]
-        epoch, q = self._locate(lane, p - 1)
+        epoch, q, i, start = self._locate(lane, p - 1)
         docs, ends = self._lane(epoch, lane)
-        i = int(np.searchsorted(ends, q, side="right"))
         if q + 1 < ends[i]:
-            return [epoch, i, q + 1 - (int(ends[i]) - int(self.corpus.lengths[docs[i]]))]
+            return [epoch, i, q + 1 - start]
         return [epoch + 1, 0, 0] if i + 1 == len(docs) else [epoch, i + 1, 0]
 
     def position(self, lanes: bool = False) -> dict:
-        """Lanes cost a search each: they are worked out only for a position that is saved."""
-        return {"windows": self.k,
-                "lanes": [self._lane_position(j) for j in range(self.lanes)] if lanes else None}
+        """Lanes cost a search each: they are worked out only for a position that is saved (from
+        this one, which names its anchor, by another stream)."""
+        if lanes:
+            return {"windows": self.k, "lanes": [self._lane_position(j) for j in range(self.lanes)]}
+        if self.saved is None:
+            return {"windows": self.k, "lanes": None}
+        return {"windows": self.k, "lanes": None, "anchor": {"windows": self.k0, "lanes": self.saved}}
 
 
 class Mixture:
@@ -206,9 +249,10 @@ class Mixture:
     exact over every period and window g's source and its index in that source are arithmetic."""
 
     def __init__(self, weights: list[float]):
-        fractions = [Fraction(w).limit_denominator(10 ** 4) for w in weights]
-        total = sum(fractions)
-        shares = [f / total for f in fractions]
+        rounded = [Fraction(w / sum(weights)).limit_denominator(10 ** 4) for w in weights]
+        if not all(rounded):
+            raise ConfigError(f"data.sources weights {weights}: each must be at least 1/10000 of their sum")
+        shares = [f / sum(rounded) for f in rounded]
         self.period = math.lcm(*(s.denominator for s in shares))
         if self.period > 10 ** 6:
             raise ConfigError(f"data.sources weights {weights} need a period of {self.period} windows to be "

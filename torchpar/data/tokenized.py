@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from torchpar.config import ConfigError
 
 FORMAT = "torchpar-tokens/1"
+OPEN_SHARDS = 128  # shard files a reader keeps open
 MANIFEST = "manifest.json"
 
 
@@ -72,7 +74,7 @@ class TokenizedCorpus:
                 raise ConfigError(f"data.path {path!r}: shard {i} has {size} bytes, the manifest says "
                                   f"{shard['tokens'] * dtype.itemsize}; prepare the corpus again")
         self.starts, self.per, self.dtype = starts, per, dtype
-        self._files: dict[int, int] = {}  # shard -> open file descriptor
+        self._files: OrderedDict[int, int] = OrderedDict()  # shard -> open descriptor, last used last
 
     def fingerprint(self) -> str:
         return self.manifest["documents"]
@@ -85,7 +87,11 @@ class TokenizedCorpus:
         same wherever the window lies; a memory map would fault in new pages for every window of
         a rank whose windows lie far apart (a large dp degree) and not for one whose lie close."""
         shard = d // self.per
-        if shard not in self._files:
+        if shard in self._files:
+            self._files.move_to_end(shard)
+        else:
+            if len(self._files) >= OPEN_SHARDS:  # a large corpus must not use up the descriptors
+                os.close(self._files.popitem(last=False)[1])
             self._files[shard] = os.open(self.folder / f"shard-{shard:05d}.bin", os.O_RDONLY)
         size = self.dtype.itemsize
         data = os.pread(self._files[shard], (b - a) * size, int(self.starts[d] + a) * size)

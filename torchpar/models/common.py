@@ -59,6 +59,13 @@ def document_layout(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return idx - starts, mask.unsqueeze(1)
 
 
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask as the additive bias SDPA adds to the scores (0 or -inf), made once per
+    forward in the compute dtype: given the boolean mask, the kernels that take one would each
+    convert it (and keep the copy for backward) in every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 class SeededInit(nn.Module):
     """Deterministic initialization from ``(seed, canonical parameter name)`` alone, so any split
     or sharding of the model starts from exactly the numbers of the whole model. A model says

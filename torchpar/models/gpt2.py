@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit, document_layout
+from torchpar.models.common import ModelAdapter, SeededInit, attention_bias, document_layout
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class CausalSelfAttention(nn.Module):
         q = self.query(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         k = self.key(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         v = self.value(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
-        # mask [b, 1, s, s] (documents kept apart) or None: causal over the whole window.
+        # mask: an additive bias [b, 1, s, s] keeping documents apart, or None: causal over the window.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [b, h, s, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # [b, s, d]
 
@@ -146,6 +146,7 @@ class GPT2(SeededInit):
             h = self.wte(x) + self.wpe(positions)  # [b, s, d] + [1 or b, s, d]
         else:
             h = x  # [b, s, d]
+        mask = attention_bias(mask, h.dtype) if mask is not None else None
         for layer in self.layers.values():
             h = layer(h, *self.block_args(), mask)
         if self.ln_f is not None:

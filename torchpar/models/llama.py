@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit, document_layout
+from torchpar.models.common import ModelAdapter, SeededInit, attention_bias, document_layout
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, hd]
         # Grouped-query attention: each KV head serves h / h_kv query heads, inside the kernel
-        # (no repeated copy of K and V).
+        # (no repeated copy of K and V) — except with a mask: CUDA's kernels that take a mask do
+        # not take grouped heads, and the one left would build the [b, h, s, s] scores.
         gqa = q.shape[1] != k.shape[1]
-        # mask [b, 1, s, s] (documents kept apart) or None: causal over the whole window.
+        if gqa and mask is not None:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            gqa = False
+        # mask: an additive bias [b, 1, s, s] keeping documents apart, or None: causal over the window.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=gqa)  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -192,6 +196,7 @@ class Transformer(SeededInit):
         each token's document [b, s] to keep attention inside (positions restart per document)."""
         positions, mask = document_layout(documents) if documents is not None else (None, None)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
+        mask = attention_bias(mask, h.dtype) if mask is not None else None
         block_args = self.block_args(positions)
         for layer in self.layers.values():
             h = layer(h, *block_args, mask)
