@@ -4,15 +4,15 @@ prepared (pre-tokenized) corpus.
     python benchmarks/data_loader.py [--seq-len 2048] [--local-batch 8] [--dps 1,8,64,512] [--copies 32]
 
 A rank of a dp-way job is simulated by its loader alone (the trainer's, rank dp // 2 of dp, no
-worker processes unless said): per step it yields
-local_batch x (seq_len + 1) tokens. On the fly, the rank tokenizes the whole global stream to find
-its windows (the stdlib corpus, 9M tokens); pre-tokenized, it reads only its own windows from a
-prepared corpus (the stdlib corpus prepared once, then its shard repeated ``--copies`` times, so
-that even dp = 512 crosses an epoch only every few dozen steps, as a real corpus would; the shards
-sit in the page cache), measured before the text path so that neither disturbs the other's caches,
-from the corpus's start and from 1.5 epochs in. Prints the preparation's rate, per dp degree the
-time per step and tokens per second of each path, then tokens per second with 0 and 2 loader
-worker processes.
+worker processes unless said): per step it yields local_batch x (seq_len + 1) tokens. On the fly,
+the rank tokenizes the whole global stream to find its windows (the stdlib corpus, 9M tokens);
+pre-tokenized, it reads only its own windows from a prepared corpus (the stdlib corpus prepared
+once, then its shard repeated ``--copies`` times, so that even dp = 512 crosses an epoch only every
+few dozen steps, as a real corpus would; the shards sit in the page cache), measured before the
+text path so that neither disturbs the other's caches, from the corpus's start and from 1.5 epochs
+in (medians of ``--repeats``, the degrees interleaved). Prints the preparation's rate, per dp
+degree the time per step and tokens per second of each path, then tokens per second with 0 and 2
+loader worker processes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=32)
     p.add_argument("--steps", type=int, default=1000, help="pre-tokenized steps timed per dp degree")
     p.add_argument("--budget-s", type=float, default=8.0, help="time spent per on-the-fly measurement")
+    p.add_argument("--repeats", type=int, default=5, help="pre-tokenized measurements per degree (median)")
     args = p.parse_args()
     tok, stdlib = Tokenizer(BUILTIN), StdlibSource("train", seed=0)
     tmp = Path(tempfile.mkdtemp(prefix="torchpar_data_bench_"))
@@ -95,9 +97,14 @@ def main() -> None:
         # in (shuffled, where a long run spends its time).
         later = int(big.manifest["n_tokens"] * 1.5 / (args.seq_len + 1)) // (max(dps) * args.local_batch)
         later *= max(dps) * args.local_batch
-        tok_ms = {(dp, start): time_per_step(
-            build_dataloader(big, tok, args.seq_len, args.local_batch, dp // 2, dp, seed=0, start=start),
-            60.0, args.steps)[0] for start in (0, later) for dp in dps}
+        runs: dict[tuple[int, int], list[float]] = {}
+        for _ in range(args.repeats):  # the degrees interleaved, repeat by repeat; medians
+            for start in (0, later):
+                for dp in dps:
+                    loader = build_dataloader(big, tok, args.seq_len, args.local_batch, dp // 2, dp, seed=0,
+                                              start=start)
+                    runs.setdefault((dp, start), []).append(time_per_step(loader, 60.0, args.steps)[0])
+        tok_ms = {key: statistics.median(times) for key, times in runs.items()}
         print(f"{'dp':>5} | {'on the fly ms/step':>18} {'tokens/s':>12} | {'pre-tokenized ms/step':>21} "
               f"{'tokens/s':>12} | {'1.5 epochs in: ms/step':>22} {'tokens/s':>12}")
         for dp in dps:
