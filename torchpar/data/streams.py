@@ -166,6 +166,10 @@ class TokenStream:
                 cache[e] = docs, np.cumsum(self.corpus.lengths[docs])
         return self._lanes[lane][e]
 
+    def _doc_start(self, docs: np.ndarray, ends: np.ndarray, i: int) -> int:
+        """The lane token (within its epoch) where the lane's i-th document starts."""
+        return int(ends[i]) - int(self.corpus.lengths[docs[i]])
+
     def _epoch_start(self, lane: int, e: int) -> int:
         starts = self._starts[lane]
         while len(starts) <= e:
@@ -183,7 +187,7 @@ class TokenStream:
         q = p - starts[e]
         docs, ends = self._lane(e, lane)
         i = int(np.searchsorted(ends, q, side="right"))
-        return e, q, i, int(ends[i]) - int(self.corpus.lengths[docs[i]])
+        return e, q, i, self._doc_start(docs, ends, i)
 
     @staticmethod
     def _given(lane: int, k: int, lanes: int) -> int:
@@ -198,8 +202,7 @@ class TokenStream:
             else:
                 e, d, o = self.saved[lane]
                 docs, ends = self._lane(e, lane)
-                doc_start = int(ends[d]) - int(self.corpus.lengths[docs[d]])
-                self._base[lane] = self._epoch_start(lane, e) + doc_start + o
+                self._base[lane] = self._epoch_start(lane, e) + self._doc_start(docs, ends, d) + o
         return self._base[lane] + (m - self._given(lane, self.k0, self.lanes)) * self.window
 
     def _read(self, k: int) -> np.ndarray:
@@ -209,7 +212,7 @@ class TokenStream:
         while need:
             docs, ends = self._lane(epoch, lane)
             while need and i < len(ends):
-                start = int(ends[i]) - int(self.corpus.lengths[docs[i]])
+                start = self._doc_start(docs, ends, i)
                 take = min(int(ends[i]) - q, need)
                 pieces.append(self.corpus.tokens(int(docs[i]), q - start, q - start + take))
                 need, q, i = need - take, q + take, i + 1
