@@ -394,6 +394,47 @@ def test_document_masking_packed_equals_documents_alone():
         assert (plain - alone).abs().max() > 1e-2, family
 
 
+def test_document_attention_per_document_equals_the_mask(monkeypatch):
+    """Attention run document by document (causal kernel calls) gives the logits and gradients of
+    one masked call over the window, for both families (Llama's grouped-query heads too), rows
+    holding one to many documents; a compiled block takes new spans without being traced again."""
+    from torchpar.models import common
+
+    rows = torch.tensor([[0] * 32, [0] * 5 + [1] * 20 + [2] * 7, [3] * 9 + [4] * 23, [5, 6, 7, 8] * 8])
+    documents = rows.sort(dim=1).values  # non-decreasing along each row, as packed windows are
+    tokens = torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0))
+    for family in ("llama3", "gpt2"):
+        model = adapter(family).build(model_args(load_config(None, ["--model.name", family]).model))
+        model.init_weights(0)
+        results = []
+        for most in (common.PER_DOCUMENT_MAX, 0):  # spans, then the dense mask
+            monkeypatch.setattr(common, "PER_DOCUMENT_MAX", most)
+            kind = type(common.document_layout(documents, torch.float32, torch.device("cpu"))[1])
+            assert (kind is common.DocumentSpans) == (most > 0)
+            model.zero_grad()
+            logits = model(tokens, documents=documents)
+            logits.square().mean().backward()
+            results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+        (a, grads_a), (b, grads_b) = results
+        assert (a - b).abs().max() < 1e-5, family
+        assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(grads_a, grads_b)), family
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.undo()
+    block = model.layers["0"]  # GPT-2's: it takes the hidden states and the mask
+    compiled = torch.compile(block, backend="eager")
+    h = torch.randn(4, 32, model.args.dim)
+    for shift in range(3):  # other documents every batch
+        spans = common.document_layout((documents + torch.arange(32) // (9 + shift)).cummax(1).values,
+                                       torch.float32, torch.device("cpu"))[1]
+        assert isinstance(spans, common.DocumentSpans)
+        assert torch.allclose(compiled(h, spans), block(h, spans), atol=1e-6)
+        if shift == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # ---------------------------------------------------------------- in the trainer
 
 

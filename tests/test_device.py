@@ -202,7 +202,7 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
         p.grad = None
 
     # The same attention with K and V repeated to every query head, as before enable_gqa.
-    from torchpar.models import llama
+    from torchpar.models import common
 
     def repeated_sdpa(q, k, v, attn_mask, is_causal, enable_gqa):
         n = q.shape[1] // k.shape[1]
@@ -210,12 +210,12 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
                     is_causal=is_causal)
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    llama.F.scaled_dot_product_attention = repeated_sdpa
+    common.F.scaled_dot_product_attention = repeated_sdpa
     try:
         ref = attn(x, cos, sin)
         ref.sum().backward()
     finally:
-        llama.F.scaled_dot_product_attention = sdpa
+        common.F.scaled_dot_product_attention = sdpa
     assert torch.allclose(out, ref, atol=1e-6)
     for g, p in zip(grads, [*attn.parameters(), x]):
         assert torch.allclose(g, p.grad, atol=1e-5)

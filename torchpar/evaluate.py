@@ -31,9 +31,9 @@ def held_out_loss(trainer) -> float:
     loss_sum = torch.zeros((), device=trainer.device)
     with torch.no_grad(), compute_context(trainer.layout):
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
+            kwargs = trainer.forward_kwargs(rows[:, :-1])  # from the host copy: no device sync
             rows = rows.to(trainer.device, non_blocking=True)
             inputs, targets = rows[:, :-1], rows[:, 1:]
-            kwargs = trainer.forward_kwargs(inputs)
             if pipeline is not None:
                 loss_sum += full_value(pipeline.forward_only(inputs, targets, **kwargs))
             else:

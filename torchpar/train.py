@@ -122,7 +122,8 @@ class Trainer:
 
     def forward_kwargs(self, inputs: torch.Tensor) -> dict:
         """The model's inputs beside the tokens: each token's document, when attention is kept
-        inside documents."""
+        inside documents — from the batch's host copy, so that the model reads where documents
+        start without waiting for the device."""
         if not self.cfg.data.document_masking:
             return {}
         return {"documents": document_ids(inputs, self.tokenizer.bos_id)}
@@ -153,21 +154,22 @@ class Trainer:
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             with phase("data"):
+                hosts = [next(batches) for _ in range(self.layout.accum)]
                 # each batch is copied from its pinned buffer: a host-side cat would not be pinned
-                batch = torch.cat([next(batches).to(self.device, non_blocking=True)
-                                   for _ in range(self.layout.accum)])
+                batch = torch.cat([host.to(self.device, non_blocking=True) for host in hosts])
+                kwargs = self.forward_kwargs(torch.cat(hosts)[:, :-1])
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
-                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale,
-                                                     **self.forward_kwargs(batch[:, :-1]))
+                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale, **kwargs)
         else:
             for micro in range(self.layout.accum):
                 with phase("data"):
-                    batch = next(batches).to(self.device, non_blocking=True)
+                    host = next(batches)
+                    batch = host.to(self.device, non_blocking=True)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
-                    kwargs = self.forward_kwargs(inputs)  # (the logits must not outlive the loss)
+                    kwargs = self.forward_kwargs(host[:, :-1])  # (the logits must not outlive the loss)
                     loss = cross_entropy_sum(self.model.parts[0](inputs, **kwargs), targets)
                     (loss * scale).backward()
                     loss_sum += full_value(loss.detach())

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit, attention_bias, document_layout
+from torchpar.models.common import DocumentSpans, ModelAdapter, SeededInit, attention, document_layout
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,14 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(args.dim, args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = self.query(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         k = self.key(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
         v = self.value(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
-        # mask: an additive bias [b, 1, s, s] keeping documents apart, or None: causal over the window.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [b, h, s, hd]
+        # mask: None = causal over the window, else kept inside documents (common.attention).
+        out = attention(q, k, v, mask)  # [b, h, s, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # [b, s, d]
 
 
@@ -106,7 +106,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
@@ -137,7 +137,10 @@ class GPT2(SeededInit):
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
-        positions, mask = document_layout(documents) if documents is not None else (None, None)
+        # (the compute dtype: the table's on the first stage, the incoming hidden states' after it)
+        dtype = self.wte.weight.dtype if self.wte is not None else x.dtype
+        positions, mask = (document_layout(documents, dtype, x.device) if documents is not None
+                           else (None, None))
         if self.wte is not None:
             # [1, s], not [s]: the position lookup then comes out [1, s, d], sequence on dim 1 like
             # the token lookup's [b, s, d], so sequence parallelism shards both the same way.
@@ -146,7 +149,6 @@ class GPT2(SeededInit):
             h = self.wte(x) + self.wpe(positions)  # [b, s, d] + [1 or b, s, d]
         else:
             h = x  # [b, s, d]
-        mask = attention_bias(mask, h.dtype) if mask is not None else None
         for layer in self.layers.values():
             h = layer(h, *self.block_args(), mask)
         if self.ln_f is not None:

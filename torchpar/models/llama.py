@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import ModelAdapter, SeededInit, attention_bias, document_layout
+from torchpar.models.common import DocumentSpans, ModelAdapter, SeededInit, attention, document_layout
 
 
 @dataclass(frozen=True)
@@ -119,23 +119,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h, hd]
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h_kv, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, hd]
-        # Grouped-query attention: each KV head serves h / h_kv query heads, inside the kernel
-        # (no repeated copy of K and V) — except with a mask: CUDA's kernels that take a mask do
-        # not take grouped heads, and the one left would build the [b, h, s, s] scores.
-        gqa = q.shape[1] != k.shape[1]
-        if gqa and mask is not None:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-            gqa = False
-        # mask: an additive bias [b, 1, s, s] keeping documents apart, or None: causal over the window.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=gqa)  # [b, h, s, hd]
+        # mask: None = causal over the window, else kept inside documents (common.attention);
+        # grouped-query heads are served inside the kernel, with no repeated copy of K and V.
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -159,7 +151,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -194,9 +186,9 @@ class Transformer(SeededInit):
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
-        positions, mask = document_layout(documents) if documents is not None else (None, None)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
-        mask = attention_bias(mask, h.dtype) if mask is not None else None
+        positions, mask = (document_layout(documents, h.dtype, h.device) if documents is not None
+                           else (None, None))
         block_args = self.block_args(positions)
         for layer in self.layers.values():
             h = layer(h, *block_args, mask)
