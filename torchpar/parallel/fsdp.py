@@ -32,8 +32,10 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=offload,
     )
-    for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters would be gathered again at once: backward starts there.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
     # The root's parameters are used last in forward and first in backward: keeping them
     # gathered saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kw)

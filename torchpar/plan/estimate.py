@@ -325,14 +325,15 @@ def _fsdp(
     per_block = len(model.block_params(args))
     blocks = [local[i:i + per_block] for i in range(n_first, n_first + layers * per_block, per_block)]
     root = local[:n_first] + local[n_first + layers * per_block:]
-    # Without a pipeline each micro-step gathers every unit, and the blocks again for
-    # backward; under a pipeline nothing reshards until the step ends (one gather each).
+    # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
+    # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
     gathers = lay.accum if lay.pp == 1 else 1
     # ... and reduces every micro-step's gradients, unless they accumulate unsharded until the last.
     reduces = gathers if lay.reduce_every_microstep else 1
     act = lay.param_dtype_bytes
-    for unit in blocks:
-        sent.add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if lay.pp == 1 else 1)
+    for i, unit in enumerate(blocks):
+        again = lay.pp == 1 and i < len(blocks) - 1
+        sent.add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if again else gathers)
         sent.add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n, reduces)
     if root:
         sent.add("dp_shard", "all_gather", unit_bytes(root, act), n, gathers)
