@@ -59,8 +59,13 @@ def peer_figures(path: str, seq: int) -> dict[str, float]:
 def main() -> None:
     p = arguments(2)
     p.add_argument("--peer-lines", help="a torchtitan run's PEER lines, to set beside torchpar's")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"which of {', '.join(LAYOUTS)} to run")
+    p.add_argument("--data", help="a .txt/.jsonl file to train on instead of the bundled corpus (e.g. the "
+                   "peer's own documents, so both sides attend over the same document lengths)")
     a = p.parse_args()
-    variants = {name: (ranks, None, [*COMMON, *overrides]) for name, (ranks, _, overrides) in LAYOUTS.items()}
+    data = ["--data.dataset", "files", "--data.path", a.data] if a.data else []
+    variants = {name: (LAYOUTS[name][0], None, [*COMMON, *data, *LAYOUTS[name][2]])
+                for name in a.layouts.split(",")}
     runs = interleaved(variants, a.repeats, worker, a.steps, a.seq, a.batch)
     # (the worker counts batch x seq tokens per rank; under TP or PP the ranks share them)
     mine = {name: medians(files["result.json"])["gflop_per_cpu_s"] * LAYOUTS[name][1] / LAYOUTS[name][0]
