@@ -6,8 +6,9 @@ A model is single-device code. The parallel code and the planner know it only th
   pipeline stage keeps its blocks' names), ``args`` (a frozen dataclass with at least ``dim``,
   ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len`` and ``tie_embeddings``),
   ``block_args(positions)`` (the extra positional inputs every block takes after the hidden
-  states, for positions [b, s] or None = 0..s-1; a block's last input is the attention mask or
-  None = causal), ``forward(x, documents=None)`` (with each token's document index [b, s],
+  states, for positions [b, s] or None = 0..s-1; a block's last input is what
+  :func:`attention` takes: the documents' spans or bias, or None = causal),
+  ``forward(x, documents=None)`` (with each token's document index [b, s],
   attention stays inside documents: :func:`document_layout`),
   ``tie_weights()`` and ``init_weights()`` (:class:`SeededInit`); its forward skips top-level
   modules that a pipeline split set to ``None``;
