@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import time
 from collections import Counter
 
@@ -108,6 +109,7 @@ def main() -> None:
     for name, (ranks, sharing, overrides) in LAYOUTS.items():
         out = spawn_ranks(worker, ranks, overrides, a.steps, a.masking)
         per_rank = [json.load(open(f"{out}/rank{r}.json")) for r in range(ranks)]
+        shutil.rmtree(out, ignore_errors=True)
         # ms per 8 x 512 tokens: the ranks sharing one batch summed, the dp replicas averaged
         rows[name] = {k: sum(f.get(k, 0.0) for f in per_rank) * sharing / ranks for k in ["cpu", *kinds]}
         time.sleep(1)
