@@ -210,10 +210,8 @@ class Pipeline:
         target = targets if self.has_last else None
         # return_outputs=False: the last stage would otherwise keep every microbatch's logits until
         # the step ends and concatenate them into a batch-sized copy nobody reads.
-        if self.has_first:
-            self.schedule.step(inputs, target=target, return_outputs=False, **kwargs)
-        else:
-            self.schedule.step(target=target, return_outputs=False, **kwargs)
+        self.schedule.step(*((inputs,) if self.has_first else ()), target=target, return_outputs=False,
+                           **kwargs)
         # The first step may also call the loss once while torch infers stage shapes: keep the
         # microbatches' own calls, the last n.
         sums = self._sums[-self.n_microbatches:]
