@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import time
 from collections import Counter
 
 import torch.distributed as dist
-from vs_plain_pytorch import SHAPE
+from vs_plain_pytorch import SHAPE, cpu_seconds, torchpar_step
+from vs_torchtitan import PP
 
-from torchpar.selftest import BASE as TINY
 from torchpar.selftest import spawn_ranks
 
 Z = "--parallelism.zero_stage"
@@ -34,10 +33,7 @@ LAYOUTS = {  # name: (ranks, ranks sharing one 8 x 512 batch, overrides)
     "dp 2, ZeRO-0": (2, 1, [Z, "0"]),
     "dp 2, ZeRO-3": (2, 1, [Z, "3"]),
     "tp 2 (SP, loss parallel)": (2, 2, ["--parallelism.tensor_parallel_degree", "2", Z, "0"]),
-    "pp 2 (Interleaved1F1B)": (2, 2, ["--parallelism.pipeline_parallel_degree", "2", Z, "0",
-                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                      "--parallelism.pipeline_parallel_stages_per_rank", "2",
-                                      "--parallelism.pipeline_parallel_microbatch_size", "1"]),
+    "pp 2 (Interleaved1F1B)": (2, 2, [*PP, Z, "0"]),
 }
 KINDS = (  # (kind, what an op's name contains), first match wins
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -55,29 +51,10 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in name for k in keys)), "other")
 
 
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def worker(rank, world, out, overrides, steps, masking):
     from torch.profiler import ProfilerActivity, profile
 
-    from torchpar.config import load_config
-    from torchpar.train import Trainer
-
-    cfg = load_config(TINY, [*(f"--model.{k}={v}" for k, v in SHAPE.items()), "--training.seq_len", "512",
-                             "--training.local_batch_size", "8", "--validation.enable", "false",
-                             "--job.dump_folder", f"{out}/run",
-                             "--data.document_masking", str(masking).lower(), *overrides])
-    trainer = Trainer(cfg)
-    batches = iter(trainer.dataloader)
-
-    def step(i):
-        trainer.train_state.step = i
-        trainer.train_step(batches)
-        trainer.model.state.zero_grad()
-
+    trainer, step = torchpar_step(out, ["--data.document_masking", str(masking).lower(), *overrides], 512, 8)
     for i in (1, 2):
         step(i)
     dist.barrier()

@@ -68,27 +68,36 @@ def _plain_model(kind: str, args, bucket_mb: float = 25.0):
     return model, model.parameters()
 
 
+def config_overrides(out: str, seq: int, batch: int, bucket_mb: float = 25.0) -> list[str]:
+    """The job every variant runs: :data:`SHAPE`, ``batch`` x ``seq`` tokens per rank, no validation."""
+    return [*(f"--model.{k}={v}" for k, v in SHAPE.items()), "--training.seq_len", str(seq),
+            "--training.local_batch_size", str(batch), "--validation.enable", "false",
+            "--job.dump_folder", f"{out}/run", "--parallelism.bucket_mb", str(bucket_mb)]
+
+
+def torchpar_step(out: str, overrides: list[str], seq: int, batch: int, bucket_mb: float = 25.0):
+    """torchpar's trainer for that job with ``overrides``, and ``step(i)``: one training step."""
+    from torchpar.config import load_config
+    from torchpar.train import Trainer
+
+    trainer = Trainer(load_config(TINY, [*config_overrides(out, seq, batch, bucket_mb), *overrides]))
+    batches = iter(trainer.dataloader)
+
+    def step(i):
+        trainer.train_state.step = i
+        trainer.train_step(batches)
+        trainer.model.state.zero_grad()
+    return trainer, step
+
+
 def worker(rank, world, out, variant, steps, seq, batch, bucket_mb=25.0):
     """One variant (ranks, plain reference kind or None, torchpar overrides or None) in this group:
     ``steps`` steps, the first untimed (and its collectives counted), figures to result.json."""
     from torchpar.tools.ledger import CommLedger
 
     ranks, kind, overrides = variant
-    shape = [f"--model.{k}={v}" for k, v in SHAPE.items()]
-    common = [*shape, "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-              "--validation.enable", "false", "--job.dump_folder", f"{out}/run",
-              "--parallelism.bucket_mb", str(bucket_mb)]
     if kind is None:
-        from torchpar.config import load_config
-        from torchpar.train import Trainer
-
-        trainer = Trainer(load_config(TINY, [*common, *overrides]))
-        batches = iter(trainer.dataloader)
-
-        def step(i):
-            trainer.train_state.step = i
-            trainer.train_step(batches)
-            trainer.model.state.zero_grad()
+        trainer, step = torchpar_step(out, overrides, seq, batch, bucket_mb)
         flops = trainer.flops_per_token
         close = trainer.close
     else:
@@ -96,7 +105,7 @@ def worker(rank, world, out, variant, steps, seq, batch, bucket_mb=25.0):
         from torchpar.loss import cross_entropy_sum
         from torchpar.models import MODELS, model_args
 
-        cfg = load_config(TINY, common)
+        cfg = load_config(TINY, config_overrides(out, seq, batch, bucket_mb))
         args = model_args(cfg.model)
         model, params = _plain_model(kind, args, bucket_mb)
         params = list(params)
