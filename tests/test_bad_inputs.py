@@ -124,6 +124,9 @@ CASES = [
     Case("selective with a split backward", CHECK + " --training.activation_checkpoint selective"
          " --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble"
          " --parallelism.zero_stage 0", "'selective' fails with ZBVZeroBubble", "use 'full'", world=2),
+    Case("every-k beyond the layers", CHECK + " --training.activation_checkpoint full"
+         " --training.activation_checkpoint_every 9",
+         "training.activation_checkpoint_every = 9 exceeds the model's 8 layers", "use at most 8"),
     Case("every-k of 0", CHECK + " --training.activation_checkpoint full"
          " --training.activation_checkpoint_every 0",
          "training.activation_checkpoint_every must be positive"),
@@ -156,6 +159,9 @@ CASES = [
     Case("SP splits seq_len", CHECK + " --parallelism.tensor_parallel_degree 2 --training.seq_len 33",
          "training.seq_len = 33", world=2),
     Case("global batch", CHECK + " --training.global_batch_size 12", "not a multiple of 16", world=2),
+    Case("too many gradient buckets", CHECK + " --parallelism.zero_stage 2 --parallelism.bucket_mb 0.000001",
+         "parallelism.bucket_mb = 1e-06", "1,311,808 buckets, more than 10,000", "use at least 0.0011",
+         world=2),
     Case("empty gradient buckets", CHECK + " --parallelism.bucket_mb -1", "parallelism.bucket_mb = -1.0",
          world=2),
     Case("offload on ZeRO-2", CHECK + " --parallelism.cpu_offload true --parallelism.zero_stage 2",

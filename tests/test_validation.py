@@ -124,3 +124,55 @@ def test_zero_stage_without_shards_warns_and_runs_as_ddp(monkeypatch):
         cfg = load_config(None, ["--parallelism.zero_stage", "3"])
         layout = resolve_layout(cfg.parallelism, cfg.training, llama, llama.args("debug"), 1, "float32")
         assert layout.zero_stage == 3
+
+
+def layout_of(world, *overrides):
+    cfg = load_config(None, list(overrides))  # (the tiny job sets bucket_mb under ZeRO-3: a warning)
+    return resolve_layout(cfg.parallelism, cfg.training, MODELS["llama3"], MODELS["llama3"].args("debug"),
+                          world, "float32")
+
+
+def warnings_in(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("torchpar: warning: ")]
+
+
+def test_bucket_size_under_zero3_warns(capfd):
+    """FSDP2 has no buckets: a bucket size set under ZeRO-3 is named as having no effect; under
+    ZeRO 0-2, or left at its default, nothing is said."""
+    layout_of(2, "--parallelism.zero_stage", "3", "--parallelism.bucket_mb", "4")
+    assert warnings_in(capfd.readouterr().err) == [
+        "torchpar: warning: parallelism.bucket_mb = 4 has no effect under zero_stage 3 (FSDP2 reduces each "
+        "block's gradients in one collective); drop it, or choose zero_stage 0-2 for buckets"]
+    layout_of(2, "--parallelism.zero_stage", "3", "--parallelism.bucket_mb", "25")
+    layout_of(2, "--parallelism.zero_stage", "2", "--parallelism.bucket_mb", "4")
+    assert warnings_in(capfd.readouterr().err) == []
+
+
+def test_too_many_buckets_are_refused_by_arithmetic():
+    """The bucket count is worked out from the rank's parameters before anything is built; the
+    size the message suggests is accepted, and gives at most MAX_BUCKETS."""
+    from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements
+
+    with pytest.raises(ConfigError, match=r"bucket_mb = 1e-06 cuts a rank's 2,623,616 gradient elements into "
+                       r"1,311,808 buckets, more than 10,000 .* use at least 0.0011 \(25"):
+        layout_of(2, "--parallelism.zero_stage", "2", "--parallelism.bucket_mb", "0.000001")
+    layout = layout_of(2, "--parallelism.zero_stage", "2", "--parallelism.bucket_mb", "0.0011")
+    assert 2_623_616 / bucket_elements(layout) <= MAX_BUCKETS
+
+
+def test_recompute_every_k_beyond_the_layers(capfd):
+    """Beyond the layer count no block is recomputed: refused. Under a pipeline, a stage none of
+    whose blocks is picked (by global index) is named in a warning."""
+    full = ["--training.activation_checkpoint", "full", "--training.activation_checkpoint_every"]
+    with pytest.raises(ConfigError, match="activation_checkpoint_every = 9 exceeds the model's 8 layers"):
+        layout_of(1, *full, "9")
+    layout_of(1, *full, "8")
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "0",
+           "--parallelism.pipeline_parallel_layers_per_stage", "4,4"]
+    layout_of(2, *pp2, *full, "4")  # blocks 3 and 7: one in each stage of 4
+    assert warnings_in(capfd.readouterr().err) == []
+    layout_of(2, *pp2, *full, "5")  # block 4 only: stage 1's
+    (line,) = warnings_in(capfd.readouterr().err)
+    assert "activation_checkpoint_every = 5 recomputes no block of pipeline stage(s) 0 (layers per stage " \
+           "[4, 4]" in line
+

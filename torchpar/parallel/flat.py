@@ -36,6 +36,20 @@ from torchpar.parallel.flat_state import FlatCheckpoints
 from torchpar.parallel.zero import local, nbytes
 
 IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before backward waits for the oldest (and frees it)
+# Each bucket is a collective and an optimizer tensor per step: beyond this many, a step is mostly
+# their overhead (and a bucket of a few bytes builds for minutes), so the layout refuses the size.
+MAX_BUCKETS = 10_000
+
+
+def flat_shards(layout) -> int:
+    """Ranks the flat buffer is cut over: dp_shard under stages 1-2, none under stage 0."""
+    return layout.dp_shard if layout.zero_stage in (1, 2) else 1
+
+
+def bucket_elements(layout) -> int:
+    """Elements of a gradient bucket: ``bucket_mb`` in the reduction dtype, a multiple of the shards."""
+    n = flat_shards(layout)
+    return max(n, int(layout.bucket_mb * 2**20 / getattr(torch, layout.reduce_dtype).itemsize) // n * n)
 
 
 class FlatZero(FlatCheckpoints):
@@ -50,7 +64,7 @@ class FlatZero(FlatCheckpoints):
             raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {({v.dtype for v in values})}")
         self.compute_dtype = getattr(torch, layout.param_dtype)
         self.grad_dtype = getattr(torch, layout.reduce_dtype)
-        self.shards = n = layout.dp_shard if self.stage in (1, 2) else 1
+        self.shards = n = flat_shards(layout)
         mesh = layout.mesh
         # Groups are looked up when used, never held: the hooks keep this engine alive until the
         # garbage collector runs, and a held group would outlive destroy_process_group.
@@ -58,7 +72,7 @@ class FlatZero(FlatCheckpoints):
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         self.total = sum(v.numel() for v in values)
         padded = math.ceil(self.total / n) * n
-        size = max(n, int(layout.bucket_mb * 2**20 / self.grad_dtype.itemsize) // n * n)  # elements
+        size = bucket_elements(layout)
         self.bounds = [*range(0, padded, size), padded]  # bucket k = [bounds[k], bounds[k + 1])
         self.buckets = list(zip(self.bounds, self.bounds[1:]))
         self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)

@@ -13,11 +13,15 @@ and may cross nodes.
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 
-from torchpar.config import ConfigError
+from torchpar.config import ConfigError, Parallelism
+from torchpar.console import warn
 from torchpar.parallel.pipeline import V_SCHEDULES, pipeline_split
+from torchpar.parallel.recompute import recomputed
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 DEGREE_FIELDS = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
@@ -209,6 +213,9 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
     if not par.bucket_mb > 0:
         raise ConfigError(f"parallelism.bucket_mb = {par.bucket_mb}: the gradient bucket size must be "
                           "positive (25 = DDP's default)")
+    if zero == 3 and par.bucket_mb != Parallelism.bucket_mb:
+        warn(f"parallelism.bucket_mb = {par.bucket_mb:g} has no effect under zero_stage 3 (FSDP2 reduces "
+             "each block's gradients in one collective); drop it, or choose zero_stage 0-2 for buckets")
     if tr.compile and tp > 1:
         # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
         # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
@@ -259,4 +266,49 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
             par, tr, layout, model, args
         )
+    _check_recompute(layout, args)
+    if layout.zero_stage < 3:
+        _check_buckets(layout, model, args)
     return layout
+
+
+def _check_recompute(layout: Layout, args) -> None:
+    """``activation_checkpoint_every`` picks blocks by global index: beyond the layer count it picks
+    none (refused: recomputation was asked for); a pipeline stage may still get none of its own."""
+    k, n = layout.activation_checkpoint_every, args.n_layers
+    if layout.activation_checkpoint != "full" or k == 1:
+        return
+    if k > n:
+        raise ConfigError(f"training.activation_checkpoint_every = {k} exceeds the model's {n} layers, so "
+                          f"no block would be recomputed (it picks blocks {k - 1}, {2 * k - 1}, ...); use at "
+                          f"most {n}, or training.activation_checkpoint = 'none'")
+    if layout.pp > 1:
+        starts = [0, *itertools.accumulate(layout.layers_per_stage)]
+        bare = [s for s, (a, b) in enumerate(zip(starts, starts[1:]))
+                if not any(recomputed(i, "full", k) for i in range(a, b))]
+        if bare:
+            warn(f"training.activation_checkpoint_every = {k} recomputes no block of pipeline stage(s) "
+                 f"{', '.join(map(str, bare))} (layers per stage {list(layout.layers_per_stage)}; it picks "
+                 f"blocks {k - 1}, {2 * k - 1}, ... by global index), so they keep every activation; use "
+                 "at most the layers of a stage")
+
+
+def _check_buckets(layout: Layout, model, args) -> None:
+    """ZeRO 0-2 cut each rank's gradients into buckets of ``bucket_mb``: a count beyond
+    MAX_BUCKETS is refused by arithmetic, before anything is built."""
+    import torch
+
+    from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
+    from torchpar.plan.layout import rank_params
+
+    n = flat_shards(layout)
+    held = max(sum(r * c for r, c in rank_params(model, args, layout, p)) for p in range(layout.pp))
+    elements = math.ceil(held / n) * n
+    buckets = math.ceil(elements / bucket_elements(layout))
+    if buckets > MAX_BUCKETS:
+        least = elements * getattr(torch, layout.reduce_dtype).itemsize / MAX_BUCKETS / 2**20
+        digits = 10 ** (math.floor(math.log10(least)) - 1)  # two significant digits, rounded up
+        raise ConfigError(
+            f"parallelism.bucket_mb = {layout.bucket_mb:g} cuts a rank's {elements:,} gradient elements "
+            f"into {buckets:,} buckets, more than {MAX_BUCKETS:,} (each is a collective and an optimizer "
+            f"tensor per step); use at least {math.ceil(least / digits) * digits:.2g} (25 = DDP's default)")
