@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from torchpar.config import ConfigError
+from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.weights import LazyWeight
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -66,8 +67,7 @@ def _write_file(path: Path, entries: list, produce, acct: _Accounting) -> None:
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape, dtype in entries:
             t = produce(name)
@@ -75,14 +75,24 @@ def _write_file(path: Path, entries: list, produce, acct: _Accounting) -> None:
                 raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, header says {shape} {dtype}")
             f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))  # no third copy of the tensor
             acct.hold()
-    tmp.replace(path)
+
+
+EXPORT_COMMAND = "torchpar export --format hf"  # the name in the folder's marker (torchpar.outputs)
+
+
+def is_own_export(folder: Path) -> bool:
+    """A folder an earlier HF export wrote (it may be written again)."""
+    return read_marker(folder, EXPORT_COMMAND) is not None
 
 
 def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
              extra_config: dict | None = None) -> dict:
     """Write ``model`` (an adapter with an HF mapping) with ``args`` to the folder ``out``:
     safetensors (sharded above ``max_shard_bytes``, with an index), config.json (+
-    ``extra_config``, e.g. the tokenizer's BOS/EOS ids) and generation_config.json.
+    ``extra_config``, e.g. the tokenizer's BOS/EOS ids) and generation_config.json, each file
+    whole or not at all, after a marker naming them (torchpar.outputs.MARKER): files an earlier
+    export into the same folder wrote and this one does not (shards of another size) are removed,
+    no other file is touched.
     ``read(torchpar_name)`` returns one full fp32 tensor at a time.
     Returns the files written, their total bytes and the peak bytes held."""
     out.mkdir(parents=True, exist_ok=True)
@@ -102,18 +112,24 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
     shards = _shards(entries, max_shard_bytes)
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written = files + ["config.json", "generation_config.json"] + \
+        (["model.safetensors.index.json"] if len(files) > 1 else [])
+    earlier = read_marker(out, EXPORT_COMMAND) or {"files": []}
+    write_marker(out, EXPORT_COMMAND, written)
+    for stale in set(earlier["files"]) - set(written):
+        (out / Path(stale).name).unlink(missing_ok=True)
     for file, shard in zip(files, shards):
         _write_file(out / file, shard, produce, acct)
     total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
     if len(files) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: file for file, shard in zip(files, shards) for name, _, _ in shard}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     config = {**model.hf_config(args), "torch_dtype": {torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
               **(extra_config or {})}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     generation = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id")}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_text(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     return {"files": files, "bytes": total, "peak_bytes": acct.peak}
 
 

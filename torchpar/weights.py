@@ -9,7 +9,6 @@ tokenizer and step.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -24,15 +23,21 @@ from torchpar.checkpoint import (
 )
 from torchpar.config import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
+from torchpar.outputs import add_overwrite, claim, replacing, write_text
 
 
 def save_weights(state: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
-    """One ``torch.save`` file of full tensors (loadable with ``weights_only=True``) + ``<out>.json``."""
+    """One ``torch.save`` file of full tensors (loadable with ``weights_only=True``) + ``<out>.json``,
+    each written whole or not at all."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
-    out.with_name(out.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
+    with replacing(out) as tmp:
+        torch.save(state, tmp)
+    write_text(meta_path(out), json.dumps(meta, indent=1) + "\n")
+
+
+def meta_path(path: Path) -> Path:
+    """The metadata file beside an exported weights file."""
+    return path.with_name(path.name + ".json")
 
 
 class LazyWeight:
@@ -52,12 +57,12 @@ def load_weights(path: str | Path, model_cfg=None, args=None) -> tuple[dict[str,
     """An exported weights file (never unpickles code), memory-mapped, as lazy fp32 weights by
     name; given the [model] section and its args, check first that it holds that model."""
     path = Path(path)
-    meta_path = path.with_name(path.name + ".json")
-    if not path.exists() or not meta_path.exists():
-        raise ConfigError(f"weights file {path} (and its {meta_path.name}) not found; make one with "
+    meta_file = meta_path(path)
+    if not path.exists() or not meta_file.exists():
+        raise ConfigError(f"weights file {path} (and its {meta_file.name}) not found; make one with "
                           "`torchpar export --checkpoint DIR --out FILE`")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(meta_file.read_text())
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a damaged file: one line, not a traceback
         raise ConfigError(f"weights file {path} cannot be read ({type(e).__name__}: {e}); export it "
@@ -150,11 +155,14 @@ def _refuse_checkpoint_target(out: Path) -> None:
 
 def export_main(argv: list[str]) -> int:
     """torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16|fp32]"""
-    from torchpar.console import ArgumentParser, at_least, output_path
+    from torchpar.console import ArgumentParser, at_least
+    from torchpar.hf import is_own_export
 
     ap = ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
                         "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
-                        "or into a Hugging Face folder (safetensors + config.json).")
+                        "or into a Hugging Face folder (safetensors + config.json). An existing FILE "
+                        "is not replaced, nor a folder holding files an earlier export did not write, "
+                        "unless --overwrite.")
     ap.add_argument("--checkpoint", required=True,
                     help="step folder, checkpoint folder or dump folder (latest step), or an export file")
     ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
@@ -162,12 +170,16 @@ def export_main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--max-shard-mb", type=float, default=5 * 1024,
                     help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
+    add_overwrite(ap)
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
-    out = output_path("--out", a.out, folder=a.format == "hf")
+    hf = a.format == "hf"
+    out = claim("--out", a.out, folder=hf, overwrite=a.overwrite, own=is_own_export if hf else None)
     _refuse_checkpoint_target(out)
-    if a.format == "hf":
+    if not hf:
+        claim("--out", meta_path(out), overwrite=a.overwrite)  # the metadata written beside it
+    if hf:
         meta, read = open_source(a.checkpoint)
         what = _export_hf(meta, read, out, dtype, a.max_shard_mb)
         print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")

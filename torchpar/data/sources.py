@@ -75,8 +75,11 @@ class StdlibSource(DocumentSource):
 class FileSource(DocumentSource):
     """Local ``.txt`` files (one document each) and ``.jsonl`` files (one document per line, text
     under ``text_field``). Paths and globs are comma-separated. Everything is read once up front so
-    a bad file fails here: bad UTF-8, a line that is not JSON or lacks the field -> error naming the
-    file and line; empty files and empty texts are skipped and counted."""
+    a bad file fails here: bad UTF-8, a NUL byte (a binary or UTF-16 file), a line that is not JSON,
+    lacks the field or holds a non-string there -> error naming the file and line; empty files and
+    empty texts are skipped and counted, and so are JSON nulls (with a warning: a null is
+    usually a gap in the data). A NUL written as the JSON escape \\u0000 is text like any other
+    character: the byte-level tokenizer encodes it."""
 
     def __init__(self, paths: str, text_field: str):
         super().__init__("files")
@@ -87,8 +90,12 @@ class FileSource(DocumentSource):
                 raise ConfigError(f"data.path: {pattern!r} matches no file")
             files += [Path(m) for m in matches if Path(m).is_file()]
         self.docs: list[str] = []
+        nulls: list[str] = []  # where each null text is
         for f in files:
             raw = f.read_bytes()
+            if b"\0" in raw:
+                raise ConfigError(f"{f}: a NUL byte at byte {raw.index(0)} (a binary or UTF-16 file?); "
+                                  "convert it to UTF-8 text or remove it from data.path")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -108,9 +115,22 @@ class FileSource(DocumentSource):
                         raise ConfigError(
                             f"{f}:{lineno}: no field '{text_field}' (has {keys}); set data.text_field"
                         )
-                    self._add(str(record[text_field]))
+                    value = record[text_field]
+                    if value is None:
+                        nulls.append(f"{f}:{lineno}")
+                        self._skip("null")
+                    elif not isinstance(value, str):
+                        raise ConfigError(f"{f}:{lineno}: field '{text_field}' is not a string "
+                                          f"({json.dumps(value)[:40]}); set data.text_field to the text's "
+                                          "field or fix the record")
+                    else:
+                        self._add(value)
             else:
                 self._add(text)
+        if nulls:
+            from torchpar.console import warn
+
+            warn(f"skipped {len(nulls)} record(s) whose \"{text_field}\" is null (the first at {nulls[0]})")
         if not self.docs:
             raise ConfigError(f"data.path {paths!r}: no non-empty documents (skipped: {self.skipped})")
 

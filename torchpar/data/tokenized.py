@@ -4,11 +4,14 @@ A prepared folder holds
   shard-00000.bin           the tokens of documents [0, D) back to back, each BOS + text + EOS
                             (uint16 when the vocabulary fits, else uint32; ``numpy.memmap``-readable)
   shard-00000.lengths.npy   those documents' token counts (int64; 0 = an empty document)
-  shard-00000.json          the shard's token count, CRC32 and skipped documents: written last, so
-                            a shard without it is redone when an interrupted preparation resumes
-  prepare.json              what is being prepared (a resumed preparation must match it)
-  manifest.json             written last of all: totals and the fingerprints of the source and
-                            the tokenizer (the same ones the on-the-fly path records)
+  shard-00000.json          the shard's token count, CRC32, largest token id and skipped documents:
+                            written last, so a shard without it is redone when an interrupted
+                            preparation resumes
+  prepare.json              what is being prepared (a resumed preparation must match it); written
+                            first, it also marks the folder as a corpus's own, so a rerun resumes
+                            there while a folder of other files is refused (torchpar.outputs)
+  manifest.json             written last of all: totals, the largest token id and the fingerprints
+                            of the source and the tokenizer (the same ones the on-the-fly path records)
 Shards cut the document list at fixed indices, so the bytes do not depend on the number of processes.
 A reader keeps the lengths and offsets (16 bytes per document) and maps the shards: the corpus
 itself stays on disk and in the page cache.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import zlib
@@ -28,21 +32,34 @@ from pathlib import Path
 import numpy as np
 
 from torchpar.config import ConfigError
+from torchpar.outputs import replacing, write_text
 
 FORMAT = "torchpar-tokens/1"
 OPEN_SHARDS = 128  # shard files a reader keeps open
 MANIFEST = "manifest.json"
+PLAN = "prepare.json"
+
+
+def _format_of(path: Path) -> str | None:
+    """The ``format`` key of a JSON file, or None (absent, unreadable, not torchpar's)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("format") if isinstance(data, dict) else None
 
 
 def is_prepared(path: str) -> bool:
-    manifest = Path(path).expanduser() / MANIFEST
-    return manifest.is_file() and json.loads(manifest.read_text()).get("format") == FORMAT
+    return _format_of(Path(path).expanduser() / MANIFEST) == FORMAT
+
+
+def is_own_folder(folder: Path) -> bool:
+    """A folder that prepare-data wrote, finished or interrupted (its prepare.json is written first)."""
+    return _format_of(folder / PLAN) == FORMAT or is_prepared(str(folder))
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 class TokenizedCorpus:
@@ -56,11 +73,15 @@ class TokenizedCorpus:
             raise ConfigError(f"data.path {path!r} is not a prepared corpus (no {MANIFEST} of format "
                               f"{FORMAT}); write one with `torchpar prepare-data --config ... --out {path}`")
         m = json.loads((self.folder / MANIFEST).read_text())
-        self.manifest, self.name, self.tokenizer = m, m["source"], m["tokenizer"]
-        self.skipped: dict[str, int] = m["skipped"]
-        dtype, per = np.dtype(m["dtype"]), m["docs_per_shard"]
-        self.lengths = np.concatenate([np.load(self.folder / f"shard-{i:05d}.lengths.npy")
-                                       for i in range(len(m["shards"]))])
+        try:
+            self.manifest, self.name, self.tokenizer = m, m["source"], m["tokenizer"]
+            self.skipped: dict[str, int] = m["skipped"]
+            dtype, per = np.dtype(m["dtype"]), m["docs_per_shard"]
+            self.lengths = np.concatenate([np.load(self.folder / f"shard-{i:05d}.lengths.npy")
+                                           for i in range(len(m["shards"]))])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"data.path {path!r}: a damaged prepared corpus ({type(e).__name__}: {e}); "
+                              "prepare the corpus again") from None
         if len(self.lengths) != m["n_documents"]:
             raise ConfigError(f"data.path {path!r}: the shards hold {len(self.lengths)} documents, the "
                               f"manifest {m['n_documents']}; prepare the corpus again")
@@ -98,6 +119,40 @@ class TokenizedCorpus:
         return np.frombuffer(data, dtype=self.dtype)
 
 
+def verify_prepared(corpus: TokenizedCorpus, vocab_size: int, checksums: bool = True) -> None:
+    """Check a prepared corpus before training reads it; raises ConfigError (one line) on the first
+    problem. The preflight of every start calls it with ``checksums=False``, ``torchpar train
+    --check`` with ``checksums=True``.
+
+    Always (cheap, from the manifest alone): the largest token id the manifest records is below
+    ``vocab_size`` (an id beyond it would fail inside the embedding, on every rank). Shard sizes
+    were already checked when ``corpus`` was opened.
+    With ``checksums``: every shard is read once, its CRC32 against the manifest's, and its
+    largest id against ``vocab_size`` (this also covers corpora prepared before the manifest
+    recorded the largest id)."""
+    where, fix = f"prepared corpus {corpus.folder}", "prepare the corpus again (torchpar prepare-data)"
+    max_id = corpus.manifest.get("max_id")
+    if max_id is not None and max_id >= vocab_size:
+        raise ConfigError(f"{where} holds token ids up to {max_id}, beyond the model's vocab_size "
+                          f"{vocab_size}; {fix} with this model's tokenizer, or choose a model whose "
+                          "vocab_size covers it")
+    if not checksums:
+        return
+    chunk = 1 << 24  # tokens read at once
+    for i, shard in enumerate(corpus.manifest["shards"]):
+        path = corpus.folder / f"shard-{i:05d}.bin"
+        data = np.memmap(path, dtype=corpus.dtype, mode="r") if shard["tokens"] else np.zeros(0, corpus.dtype)
+        crc, top = 0, -1
+        for a in range(0, data.size, chunk):
+            piece = np.asarray(data[a:a + chunk])
+            crc, top = zlib.crc32(piece.tobytes(), crc), max(top, int(piece.max()))
+        if crc != shard["crc"]:
+            raise ConfigError(f"{where}: {path.name} fails its CRC32 check (corrupted); {fix}")
+        if top >= vocab_size:
+            raise ConfigError(f"{where}: {path.name} holds token id {top}, beyond the model's vocab_size "
+                              f"{vocab_size}; {fix} with this model's tokenizer")
+
+
 # ---------------------------------------------------------------- preparation
 
 _WORK: tuple | None = None  # (source, tokenizer, folder, dtype, docs per shard), inherited by forked workers
@@ -117,11 +172,11 @@ def _prepare_shard(i: int) -> dict:
     for path, write in ((stem.with_suffix(".bin"), lambda f: f.write(tokens.tobytes())),
                         (stem.with_suffix(".lengths.npy"),
                          lambda f: np.save(f, np.asarray(lengths, np.int64)))):
-        with open(f"{path}.tmp", "wb") as f:
+        with replacing(path) as tmp, open(tmp, "wb") as f:
             write(f)
-        os.replace(f"{path}.tmp", path)
     skipped = {k: v - before.get(k, 0) for k, v in source.skipped.items() if v - before.get(k, 0)}
-    info = {"tokens": int(tokens.size), "crc": zlib.crc32(tokens.tobytes()), "skipped": skipped}
+    info = {"tokens": int(tokens.size), "crc": zlib.crc32(tokens.tobytes()), "skipped": skipped,
+            "max_id": int(tokens.max()) if tokens.size else -1}
     _write_json(stem.with_suffix(".json"), info)
     return info
 
@@ -130,41 +185,62 @@ def _shard_done(folder: Path, i: int) -> dict | None:
     stem = folder / f"shard-{i:05d}"
     if not all(stem.with_suffix(s).is_file() for s in (".json", ".bin", ".lengths.npy")):
         return None
-    return json.loads(stem.with_suffix(".json").read_text())
+    try:
+        info = json.loads(stem.with_suffix(".json").read_text())
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) and "max_id" in info else None  # else redone (older layout)
+
+
+def _ignore_interrupts() -> None:
+    """Pool workers leave Ctrl-C to the parent, which stops them: one message, not one per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def n_shards(n_documents: int, docs_per_shard: int) -> int:
+    return max(1, -(-n_documents // docs_per_shard))
 
 
 def prepare(source, tokenizer, folder: Path, processes: int, docs_per_shard: int,
             quiet: bool = False) -> dict:
     """Tokenize ``source`` into ``folder``; shards already written by an interrupted run are kept.
-    Progress goes to stderr unless ``quiet``."""
+    Progress goes to stderr unless ``quiet``. Interrupted (Ctrl-C), it leaves the shards it
+    finished, and a rerun goes on from them."""
     global _WORK
     folder.mkdir(parents=True, exist_ok=True)
     identity = {"format": FORMAT, "source": source.name, "documents": source.fingerprint(),
                 "tokenizer": tokenizer.fingerprint, "n_documents": len(source),
                 "docs_per_shard": docs_per_shard,
                 "dtype": "uint16" if tokenizer.n_words <= 2 ** 16 else "uint32"}
-    plan = folder / "prepare.json"
-    if plan.is_file() and json.loads(plan.read_text()) != identity:
+    plan = folder / PLAN
+    if _format_of(plan) == FORMAT and json.loads(plan.read_text()) != identity:
         raise ConfigError(f"--out {folder} holds a preparation of another corpus, tokenizer or "
                           f"--docs-per-shard ({plan}); choose another --out or delete that folder")
     _write_json(plan, identity)
-    n_shards = max(1, -(-len(source) // docs_per_shard))
-    shards: list[dict | None] = [_shard_done(folder, i) for i in range(n_shards)]
+    count = n_shards(len(source), docs_per_shard)
+    shards: list[dict | None] = [_shard_done(folder, i) for i in range(count)]
     todo = [i for i, s in enumerate(shards) if s is None]
-    if len(todo) < n_shards and not quiet:
-        print(f"prepare-data: resuming, {n_shards - len(todo)} of {n_shards} shards already written",
+    if len(todo) < count and not quiet:
+        print(f"prepare-data: resuming, {count - len(todo)} of {count} shards already written",
               file=sys.stderr, flush=True)
     _WORK = (source, tokenizer, folder, np.dtype(identity["dtype"]), docs_per_shard)
-    started, tokens = time.perf_counter(), 0
+    started, tokens, drawn = time.perf_counter(), 0, False
+    pool = (mp.get_context("fork").Pool(processes, initializer=_ignore_interrupts)
+            if processes > 1 and len(todo) > 1 else _Serial())
     try:
-        with mp.get_context("fork").Pool(processes) if processes > 1 and len(todo) > 1 else _Serial() as pool:
+        with pool:
             for done, (i, info) in enumerate(zip(todo, pool.imap(_prepare_shard, todo)), 1):
                 shards[i], tokens = info, tokens + info["tokens"]
                 if not quiet:  # one line, redrawn: shards done, tokens, rate
                     rate = tokens / max(time.perf_counter() - started, 1e-9) / 1e6
+                    drawn = done < len(todo)
                     print(f"\rprepare-data: {done}/{len(todo)} shards, {tokens:,} tokens, "
                           f"{rate:.2f}M tokens/s",
-                          end="" if done < len(todo) else "\n", file=sys.stderr, flush=True)
+                          end="" if drawn else "\n", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        if drawn:  # the message that follows starts on a line of its own
+            print(file=sys.stderr, flush=True)
+        raise
     finally:
         _WORK = None
     skipped: dict[str, int] = {}
@@ -172,7 +248,7 @@ def prepare(source, tokenizer, folder: Path, processes: int, docs_per_shard: int
         for k, v in s["skipped"].items():
             skipped[k] = skipped.get(k, 0) + v
     manifest = {**identity, "shards": shards, "n_tokens": sum(s["tokens"] for s in shards),
-                "skipped": skipped}
+                "max_id": max(s["max_id"] for s in shards), "skipped": skipped}
     _write_json(folder / MANIFEST, manifest)
     return manifest
 
@@ -190,37 +266,76 @@ class _Serial:
         return map(fn, items)
 
 
+def _data_to_prepare(data, name: str | None):
+    """The [data] section to prepare: the section itself, or with [[data.sources]] the one that
+    --source names (a mixture is prepared one corpus at a time)."""
+    from torchpar.data.sources import source_specs
+
+    specs = source_specs(data)
+    names = [n for n, _, _ in specs]
+    if not data.sources:
+        if name is not None:
+            raise ConfigError("--source NAME picks one of [[data.sources]], and this config has none; "
+                              "leave --source out")
+        return data
+    if name is None:
+        raise ConfigError(f"data.sources lists {len(names)} sources ({', '.join(names)}); prepare-data "
+                          "writes one corpus: run it once per source with --source NAME --out DIR, then set "
+                          "that source's dataset = 'tokenized' and path = DIR")
+    if name not in names:
+        raise ConfigError(f"--source {name!r} is not one of data.sources' names ({', '.join(names)})")
+    return specs[names.index(name)][1]
+
+
 def prepare_main(argv: list[str]) -> int:
     """``torchpar prepare-data``: the corpus that [data] names, tokenized once with the run's tokenizer."""
     from torchpar.config import load_config
-    from torchpar.console import ArgumentParser, at_least, output_path
+    from torchpar.console import ArgumentParser, at_least, error, warn
     from torchpar.data.sources import build_source
+    from torchpar.outputs import add_overwrite, claim
     from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 
     p = ArgumentParser(prog="torchpar prepare-data", description=(
         "Tokenize the corpus that the config's [data] section names (dataset, path, split, text_field; "
         "training.seed orders the stdlib corpus) with model.tokenizer_path, into shards that "
-        "data.dataset = 'tokenized' with data.path = OUT reads. Resumes an interrupted run."))
+        "data.dataset = 'tokenized' with data.path = OUT reads. Resumes an interrupted run: run the "
+        "same command again. OUT must be new, empty or an earlier preparation's folder."))
     p.add_argument("--config", help="TOML job config (default: built-in defaults)")
     p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--source", help="with [[data.sources]]: the name of the one source to prepare")
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     p.add_argument("--docs-per-shard", type=int, default=0,
                    help="documents per shard file; 0 = from the corpus size (about 64 shards, 16 to 65536 "
                         "documents each): the bytes depend on it and the corpus, never on --processes")
+    add_overwrite(p)
     args, overrides = p.parse_known_args(argv)
     at_least("--processes", args.processes, 1)
     at_least("--docs-per-shard", args.docs_per_shard, 0)
     cfg = load_config(args.config, overrides)
-    if cfg.data.dataset == "tokenized":
+    data = _data_to_prepare(cfg.data, args.source)
+    if data.dataset == "tokenized":
         raise ConfigError("data.dataset = 'tokenized' is already prepared; name the raw corpus to prepare")
     try:
         tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     except TokenizerError as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
-    folder = output_path("--out", args.out, folder=True)
-    source = build_source(cfg.data, cfg.training.seed)
+    folder = claim("--out", args.out, folder=True, overwrite=args.overwrite, own=is_own_folder)
+    source = build_source(data, cfg.training.seed)
+    if isinstance(source, TokenizedCorpus):
+        raise ConfigError(f"data.path {data.path!r} is already a prepared corpus; train on it with "
+                          "data.dataset = 'tokenized'")
     per = args.docs_per_shard or min(max(-(-len(source) // 64), 16), 65536)
-    m = prepare(source, tokenizer, folder, args.processes, per)
+    try:
+        m = prepare(source, tokenizer, folder, args.processes, per)
+    except KeyboardInterrupt:
+        done = sum(_shard_done(folder, i) is not None for i in range(n_shards(len(source), per)))
+        error(f"prepare-data interrupted with {done} of {n_shards(len(source), per)} shards written to "
+              f"{folder}; run the same command again to resume")
+        return 130
+    window = cfg.training.seq_len + 1
+    if m["n_tokens"] < window:  # trains, but every window repeats the same few tokens
+        warn(f"the corpus holds {m['n_tokens']} tokens, fewer than one training window (training.seq_len + "
+             f"1 = {window}); every window repeats it")
     print(f"prepare-data: {m['n_documents']:,} documents, {m['n_tokens']:,} tokens ({m['dtype']}) in "
           f"{len(m['shards'])} shards -> {folder}; skipped {m['skipped'] or 'none'}")
     return 0

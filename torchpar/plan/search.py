@@ -17,6 +17,9 @@ from torchpar.plan.layout import PRESETS, Cluster, layout_from_config
 
 # Pipeline schedules the search tries: (name, stages per rank).
 SEARCHED_SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+# Tokens per step the planner accepts: far beyond any real batch, so a larger one is a typo, and
+# its arithmetic stays quick.
+MAX_TOKENS_PER_STEP = 10 ** 10
 
 
 def _divisors(n: int) -> list[int]:
@@ -36,10 +39,12 @@ def _degrees(model, args, cluster: Cluster, global_batch: int):
             yield tp, pp, dp
 
 
-def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str):
+def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str, left_out: list):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
-    with a pipeline, the schedule."""
+    with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
+    left out (their schedules take too long to build) and counted in ``left_out``."""
     from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, schedule_problem
+    from torchpar.tools.schedule import MAX_MICROBATCHES
 
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         if zero in (1, 2, 3) and dp == 1 and not offload:
@@ -53,6 +58,9 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
                 yield Layout(**common, local_batch_size=mbs, accum=per_dp // mbs, microbatch_size=mbs)
                 continue
             n_micro = per_dp // mbs
+            if n_micro > MAX_MICROBATCHES:
+                left_out.append(n_micro)
+                continue
             for schedule, v in SEARCHED_SCHEDULES:
                 if ac == "selective" and schedule in SPLIT_BACKWARD:
                     continue  # refused by the trainer
@@ -67,10 +75,29 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
            efficiency: float = 0.5) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
     ranked by estimated tokens/s (layouts that fit first)."""
+    from torchpar.console import warn
+    from torchpar.tools.schedule import MAX_MICROBATCHES
+
+    left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
              for tp, pp, dp in _degrees(model, args, cluster, global_batch)
-             for lay in _layouts(model, args, tp, pp, dp, global_batch // dp, param_dtype)]
+             for lay in _layouts(model, args, tp, pp, dp, global_batch // dp, param_dtype, left_out)]
+    if left_out:
+        warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
+             f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
+
+
+def check_microbatches(lay: Layout) -> None:
+    """One config's pipeline: its schedule must be one the planner can build (MAX_MICROBATCHES)."""
+    from torchpar.plan.estimate import micro_steps
+    from torchpar.tools.schedule import MAX_MICROBATCHES
+
+    n_micro = micro_steps(lay)[1]
+    if lay.pp > 1 and n_micro > MAX_MICROBATCHES:
+        raise ConfigError(f"training.global_batch_size gives {n_micro:,} pipeline microbatches per step, "
+                          f"beyond the {MAX_MICROBATCHES} the planner builds a schedule for; raise "
+                          "parallelism.pipeline_parallel_microbatch_size or lower the batch")
 
 
 def _gb(x: float) -> str:
@@ -189,8 +216,12 @@ def _recompute_choices(best: Plan, plans: list[Plan]) -> list[str]:
         f"{100 * (p.step_s / base.step_s - 1):+.0f}% step time" for name, p in same.items())]
 
 
+OVERRIDES = ("--memory-gb", "--host-memory-gb", "--peak-tflops", "--intra-gbps", "--inter-gbps")
+
+
 def _parser():
     from torchpar.console import ArgumentParser
+    from torchpar.outputs import add_overwrite
 
     ap = ArgumentParser(
         prog="torchpar plan",
@@ -202,18 +233,17 @@ def _parser():
         "--family", default=DEFAULT_FAMILY, choices=sorted(MODELS), help="model family of --model"
     )
     ap.add_argument("--config", help="a training config: the prediction for exactly that layout")
-    ap.add_argument("--nproc", type=int, default=0, help="ranks for --config")
+    ap.add_argument("--nproc", type=int, help="ranks for --config (default: the cluster's devices)")
     ap.add_argument(
         "--gpu", default="H100-80GB", choices=sorted(PRESETS), help="cluster preset (datasheet figures)"
     )
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--gpus-per-node", type=int, default=0, help="override the preset's 8")
-    ap.add_argument("--memory-gb", type=float, default=0, help="override device memory")
-    ap.add_argument("--host-memory-gb", type=float, default=0,
-                    help="override CPU memory per node (what offload fills)")
-    ap.add_argument("--peak-tflops", type=float, default=0, help="override dense bf16 peak")
-    ap.add_argument("--intra-gbps", type=float, default=0, help="GB/s per direction inside a node")
-    ap.add_argument("--inter-gbps", type=float, default=0, help="GB/s per direction across nodes")
+    ap.add_argument("--gpus-per-node", type=int, help="override the preset's 8")
+    ap.add_argument("--memory-gb", type=float, help="override device memory")
+    ap.add_argument("--host-memory-gb", type=float, help="override CPU memory per node (what offload fills)")
+    ap.add_argument("--peak-tflops", type=float, help="override dense bf16 peak")
+    ap.add_argument("--intra-gbps", type=float, help="GB/s per direction inside a node")
+    ap.add_argument("--inter-gbps", type=float, help="GB/s per direction across nodes")
     ap.add_argument("--global-batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
@@ -221,7 +251,9 @@ def _parser():
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", help="draw the per-rank memory of the listed layouts: FILE.png or FILE.svg")
+    ap.add_argument("--out", help="draw the per-rank memory of the listed layouts: FILE.png or FILE.svg (a "
+                    "picture torchpar drew is redrawn; any other existing file only with --overwrite)")
+    add_overwrite(ap)
     ap.add_argument("--seeds", action="store_true", help="recompute the tutorials' worked examples")
     return ap
 
@@ -230,23 +262,43 @@ def _cluster(a) -> Cluster:
     """The preset with the command line's overrides; impossible figures are one line."""
     from torchpar.console import at_least
 
-    for flag, low in (("--nodes", 1), ("--nproc", 0), ("--gpus-per-node", 0), ("--memory-gb", 0),
-                      ("--host-memory-gb", 0), ("--peak-tflops", 0), ("--intra-gbps", 0), ("--inter-gbps", 0),
-                      ("--global-batch-size", 1), ("--seq-len", 1), ("--top", 1)):
-        at_least(flag, getattr(a, flag[2:].replace("-", "_")), low)
+    for flag, low in (("--nodes", 1), ("--nproc", 1), ("--gpus-per-node", 1), ("--global-batch-size", 1),
+                      ("--seq-len", 1), ("--top", 1)):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None:
+            at_least(flag, value, low)
+    for flag in OVERRIDES:  # an override is a figure of the hardware: 0 is no hardware, not the preset
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None:
+            at_least(flag, value, 0, exclusive=True)
     if not 0 < a.efficiency <= 1:
         raise ConfigError(f"--efficiency is the share of peak FLOP/s the matmuls reach, in (0, 1]; got "
                           f"{a.efficiency:g}")
+    tokens = a.global_batch_size * a.seq_len
+    if tokens > MAX_TOKENS_PER_STEP:
+        raise ConfigError(f"--global-batch-size {a.global_batch_size} x --seq-len {a.seq_len} = {tokens:.3g} "
+                          f"tokens per step, beyond the {MAX_TOKENS_PER_STEP:.0e} the planner takes; is it a "
+                          "typo?")
     c = PRESETS[a.gpu]
-    return Cluster(a.gpus_per_node or c.gpus_per_node, a.memory_gb * 1e9 or c.memory,
-                   a.peak_tflops * 1e12 or c.peak_flops, a.intra_gbps * 1e9 or c.intra_bw,
-                   a.inter_gbps * 1e9 or c.inter_bw, a.host_memory_gb * 1e9 or c.host_memory, a.nodes,
+
+    def given(value, scale: float, preset: float):
+        return preset if value is None else value * scale
+
+    return Cluster(given(a.gpus_per_node, 1, c.gpus_per_node), given(a.memory_gb, 1e9, c.memory),
+                   given(a.peak_tflops, 1e12, c.peak_flops), given(a.intra_gbps, 1e9, c.intra_bw),
+                   given(a.inter_gbps, 1e9, c.inter_bw), given(a.host_memory_gb, 1e9, c.host_memory), a.nodes,
                    c.memory_bw)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     cluster = _cluster(a)
+    out = None
+    if a.out:  # claimed before the search, which may take a while
+        from torchpar.outputs import claim, is_own_picture
+        from torchpar.tools.plot import PICTURE_SUFFIXES
+
+        out = claim("--out", a.out, suffixes=PICTURE_SUFFIXES, overwrite=a.overwrite, own=is_own_picture)
     if a.seeds:
         from torchpar.plan.checks import seed_examples
 
@@ -263,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.config:
         cfg = load_config(a.config, [])
         lay, model, args = layout_from_config(cfg, a.nproc or cluster.world, "cuda")
+        check_microbatches(lay)
         plans = [plan(model, args, lay, cluster, cfg.training.seq_len, a.efficiency)]
     elif a.model:
         model = MODELS[a.family]
@@ -281,11 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     if not plans:
         raise ConfigError(f"no layout divides {cluster.world} devices, the model and --global-batch-size "
                           f"{a.global_batch_size}; change the device count or the batch")
-    if a.out:
-        from torchpar.console import output_path
-        from torchpar.tools.plot import PICTURE_SUFFIXES, plot_plan_memory
+    if out is not None:
+        from torchpar.tools.plot import plot_plan_memory
 
-        out = output_path("--out", a.out, suffixes=PICTURE_SUFFIXES)
         plot_plan_memory(plans[: a.top], describe_layout, cluster.memory, out)
     if a.json:
         print(json.dumps([p.to_json() for p in plans[: a.top]], indent=1))

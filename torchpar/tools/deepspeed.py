@@ -26,6 +26,30 @@ IGNORED_ZERO = ("allgather_partitions", "allgather_bucket_size", "overlap_comm",
                 "stage3_gather_16bit_weights_on_model_save")
 
 
+JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+              type(None): "null"}
+# Keys whose value DeepSpeed reads as an object of settings, and the objects inside them.
+SECTIONS = {"zero_optimization": ("offload_optimizer", "offload_param"), "fp16": (), "bf16": (),
+            "optimizer": ("params",), "scheduler": ("params",)}
+
+
+def require_object(where: str, value) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a JSON object {{...}}, not a JSON "
+                          f"{JSON_TYPES.get(type(value), type(value).__name__)}")
+
+
+def _check_sections(ds: dict) -> None:
+    """Each section (and its params / offload settings) is an object: one line naming the first
+    that is not, instead of a failure deep inside the mapping."""
+    for key, inner in SECTIONS.items():
+        if ds.get(key) is not None:
+            require_object(key, ds[key])
+            for sub in inner:
+                if ds[key].get(sub) is not None:
+                    require_object(f"{key}.{sub}", ds[key][sub])
+
+
 def _batch(ds: dict, nproc: int, out: list[str], notes: list[tuple[str, str]]) -> None:
     """train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x nproc."""
     tbs, mbs, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -130,6 +154,7 @@ def convert(ds: dict, nproc: int, flavor: str | None = None) -> tuple[str, list[
     """(TOML text, [(unmapped key, reason)]) for the DeepSpeed config ``ds`` on ``nproc`` ranks."""
     out: list[str] = ["--model.flavor", flavor] if flavor else []
     notes: list[tuple[str, str]] = []
+    _check_sections(ds)
     _batch(ds, nproc, out, notes)
     _zero(ds, out, notes)
     _precision(ds, out, notes)
@@ -166,6 +191,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{a.file}: cannot read it as JSON ({e})") from None
     try:
+        require_object("the top level (DeepSpeed's keys)", config)
         text, notes = convert(config, a.nproc, a.model)
     except ConfigError as e:
         raise ConfigError(f"{a.file}: {e}") from None

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from torchpar.config import ConfigError
+from torchpar.outputs import PICTURE_MARK, replacing
 
 # (title, keys drawn in that panel: the first solid, the rest dashed)
 PANELS = (("loss", ("loss", "val_loss")), ("learning rate", ("lr",)), ("gradient norm", ("grad_norm",)),
@@ -20,7 +21,7 @@ MEMORY_PARTS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", 
                 "gathered_bytes", "unsharded_grad_bytes")
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -31,22 +32,51 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, out: Path, dpi: int) -> None:
+    """``fig`` to ``out`` whole or not at all, marked as torchpar's (``torchpar.outputs``), closed."""
+    with replacing(out) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=out.suffix[1:].lower(), metadata={"Creator": PICTURE_MARK})
+    pyplot().close(fig)
+
+
 def read_metrics(folder: str | Path) -> list[dict]:
     path = Path(folder) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{folder}: no metrics.jsonl there; give a run's job.dump_folder")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); torchpar writes metrics.jsonl as "
+                          "UTF-8 JSON lines: give a run's job.dump_folder") from None
     records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            raise ConfigError(f"{path}:{lineno}: not a JSON record") from None
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(f"{path}:{lineno}: not a JSON record with a step")
+        records.append(record)
     return records
+
+
+def check_losses(runs: list[tuple[str, list[dict]]]) -> None:
+    """A run without a logged loss draws empty charts: refused when no run has one, a warning for
+    each run that lacks them beside runs that have them."""
+    from torchpar.console import warn
+
+    lacking = [name for name, records in runs if not any("loss" in r for r in records)]
+    if len(lacking) == len(runs):
+        raise ConfigError(f"no loss in the metrics.jsonl of {', '.join(lacking)} (no training step logged "
+                          "yet?); nothing to draw")
+    for name in lacking:
+        warn(f"{name}: no loss in its metrics.jsonl; drawn without its curves")
 
 
 def plot_runs(runs: list[tuple[str, list[dict]]], out: Path) -> None:
     """``runs``: (name, records) each; one panel per PANELS entry, one colour per run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.2 * len(PANELS)), sharex=True)
     for ax, (title, keys) in zip(axes, PANELS):
         for colour, (name, records) in enumerate(runs):
@@ -61,13 +91,12 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path) -> None:
             ax.legend(fontsize=7)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
 
 
 def plot_plan_memory(plans, describe, device_bytes: float, out: Path) -> None:
     """Per-rank memory of each plan as stacked bars by part, and the device's usable memory."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(plans) + 1.5))
     labels = [describe(p.layout) for p in plans]
     left = [0.0] * len(plans)
@@ -81,20 +110,24 @@ def plot_plan_memory(plans, describe, device_bytes: float, out: Path) -> None:
     ax.tick_params(axis="y", labelsize=7)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
 
 
 def main(argv: list[str]) -> int:
-    from torchpar.console import ArgumentParser, output_path
+    from torchpar.console import ArgumentParser
+    from torchpar.outputs import add_overwrite, claim, is_own_picture
 
     ap = ArgumentParser(prog="torchpar plot", description="Draw runs' curves from their metrics.jsonl; "
                         "several dump folders are overlaid.")
     ap.add_argument("folders", nargs="+", help="dump folders (each with a metrics.jsonl)")
-    ap.add_argument("--out", help="FILE.png or FILE.svg; default <first folder>/metrics.png")
+    ap.add_argument("--out", help="FILE.png or FILE.svg; default <first folder>/metrics.png. A picture "
+                    "torchpar drew is redrawn; any other existing file only with --overwrite")
+    add_overwrite(ap)
     a = ap.parse_args(argv)
-    out = output_path("--out", a.out or Path(a.folders[0]) / "metrics.png", suffixes=PICTURE_SUFFIXES)
+    out = claim("--out", a.out or Path(a.folders[0]) / "metrics.png", suffixes=PICTURE_SUFFIXES,
+                overwrite=a.overwrite, own=is_own_picture)
     runs = [(Path(f).resolve().name, read_metrics(f)) for f in a.folders]  # all checked before drawing
+    check_losses(runs)
     plot_runs(runs, out)
     print(f"wrote {out}")
     return 0

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from torchpar.outputs import PICTURE_MARK, write_text
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.layout import Layout
 
 COLOR = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
+# The most microbatches a schedule is built for here: torch builds the multi-stage schedules in
+# time quadratic in their count (about a second at 1024), and the planner builds one per layout.
+MAX_MICROBATCHES = 512
 
 
 def schedule_order(
@@ -92,6 +97,7 @@ def write_svg(sim: dict, path: str, title: str) -> None:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="monospace" '
         'font-size="10">',
+        f"<desc>{PICTURE_MARK}</desc>",
         f'<rect width="{w}" height="{h}" fill="white"/>',
         f'<text x="10" y="20" font-size="13">{title}</text>',
     ]
@@ -113,20 +119,13 @@ def write_svg(sim: dict, path: str, title: str) -> None:
         parts.append(f'<text x="{x + 2}" y="{y + 15}" fill="white">{label}</text>')
     parts.append(f'<text x="{left}" y="{h - 12}">{LEGEND}; lighter = a later stage of the same rank</text>')
     parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+    write_text(Path(path), "\n".join(parts))
 
 
 def write_png(sim: dict, path: str, title: str) -> None:
-    try:
-        import matplotlib
+    from torchpar.tools.plot import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit(
-            "torchpar schedule: a .png needs matplotlib (pip install 'torchpar[plot]'); .svg needs nothing"
-        )
+    plt = pyplot()
     ranks = sorted(sim["timeline"])
     per_unit = 0.4 if _has_virtual_stages(sim) else 0.25
     fig, ax = plt.subplots(figsize=(max(6, sim["makespan"] * per_unit + 1.5), 0.6 * len(ranks) + 1.4))
@@ -143,8 +142,7 @@ def write_png(sim: dict, path: str, title: str) -> None:
     ax.set_xlabel(f"time (forward = 1)    {LEGEND}; lighter = a later stage of the same rank")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, Path(path), dpi=120)
 
 
 PICTURES = {".svg": write_svg, ".png": write_png}
@@ -152,7 +150,8 @@ PICTURES = {".svg": write_svg, ".png": write_png}
 
 def main(argv: list[str] | None = None) -> int:
     from torchpar.config import ConfigError, did_you_mean
-    from torchpar.console import ArgumentParser, at_least, output_path
+    from torchpar.console import ArgumentParser, at_least
+    from torchpar.outputs import add_overwrite, claim, is_own_picture
     from torchpar.parallel.pipeline import SCHEDULES, SINGLE_STAGE, schedule_problem
 
     ap = ArgumentParser(prog="torchpar schedule", description=__doc__,
@@ -161,12 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(SCHEDULES)}")
     ap.add_argument("--stages-per-rank", type=int, default=0, help="virtual stages; 0 = 1 or 2 by schedule")
-    ap.add_argument("--out", help="write a picture: FILE.svg or FILE.png")
+    ap.add_argument("--out", help="write a picture: FILE.svg or FILE.png (a picture torchpar drew is "
+                    "redrawn; any other existing file only with --overwrite)")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
     at_least("--pp", args.pp, 1)
     at_least("--microbatches", args.microbatches, 1)
+    if args.microbatches > MAX_MICROBATCHES:
+        raise ConfigError(f"--microbatches {args.microbatches} is beyond the {MAX_MICROBATCHES} a schedule "
+                          "is drawn for; draw it for fewer (beyond, the bubble only shrinks further)")
     at_least("--stages-per-rank", args.stages_per_rank, 0)
-    out = output_path("--out", args.out, suffixes=tuple(PICTURES)) if args.out else None
+    out = claim("--out", args.out, suffixes=tuple(PICTURES), overwrite=args.overwrite,
+                own=is_own_picture) if args.out else None
     if args.schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {args.schedule!r} is unknown.{did_you_mean(args.schedule, SCHEDULES)}")
     v = args.stages_per_rank or (1 if args.schedule in SINGLE_STAGE else 2)
