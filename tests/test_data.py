@@ -22,7 +22,7 @@ from torchpar.data import (
     document_ids,
 )
 from torchpar.data.streams import Mixture
-from torchpar.data.tokenized import prepare
+from torchpar.data.tokenized import MANIFEST, prepare, verify_prepared
 from torchpar.models import adapter, model_args
 from torchpar.tokenizer import BUILTIN, Tokenizer
 
@@ -479,3 +479,136 @@ def test_trainer_logs_and_checkpoints_tokens_per_source(tmp_path, prepared):
     again = train(tmp_path, tmp_path / "half", "--training.steps", "4", config=mix)
     resumed = [r for r in again if r.get("step") == 4 and "loss" in r][0]
     assert resumed["tokens_seen/web"] == last["tokens_seen/web"] and resumed["loss"] == last["loss"]
+
+
+# ---------------------------------------------------------------- prepare-data: outputs and edge cases
+
+
+def prepare_in_process(capfd, tmp_path, out, *more, corpus=None) -> tuple[int, str]:
+    """``torchpar prepare-data`` of a small JSON-lines corpus, in this process: (exit code, stderr)."""
+    from torchpar.cli import main
+
+    if corpus is None:
+        corpus = tmp_path / "c.jsonl"
+        corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n"
+                                  for i in range(40)))
+    capfd.readouterr()
+    code = main(["prepare-data", "--config", str(TINY), "--out", str(out), "--processes", "1",
+                 "--docs-per-shard", "16", "--data.dataset", "files", "--data.path", str(corpus), *more])
+    return code, capfd.readouterr().err
+
+
+def test_prepare_data_never_writes_among_other_files(tmp_path, capfd):
+    """A folder holding a user's manifest.json is refused before any work and left byte for byte as
+    it was (no shard written beside it); --overwrite writes there; a rerun into the corpus's own
+    folder resumes without --overwrite."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"mine": true}\n')
+    before = folder_bytes(out)
+    code, err = prepare_in_process(capfd, tmp_path, out)
+    assert code == 2 and "--out" in err and "--overwrite" in err and "Traceback" not in err
+    assert folder_bytes(out) == before
+    code, err = prepare_in_process(capfd, tmp_path, out, "--overwrite")
+    assert code == 0, err
+    assert TokenizedCorpus(str(out)).manifest["n_documents"] == 40
+    (out / "manifest.json").unlink()  # as an interrupted run leaves it: its own prepare.json is there
+    (out / "shard-00001.json").unlink()
+    code, err = prepare_in_process(capfd, tmp_path, out)
+    assert code == 0 and "resuming, 2 of 3 shards already written" in err, err
+
+
+def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops every process with
+    one line and no traceback; the same command then goes on from the shards written."""
+    import signal
+    import time
+
+    out = tmp_path / "p"
+    cmd = [sys.executable, "-m", "torchpar.cli", "prepare-data", "--config", str(TINY), "--out", str(out),
+           "--processes", "2", "--docs-per-shard", "16"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (out / "shard-00001.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.count("torchpar: error:") == 1, err
+    assert "run the same command again to resume" in err.splitlines()[-1]
+    assert not (out / MANIFEST).exists() and not list(out.glob("*.tmp"))
+    resumed = prepare_cli(tmp_path, out, "--processes", "2", "--docs-per-shard", "16")
+    assert "resuming" in resumed
+    whole = tmp_path / "whole"
+    prepare_cli(tmp_path, whole, "--processes", "2", "--docs-per-shard", "16")
+    assert folder_bytes(out) == folder_bytes(whole)
+
+
+def test_verify_prepared_checks_the_id_range_and_the_checksums(tmp_path):
+    """Ids beyond the vocabulary are found from the manifest alone (cheap, every start), or by
+    reading the shards (--check) when the manifest does not record them; a flipped byte fails its
+    shard's CRC32."""
+    src = ListSource([f"word{i} " * (i + 1) for i in range(20)])
+    prepare(src, TOK, tmp_path, processes=1, docs_per_shard=8, quiet=True)
+    corpus = TokenizedCorpus(str(tmp_path))
+    top = corpus.manifest["max_id"]
+    assert top == TOK.eos_id  # every document ends with EOS, the largest id
+    verify_prepared(corpus, TOK.n_words, checksums=True)
+    with pytest.raises(ConfigError, match=f"token ids up to {top}, beyond the model's vocab_size {top}"):
+        verify_prepared(corpus, top, checksums=False)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    del manifest["max_id"]  # as a corpus prepared before it was recorded
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    corpus = TokenizedCorpus(str(tmp_path))
+    verify_prepared(corpus, top, checksums=False)  # nothing to go on without reading
+    with pytest.raises(ConfigError, match=f"shard-00000.bin holds token id {top}, beyond"):
+        verify_prepared(corpus, top, checksums=True)
+    shard = tmp_path / "shard-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="shard-00001.bin fails its CRC32 check"):
+        verify_prepared(corpus, TOK.n_words, checksums=True)
+
+
+def test_a_corpus_of_one_character_repeats_in_every_window(tmp_path, capfd):
+    """Documented behaviour: one document of one character (BOS x EOS, 3 tokens) trains, each
+    window the document over and over, alike in both readers; prepare-data warns that the
+    corpus is smaller than one window."""
+    (tmp_path / "x.txt").write_text("x")
+    src = FileSource(str(tmp_path / "x.txt"), "text")
+    code, err = prepare_in_process(capfd, tmp_path, tmp_path / "p", corpus=tmp_path / "x.txt")
+    assert code == 0 and "the corpus holds 3 tokens, fewer than one training window" in err, err
+    corpus = TokenizedCorpus(str(tmp_path / "p"))
+    doc = TOK.encode("x")
+    cycles = [torch.tensor([doc[(s + i) % 3] for i in range(11)]) for s in range(3)]
+    text, tokens = (batches(PackedWindows(s, TOK, 10, 2, 0, 1, seed=0, lanes=4), 3) for s in (src, corpus))
+    for a, b in zip(text, tokens):
+        assert torch.equal(a, b)
+        assert all(any(torch.equal(row, c) for c in cycles) for row in a)
+
+
+def test_jsonl_nulls_are_skipped_and_an_escaped_nul_is_text(tmp_path, capfd):
+    """``{"text": null}`` is skipped, counted and warned about (never the text "None"); a NUL
+    written as the JSON escape is a character the byte-level tokenizer round-trips; a raw NUL byte
+    in a file is refused (see the bad-inputs table)."""
+    (tmp_path / "a.jsonl").write_text('{"text": "a\\u0000b"}\n{"text": null}\n{"text": "c"}\n')
+    src = FileSource(str(tmp_path / "a.jsonl"), "text")
+    assert src.docs == ["a\0b", "c"] and src.skipped == {"null": 1}
+    assert "skipped 1 record(s) whose \"text\" is null (the first at" in capfd.readouterr().err
+    assert TOK.decode(TOK.encode(src[0], bos=False, eos=False)) == "a\0b"
+
+
+def test_prepare_data_prepares_one_source_of_a_mixture(tmp_path, capfd):
+    """With [[data.sources]], --source NAME prepares that source (and only it)."""
+    rows = (json.dumps({"text": f"x = {i}\n"}) + "\n" for i in range(20))
+    (tmp_path / "code.jsonl").write_text("".join(rows))
+    mix = tmp_path / "mix.toml"
+    mix.write_text(f'extends = "{TINY}"\n[[data.sources]]\nweight = 1\n[[data.sources]]\nname = "code"\n'
+                   f'weight = 1\ndataset = "files"\npath = "{tmp_path}/code.jsonl"\n')
+    from torchpar.cli import main
+
+    assert main(["prepare-data", "--config", str(mix), "--out", str(tmp_path / "p"), "--source", "code"]) == 0
+    corpus = TokenizedCorpus(str(tmp_path / "p"))
+    assert corpus.fingerprint() == FileSource(str(tmp_path / "code.jsonl"), "text").fingerprint()
