@@ -80,7 +80,9 @@ class Case:
 
 CHECK = "train --config {tiny} --check"
 TRAIN = "train --config {tiny} --training.steps 2 --validation.enable false --job.dump_folder {run}"
-CKPT = TRAIN + " --checkpoint.enable true"
+# (a resume of the trained run with steps left to train: 8 > its 6)
+CKPT = TRAIN.replace("--training.steps 2", "--training.steps 8") + " --checkpoint.enable true"
+CHECK_RUN = CHECK + " --job.dump_folder {run} --checkpoint.enable true --training.steps 8"
 FILES = " --data.dataset files --data.path {t}/x.txt"
 X = {"x.txt": "x = 1\n" * 50}
 DS = "config from-deepspeed {t}/ds.json"
@@ -88,6 +90,33 @@ EXPORT = "export --checkpoint {run} "
 GENERATE = "generate --checkpoint {run} --prompt x "
 PP2 = " --parallelism.pipeline_parallel_degree 2"
 MIX, SOURCE = "train --config {t}/mix.toml --check", "[[data.sources]]\n"
+
+
+def hf_of_another_shape(folder: Path) -> None:
+    """A Hugging Face folder of the tiny model whose config.json matches, one tensor's shape not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from torchpar.hf import full_shapes, write_hf
+    from torchpar.models import MODELS
+
+    model = MODELS["llama3"]
+    args = model.args("debug")
+    shapes = full_shapes(model, args)
+    write_hf(folder, model, args, lambda name: torch.zeros(shapes[name]), torch.bfloat16)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(7, dtype=torch.bfloat16)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def prepared_and_damaged(folder: Path) -> None:
+    """A corpus prepared from the case's x.txt, then one byte of its shard flipped (sizes unchanged)."""
+    assert main(["prepare-data", "--config", str(TINY), "--data.dataset", "files", "--data.path",
+                 str(folder.parent / "x.txt"), "--out", str(folder), "--processes", "1"]) == 0
+    shard = folder / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
 
 
 def tokenizer_changed(run: Path) -> None:
@@ -190,8 +219,14 @@ CASES = [
          files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + 'weight = 1\npaht = "x"\n'}),
     Case("mixture source without path", MIX, "data.sources[0].path is required",
          files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + 'weight = 1\ndataset = "files"\n'}),
+    Case("mixture weight too small", MIX, "data.sources weights [1.0, 100000.0]", "at least 1/10000",
+         files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + "weight = 1\n" + SOURCE
+                + 'weight = 100000\nname = "b"\n'}),
     Case("mixture names repeat", MIX, "data.sources: names", "give each source its own `name`",
          files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + "weight = 1\n" + SOURCE + "weight = 2\n"}),
+    Case("prepared corpus corrupted, --check", CHECK + " --data.dataset tokenized --data.path {t}/p",
+         "shard-00000.bin fails its CRC32", "prepare the corpus again", files=X,
+         edit=lambda run: prepared_and_damaged(run.parent / "p")),
     Case("tokenized folder not prepared", CHECK + " --data.dataset tokenized --data.path {t}",
          "is not a prepared corpus", "torchpar prepare-data"),
     Case("prepare-data: out is a file", "prepare-data --config {tiny} --out {t}/f", "--out", "is a file",
@@ -217,6 +252,14 @@ CASES = [
          edit=lambda run: damage(run / STEP / "__0_0.distcp", "truncate")),
     Case("corrupted checkpoint", CKPT, "is damaged", "CRC32", run=True,
          edit=lambda run: damage(run / STEP / "__0_0.distcp", "flip")),
+    Case("corrupted checkpoint, --check", CHECK_RUN, "is damaged", "__0_0.distcp fails its CRC32", run=True,
+         edit=lambda run: damage(run / STEP / "__0_0.distcp", "flip")),
+    Case("damaged DCP metadata, checksums off", CKPT + " --checkpoint.verify_checksums false", "is damaged",
+         ".metadata cannot be read", run=True, edit=lambda run: damage(run / STEP / ".metadata", "flip")),
+    Case("nothing left to train", CKPT + " --training.steps 6", "training.steps = 6", "is at step 6",
+         "raise training.steps above 6", run=True),
+    Case("fewer steps than the checkpoint, --check", CHECK_RUN + " --training.steps 4", "training.steps = 4",
+         "is at step 6", run=True),
     Case("checkpoint of another shape", CKPT + " --model.n_layers 4", "another shape",
          "n_layers: saved 8 vs config 4", run=True),
     Case("checkpoint of another width", CKPT + " --model.dim 256 --model.n_heads 16", "another shape",
@@ -233,6 +276,9 @@ CASES = [
     Case("position beyond the corpus", CKPT + FILES, "does not fit files (1 documents)", files=X,
          run=True, edit=lambda run: edit_manifest(run, data=None)),
     Case("initial weights missing", TRAIN + " --checkpoint.initial_load_path {t}/w.pt", "w.pt"),
+    Case("HF weights of another shape", CHECK + " --checkpoint.initial_load_path {t}/hf",
+         "model.norm.weight is (7,), torchpar expects (128,)",
+         edit=lambda run: hf_of_another_shape(run.parent / "hf")),
     Case("initial weights not HF", TRAIN + " --checkpoint.initial_load_path {t}"
          " --checkpoint.initial_load_format hf", "not a Hugging Face"),
     # --- runtime

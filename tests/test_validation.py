@@ -176,3 +176,42 @@ def test_recompute_every_k_beyond_the_layers(capfd):
     assert "activation_checkpoint_every = 5 recomputes no block of pipeline stage(s) 0 (layers per stage " \
            "[4, 4]" in line
 
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A dump folder with a checkpoint of step 2 of the tiny model."""
+    import subprocess
+    import sys
+
+    from harness import ROOT
+    from test_train import env
+
+    tmp = tmp_path_factory.mktemp("resume")
+    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "2",
+           "--checkpoint.enable", "true", "--job.dump_folder", str(tmp / "run")]
+    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return tmp / "run"
+
+
+def test_what_a_resume_overrides_or_changes_warns(trained, capfd, monkeypatch):
+    """A resume ignores checkpoint.initial_load_path and may toggle data.document_masking: one
+    warning each, naming the checkpoint and its step; the same settings as the run say nothing."""
+    from torchpar.preflight import preflight
+
+    monkeypatch.delenv("RANK", raising=False)
+    resume = ["--job.dump_folder", str(trained), "--checkpoint.enable", "true", "--training.steps", "4"]
+    capfd.readouterr()
+    preflight(load_config(TINY, resume), 1)
+    assert [line for line in warnings_in(capfd.readouterr().err) if "bucket_mb" not in line] == []
+    step = trained / "checkpoint" / "step-00000002"
+    preflight(load_config(TINY, [*resume, "--checkpoint.initial_load_path", "/weights.pt",
+                                 "--data.document_masking", "true"]), 1)
+    lines = [line for line in warnings_in(capfd.readouterr().err) if "bucket_mb" not in line]
+    assert lines == [
+        f"torchpar: warning: checkpoint.initial_load_path = '/weights.pt' is not read: the run resumes from "
+        f"the checkpoint {step} (step 2), whose weights win; initial weights apply only to a checkpoint "
+        "folder without checkpoints",
+        f"torchpar: warning: data.document_masking = true, but the checkpoint {step} (step 2) was trained "
+        "with false: from step 3 on, attention stays inside each document and positions restart at each "
+        "one; set it back to false to train on as before"]

@@ -220,6 +220,13 @@ class HFWeights:
         if args.tie_embeddings and "output.weight" in shapes:
             self.entries["output.weight"] = self.entries["tok_embeddings.weight"]
         self._files = {}
+        # Every shape from the files' headers (no tensor is read), so a mismatch is found before launch.
+        for file, hf_name, _, shape in self.entries.values():
+            have = tuple(self._slice(file, hf_name).get_shape())
+            if have != shape:
+                raise ConfigError(f"{self.path / file}: {hf_name} is {have}, torchpar expects {shape} for "
+                                  "model.flavor (and its overrides); choose the flavour the weights were "
+                                  "made for")
 
     def _slice(self, file: str, name: str):
         from safetensors import safe_open
@@ -235,10 +242,7 @@ class HFWeights:
         file, hf_name, heads, shape = self.entries[name]
 
         def read(index: tuple[slice, ...]) -> torch.Tensor:
-            part = self._slice(file, hf_name)
-            if tuple(part.get_shape()) != shape:
-                raise ConfigError(f"{self.path / file}: {hf_name} is {tuple(part.get_shape())}, torchpar "
-                                  f"expects {shape}")
+            part = self._slice(file, hf_name)  # its shape was checked when the folder was opened
             if heads is None:
                 return part[index]
             # Rows are permuted within each head: read the whole heads the rows fall in.

@@ -11,20 +11,27 @@ import dataclasses
 import fcntl
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from torchpar.checkpoint import find_resume, read_manifest
+from torchpar.checkpoint import find_resume, read_manifest, verify_files
 from torchpar.config import ConfigError, JobConfig
-from torchpar.console import warn
+from torchpar.console import progress, warn
 from torchpar.data import build_source, data_identity, resume_notes, source_specs
-from torchpar.data.tokenized import TokenizedCorpus
+from torchpar.data.streams import Mixture
+from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import load_weights
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 class Preflight(NamedTuple):
@@ -65,27 +72,97 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param))
     specs = source_specs(cfg.data)
+    shares = [w for _, _, w in specs]
+    if len(shares) > 1:
+        Mixture(shares)  # weights it cannot make exact: one line here, not in every rank's loader
     sources = [build_source(spec, cfg.training.seed) for _, spec, _ in specs]
     val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
-    for source in [*sources, val_source]:
-        if isinstance(source, TokenizedCorpus) and source.tokenizer != tokenizer.fingerprint:
+    for source in prepared_corpora([*sources, val_source]):
+        if source.tokenizer != tokenizer.fingerprint:
             raise ConfigError(f"data.path {str(source.folder)!r} was tokenized with another tokenizer "
                               f"({source.tokenizer}, here {tokenizer.fingerprint}); prepare it again with "
                               "this model.tokenizer_path, or use the tokenizer it was made with")
+        verify_prepared(source, args.vocab_size, checksums=False)  # its shards' CRC32s: in --check
     tr = cfg.training
-    shares = [w for _, _, w in specs]
     data = data_identity(sources, tokenizer, tr.seq_len, tr.local_batch_size * layout.accum * layout.dp,
                          cfg.data.lanes, shares)
     resume = find_resume(cfg, args)
     manifest = read_manifest(resume) if resume is not None else None
     weights = None
     if manifest is not None:
+        check_resume(cfg, resume, manifest)
         for note in resume_notes(manifest.get("data"), data, cfg.data.resume_position):
+            warn(note)
+        for note in resume_changes(cfg, resume, manifest):
             warn(note)
     elif cfg.checkpoint.initial_load_path:
         weights = initial_weights(cfg, model, args)
     return Preflight(model, args, tokenizer, layout, sources, shares, [n for n, _, _ in specs], val_source,
                      resume, weights, data, manifest)
+
+
+def prepared_corpora(sources) -> list[TokenizedCorpus]:
+    """The prepared corpora among ``sources``, each folder once (the held-out one may be a training one)."""
+    found = {}
+    for source in sources:
+        if isinstance(source, TokenizedCorpus):
+            found.setdefault(source.folder.resolve(), source)
+    return list(found.values())
+
+
+def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
+    """A resume that would not do what was asked: no step left to train, or DCP metadata that
+    cannot be read (what every rank reads first; its CRC32 may not be checked)."""
+    step = int(manifest["step"])
+    if cfg.training.steps <= step:
+        raise ConfigError(f"training.steps = {cfg.training.steps}, but the checkpoint {path} is at step "
+                          f"{step}, so there is nothing left to train; raise training.steps above {step} to "
+                          "go on, or choose a new job.dump_folder to start over")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # pickle raises many types on a damaged file; the user needs which file
+        raise ConfigError(f"checkpoint {path} is damaged: its DCP metadata .metadata cannot be read "
+                          f"({type(e).__name__}: {e}); delete this folder to fall back to the previous "
+                          "checkpoint, or set checkpoint.load_step") from None
+
+
+def resume_changes(cfg: JobConfig, path: Path, manifest: dict) -> list[str]:
+    """Settings a resume honours but that differ from what the checkpoint was trained with or
+    that it overrides: a line for each (the manifest's config snapshot tells what they were)."""
+    notes = []
+    step, ck = manifest["step"], cfg.checkpoint
+    if ck.initial_load_path:
+        notes.append(f"checkpoint.initial_load_path = {ck.initial_load_path!r} is not read: the run resumes "
+                     f"from the checkpoint {path} (step {step}), whose weights win; initial weights apply "
+                     "only to a checkpoint folder without checkpoints")
+    try:
+        saved = tomllib.loads(manifest.get("config", "")).get("data", {})
+    except tomllib.TOMLDecodeError:
+        saved = {}  # a snapshot torchpar cannot read tells nothing; the manifest's own fields were checked
+    masking = saved.get("document_masking")
+    if masking is not None and masking != cfg.data.document_masking:
+        effect = ("attention stays inside each document and positions restart at each one"
+                  if cfg.data.document_masking else "attention and positions span the whole window")
+        now, was = str(cfg.data.document_masking).lower(), str(masking).lower()
+        notes.append(f"data.document_masking = {now}, but the checkpoint {path} (step {step}) was trained "
+                     f"with {was}: from step {step + 1} on, {effect}; set it back to {was} to train on as "
+                     "before")
+    return notes
+
+
+def verify_contents(cfg: JobConfig, pre: Preflight) -> None:
+    """The checks that read every byte of the inputs, which the ranks share out among themselves
+    (a checkpoint's CRC32s, in Checkpointer.load) or leave out (a prepared corpus's shards):
+    ``torchpar train --check`` runs them before launch, in its one process, so that a damaged file
+    is found before any rank starts."""
+    if pre.resume is not None and cfg.checkpoint.verify_checksums:
+        with progress(f"checking the CRC32s of {pre.resume}"):
+            verify_files(pre.resume, pre.resume_manifest, checksums=True)
+    for corpus in prepared_corpora([*pre.sources, pre.val_source]):
+        with progress(f"checking the CRC32s and token ids of {corpus.folder}"):
+            verify_prepared(corpus, pre.args.vocab_size, checksums=True)
 
 
 def initial_weights(cfg: JobConfig, model: ModelAdapter, args):

@@ -319,7 +319,9 @@ def main(argv: list[str]) -> int:
         print(to_toml(cfg))
         return 0
     if check:  # run_train.sh calls this once before torchrun starts any rank
-        preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        from torchpar.preflight import verify_contents
+
+        verify_contents(cfg, preflight(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
         if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
             claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
         return 0
