@@ -221,7 +221,8 @@ def test_export_then_train_from_it_and_generate(trained, tmp_path):
     assert a.stdout == b.stdout and a.stdout.startswith("import os\n") and len(a.stdout) > len("import os\n")
 
 
-def _rank_pids(local_rank: int) -> list[int]:
+def _rank_pids(local_rank: int, folder: Path | None = None) -> list[int]:
+    """The training processes of ``local_rank`` (of the run writing ``folder``, when given)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -234,6 +235,7 @@ def _rank_pids(local_rank: int) -> list[int]:
         if (
             b"torchpar.train" in cmd
             and b"torchrun" not in cmd
+            and (folder is None or str(folder).encode() in cmd)
             and f"LOCAL_RANK={local_rank}".encode() in environ
         ):
             pids.append(int(d.name))
@@ -349,3 +351,110 @@ def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
     )
     (saved,) = (folder / "checkpoint").glob("step-*")
     assert saved.name in err.strip().splitlines()[-1]
+
+
+ASYNC = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
+         "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--checkpoint.async_mode", "async",
+         "--metrics.log_freq", "1"]
+
+
+def _last_step(folder: Path) -> int:
+    lines = (folder / "metrics.jsonl").read_text().splitlines() if (folder / "metrics.jsonl").exists() else []
+    return max([json.loads(line).get("step", 0) for line in lines if line.endswith("}")] or [0])
+
+
+def test_async_save_is_committed_when_written_and_a_killed_run_resumes_from_it(tmp_path):
+    """An asynchronous save is a checkpoint as soon as its files are written, not at the next save
+    point: SIGKILL one rank between two save points (after the async save of step 10 was written,
+    before step 20), run the same command again, and it resumes from step 10 and ends with the
+    weights of an uninterrupted run."""
+    ref = run(["./run_train.sh", *ASYNC, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    folder = tmp_path / "killed"
+    cmd = ["./run_train.sh", *ASYNC, "--job.dump_folder", str(folder)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path, NGPU="2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    saved, at = folder / "checkpoint" / "step-00000010", None
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and at is None:
+        if saved.exists() or _last_step(folder) >= 19:
+            at = _last_step(folder)
+            for pid in _rank_pids(1, folder):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    proc.communicate(timeout=300)
+    assert at is not None and at < 20, f"the run reached step {at} before it could be killed"
+    assert (saved / "torchpar.json").exists(), f"step 10 was not committed by step {at}"
+    assert proc.returncode != 0
+    again = run(cmd, tmp_path, NGPU="2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {saved} at step 10" in again.stdout, again.stdout[-3000:]
+    assert "interrupted" not in again.stderr
+    assert_same_weights(tmp_path, tmp_path / "ref", folder)
+
+
+def test_a_save_interrupted_after_its_files_is_committed_at_the_next_start(tmp_path):
+    """The process dies between a save's last file and its commit (manifest, rename): the next
+    start finds every file written and listed, commits the folder instead of deleting it, and resumes
+    from it to the weights of an uninterrupted run."""
+    steps = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    ref = train(tmp_path, tmp_path / "ref", *steps)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    folder = tmp_path / "cut"
+    die_at_second_commit = (
+        "import os, sys\n"
+        "import torchpar.checkpoint.checkpointer as c\n"
+        "commit, seen = c.commit, []\n"
+        "def cut(partial, manifest):\n"
+        "    seen.append(partial)\n"
+        "    return commit(partial, manifest) if len(seen) < 2 else os._exit(9)\n"
+        "c.commit = cut\n"
+        "from torchpar.console import run_command\n"
+        "from torchpar.train import main\n"
+        "sys.exit(run_command(main, sys.argv[1:]))\n")
+    cut = run([sys.executable, "-c", die_at_second_commit, *TRAIN[3:], "--job.dump_folder", str(folder),
+               "--checkpoint.enable", "true", *steps], tmp_path)
+    assert cut.returncode == 9, cut.stderr[-3000:]
+    partial = folder / "checkpoint" / "step-00000004.partial"
+    assert partial.is_dir() and not (folder / "checkpoint" / "step-00000004").exists()
+    again = train(tmp_path, folder, *steps)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "interrupted after every file was written" in again.stderr
+    assert f"committed checkpoint {folder}/checkpoint/step-00000004" in again.stdout
+    assert "at step 4" in again.stdout and not partial.exists()
+    assert sorted(d.name for d in (folder / "checkpoint").iterdir()) == ["step-00000004", "step-00000006"]
+    assert_same_weights(tmp_path, tmp_path / "ref", folder)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A save that cannot be written (here: a file-size limit of 1 MiB, set with setrlimit as any
+    user can, so the checkpoint's data file fails to grow, as on a full disk) stops the run with one
+    line naming the step, the OS's reason and the intact checkpoint; the earlier checkpoint is
+    unchanged, and the next start removes the partial save and resumes from it."""
+    import resource
+
+    folder = tmp_path / "run"
+    first = train(tmp_path, folder, "--training.steps", "2", "--checkpoint.interval", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = folder_digest(folder / "checkpoint" / "step-00000002")
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    for mode in ("off", "async"):
+        r = subprocess.run([*TRAIN, "--job.dump_folder", str(folder), "--checkpoint.enable", "true",
+                            "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+                            mode], cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+                           preexec_fn=limit_file_size)
+        assert r.returncode == 1, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("torchpar: error: the checkpoint save of step 4") and "MiB free there" in line
+        assert f"{folder}/checkpoint/step-00000002 (intact)" in line, line
+        assert folder_digest(folder / "checkpoint" / "step-00000002") == kept
+        assert (folder / "checkpoint" / "step-00000004.partial").is_dir()
+    again = train(tmp_path, folder, "--training.steps", "4", "--checkpoint.interval", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "ignoring incomplete checkpoint" in again.stderr and "at step 2" in again.stdout
+    assert not (folder / "checkpoint" / "step-00000004.partial").exists()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
-from torchpar.checkpoint import Checkpointer, checkpoint_root
+from torchpar.checkpoint import Checkpointer, SaveFailed, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
@@ -332,7 +332,7 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(cfg, on_first_step=predict_for_trainer)
         trainer.signals.install()
         trainer.train()  # closes the trainer at its end
-    except (TrainingStopped, Preempted) as e:  # every rank stops at the same step
+    except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step
         trainer.close()
         if trainer.rank == 0:
             kind = "" if isinstance(e, Preempted) else "error: "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -10,17 +9,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchpar import device as dev
 from torchpar.checkpoint.files import (
     FORMAT,
-    MANIFEST,
-    PARTIAL_MARKER,
+    commit,
     complete_checkpoints,
     file_crc32,
     interrupted_saves,
+    pending_manifest,
+    recoverable_saves,
     step_dir,
     verify_files,
+    write_pending,
+    write_rank_files,
 )
 from torchpar.config import ConfigError
 from torchpar.console import warn
@@ -43,7 +46,7 @@ class Checkpointer:
         self.parts, self.manifest = parts, manifest
         self.resume_from, self.resume_manifest = resume_from, resume_manifest
         self.rank = dist.get_rank()
-        self.pending = None  # (future -> (seconds, files), partial, final, step, extra) of an async save
+        self.pending = None  # (future, step) of an async save: written and committed by its thread
         self.async_group = None
         self.executor = None
         if cfg.enable and cfg.async_mode == "async":
@@ -51,12 +54,23 @@ class Checkpointer:
             self.async_group = dist.new_group(backend="gloo")
         self.loaded = ""  # how much a resume read, how fast
         self.branch: dict | None = None  # where a resume from an older step moved the newer checkpoints
-        if cfg.enable and self.rank == 0:
-            for d in interrupted_saves(root):
-                shutil.rmtree(d, ignore_errors=True)
-            self.branch = self._set_newer_aside(int(resume_manifest["step"]) if resume_manifest else 0)
         if cfg.enable:
-            dist.barrier()  # nobody writes before stale partial folders are gone and the timeline is set
+            dist.barrier()  # every rank has chosen its resume point before rank 0 changes the folder
+            if self.rank == 0:
+                self._tidy(int(resume_manifest["step"]) if resume_manifest else 0)
+            dist.barrier()  # nobody writes or reads before the folder is tidy and the timeline is set
+
+    def _tidy(self, start: int) -> None:
+        """Interrupted saves: committed where every file was written, else removed; then this run's
+        timeline starts at ``start``."""
+        complete = complete_checkpoints(self.root)
+        for step, (partial, manifest) in recoverable_saves(self.root).items():
+            if step not in complete:
+                print(f"torchpar: committed checkpoint {commit(partial, manifest)} (its save was interrupted "
+                      "after every file was written)", flush=True)
+        for d in interrupted_saves(self.root):
+            shutil.rmtree(d, ignore_errors=True)
+        self.branch = self._set_newer_aside(start)
 
     def _state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts.items()}
@@ -89,16 +103,16 @@ class Checkpointer:
         return found[max(found)] if found else None
 
     def maybe_save(self, step: int, force: bool = False, **extra) -> None:
-        """Save at every ``interval`` steps (or when ``force``); ``extra`` goes into the manifest."""
-        self._poll()
+        """Save at every ``interval`` steps (or when ``force``); ``extra`` goes into the manifest.
+        An async save is committed by its own thread as soon as its files are written."""
         if not self.due(step, force):
             return
         self.wait()  # one save in flight at a time
-        final = step_dir(self.root, step)
-        partial = final.with_name(final.name + ".partial")
-        if self.rank == 0:  # marks the folder as torchpar's own, so an interrupted save may be removed
-            partial.mkdir(parents=True, exist_ok=True)
-            (partial / PARTIAL_MARKER).write_text(f"step {step}\n")
+        partial = step_dir(self.root, step).with_name(step_dir(self.root, step).name + ".partial")
+        if self.rank == 0:  # marks the folder as torchpar's, with what its commit will need
+            write_pending(partial, {"format": FORMAT, "step": step, **extra,
+                                    "time": time.strftime("%Y-%m-%d %H:%M:%S"), **self.manifest},
+                          dist.get_world_size())
         state = self._state()
         if self.cfg.async_mode == "async":
             # A snapshot in host memory that keeps every DTensor's layout, with no second copy on the
@@ -106,26 +120,65 @@ class Checkpointer:
             # training goes on.
             snapshot = host_snapshot(state, pin=dev.device_type() == "cuda")
             dev.synchronize()  # the copies are complete before training changes the weights
-            future = self._writer().submit(self._write, snapshot, partial, self.async_group)
-            self.pending = (future, partial, final, step, extra)
+            future = self._writer().submit(self._save, snapshot, partial, step, self.async_group)
+            self.pending = (future, step)
         else:
-            self._finalize(*self._write(state, partial), partial, final, step, extra)
+            self._save(state, partial, step)
 
-    def _write(self, state: dict, partial: Path, group=None) -> tuple[float, dict]:
-        """DCP's save of ``state`` into ``partial``; returns the seconds it took and, on rank 0,
-        every file's [size, CRC32]: each rank checksums the files it wrote (DCP names them
-        ``__<rank>_<n>.distcp``; rank 0 also writes the metadata), and rank 0 gathers them."""
+    def _save(self, state: dict, partial: Path, step: int, group=None) -> None:
+        """Write ``state`` into ``partial`` with DCP and commit it; on every rank the same outcome
+        (a failed write on any rank is :class:`SaveFailed` everywhere, and nothing is committed)."""
         started = time.perf_counter()
-        self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
-        seconds = time.perf_counter() - started
+        try:
+            self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
+            problem = None
+        except (Exception, CheckpointException) as e:  # (a BaseException) the same on every rank
+            problem = _reason(e, partial)
+        if problem is None:
+            problem = self._list_files(partial)
+            problems = [None] * dist.get_world_size(group)
+            dist.all_gather_object(problems, problem, group=group)
+            problem = next((p for p in problems if p), None)
+        if problem is None:
+            seconds = time.perf_counter() - started
+            outcome = [self._commit(partial, seconds) if self.rank == 0 else None]
+            dist.broadcast_object_list(outcome, src=0, group=group)
+            problem = outcome[0] if outcome[0] != "" else None
+        if problem is not None:
+            latest = self.latest()
+            raise SaveFailed(f"the checkpoint save of step {step} into {partial} failed: {problem}; the "
+                             f"latest complete checkpoint is {latest or 'none'} (intact); free space or fix "
+                             "the folder, then run the same command to resume")
+
+    def _list_files(self, partial: Path) -> str | None:
+        """Each rank checksums the files it wrote (DCP names them ``__<rank>_<n>.distcp``; rank 0
+        also writes the metadata) and writes their list beside them; returns what went wrong."""
         mine = [f for f in partial.glob(f"__{self.rank}_*") if f.is_file()]
         if self.rank == 0:
-            mine += [f for f in partial.iterdir() if f.is_file() and not f.name.startswith("__")
-                     and f.name != PARTIAL_MARKER]
-        files = {f.name: [f.stat().st_size, file_crc32(f)] for f in mine}
-        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(files, gathered, dst=0, group=group)
-        return seconds, {k: v for part in gathered or [] for k, v in sorted(part.items())}
+            mine += [f for f in partial.iterdir()
+                     if f.is_file() and not f.name.startswith(("__", "torchpar."))]
+        try:
+            write_rank_files(partial, self.rank, {f.name: [f.stat().st_size, file_crc32(f)] for f in mine})
+        except OSError as e:
+            return _reason(e, partial)
+        return None
+
+    def _commit(self, partial: Path, seconds: float) -> str:
+        """Rank 0: the manifest and the rename, then keep_latest_k; returns what went wrong, or ""."""
+        manifest = pending_manifest(partial)
+        if manifest is None:
+            return f"{partial} lacks a file its ranks listed"
+        try:
+            final = commit(partial, manifest)
+        except OSError as e:
+            return _reason(e, partial)
+        print(f"torchpar: saved checkpoint {final} "
+              f"({_rate(sum(f[0] for f in manifest['files'].values()), seconds)})", flush=True)
+        if self.cfg.keep_latest_k > 0:
+            steps = sorted(complete_checkpoints(self.root))
+            for old in steps[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        return ""
 
     def _writer(self):
         if self.executor is None:
@@ -136,17 +189,14 @@ class Checkpointer:
                                                initializer=dev.bind_thread_to_device)
         return self.executor
 
-    def _poll(self) -> None:
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
-
     def wait(self) -> None:
-        """Finish the save in flight (if any)."""
+        """Wait for the save in flight (if any); its failure is raised here, at the same step on
+        every rank (the next save point, or the end of the run)."""
         if self.pending is None:
             return
-        future, *where = self.pending
+        future, _ = self.pending
         self.pending = None
-        self._finalize(*future.result(), *where)
+        future.result()
 
     def _verify_checksums(self, path: Path) -> None:
         """Every file's CRC32, read once: by one rank each (every world-th file); an error on any
@@ -163,28 +213,6 @@ class Checkpointer:
         dist.all_gather_object(problems, problem)
         if any(problems):
             raise ConfigError(next(p for p in problems if p))
-
-    def _finalize(self, seconds: float, files: dict, partial: Path, final: Path, step: int,
-                  extra: dict) -> None:
-        # DCP returns on the coordinator only after every rank's files and the metadata are written.
-        if self.rank != 0:
-            return
-        (partial / PARTIAL_MARKER).unlink(missing_ok=True)
-        files = dict(sorted(files.items()))
-        manifest = {"format": FORMAT, "step": step, **extra, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    **self.manifest, "files": files}
-        tmp = partial / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, partial / MANIFEST)
-        if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
-            os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
-        os.replace(partial, final)  # the commit point
-        print(f"torchpar: saved checkpoint {final} ({_rate(sum(f[0] for f in files.values()), seconds)})",
-              flush=True)
-        if self.cfg.keep_latest_k > 0:
-            steps = sorted(complete_checkpoints(self.root))
-            for old in steps[: -self.cfg.keep_latest_k]:
-                shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
 
     def close(self) -> None:
         self.wait()
@@ -264,6 +292,36 @@ def host_snapshot(obj, pin: bool = False):
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_snapshot(v, pin) for v in obj)
     return obj
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a lost folder); every rank raises it at the
+    same step. The message is the one line to show."""
+
+    code = 1
+
+
+def _reason(e: BaseException, folder: Path) -> str:
+    """The OS's words for a failed write (DCP wraps each rank's exception in its own; torch's file
+    writer reports a short write as "unexpected pos"), with the space left where it was written."""
+    seen = e
+    for failure in getattr(e, "failures", {}).values():  # DCP's CheckpointException: rank -> (exc, tb)
+        seen = failure[0] if isinstance(failure, tuple) else failure
+        break
+    cause = seen
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        what = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+    elif "unexpected pos" in str(seen):
+        what = "a file was cut short while being written (a full disk or a file-size limit)"
+    else:
+        what = f"{type(seen).__name__}: {seen}".strip().splitlines()[0]
+    try:
+        free = f"{shutil.disk_usage(folder.parent).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return f"{what} ({free})"
 
 
 def _rate(nbytes: int, seconds: float) -> str:

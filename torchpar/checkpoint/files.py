@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 import zlib
 from pathlib import Path
 
@@ -12,7 +14,10 @@ from torchpar.console import warn
 from torchpar.models import DEFAULT_FAMILY
 
 MANIFEST = "torchpar.json"
-PARTIAL_MARKER = "torchpar.partial"  # written into step-N.partial when a save starts
+# Written into step-N.partial when a save starts: the manifest-to-be (everything but the files) and
+# the world size of the save, so that a save whose files were all written can be committed later.
+PARTIAL_MARKER = "torchpar.partial"
+RANK_FILES = "torchpar.files-{rank}.json"  # each rank's written files with [size, CRC32], after DCP's save
 FORMAT = 2  # 2: stateful parts (model, optimizer, lr_scheduler, train_state, dataloader, rng)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -44,6 +49,66 @@ def interrupted_saves(root: Path) -> list[Path]:
     return sorted(d for d in root.glob("step-*.partial") if d.is_dir() and (d / PARTIAL_MARKER).exists())
 
 
+def pending_manifest(partial: Path) -> dict | None:
+    """The manifest of a ``step-N.partial`` folder whose files were all written — DCP's metadata
+    (written once every rank's data is) and every rank's list of its files, each there with its
+    size — but whose commit (manifest, rename) never happened; None if any piece is missing."""
+    try:
+        pending = json.loads((partial / PARTIAL_MARKER).read_text())
+        if not (partial / ".metadata").is_file():
+            return None
+        files = {}
+        for rank in range(int(pending["world"])):
+            files.update(json.loads((partial / RANK_FILES.format(rank=rank)).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for name, (size, _) in files.items():
+        f = partial / name
+        if not f.is_file() or f.stat().st_size != size:
+            return None
+    return {**pending["manifest"], "files": dict(sorted(files.items()))}
+
+
+def write_pending(partial: Path, manifest: dict, world: int) -> None:
+    """Start a save: the folder, marked as torchpar's, with the manifest-to-be."""
+    partial.mkdir(parents=True, exist_ok=True)
+    _write_atomically(partial / PARTIAL_MARKER, {"world": world, "manifest": manifest})
+
+
+def write_rank_files(partial: Path, rank: int, files: dict) -> None:
+    _write_atomically(partial / RANK_FILES.format(rank=rank), files)
+
+
+def commit(partial: Path, manifest: dict) -> Path:
+    """The commit point of a save whose files are all written: the manifest, then one rename of
+    ``step-N.partial`` to ``step-N``. Returns the checkpoint's folder."""
+    final = partial.with_name(partial.name.removesuffix(".partial"))
+    _write_atomically(partial / MANIFEST, manifest)
+    for f in partial.glob("torchpar.files-*.json"):
+        f.unlink()
+    (partial / PARTIAL_MARKER).unlink(missing_ok=True)
+    if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
+        os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+    os.replace(partial, final)
+    return final
+
+
+def recoverable_saves(root: Path) -> dict[int, tuple[Path, dict]]:
+    """Interrupted saves whose files were all written, by step: (the partial folder, its manifest)."""
+    out = {}
+    for d in interrupted_saves(root):
+        manifest = pending_manifest(d)
+        if manifest is not None:
+            out[int(manifest["step"])] = (d, manifest)
+    return out
+
+
+def _write_atomically(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def unexpected_folders(root: Path) -> list[Path]:
     """``step-*`` folders that are neither a complete checkpoint nor an interrupted save of
     torchpar's (e.g. a manifest deleted by hand): reported and left alone, never loaded."""
@@ -52,6 +117,13 @@ def unexpected_folders(root: Path) -> list[Path]:
     ours = set(interrupted_saves(root))
     return sorted(d for d in root.glob("step-*")
                   if d.is_dir() and not (d / MANIFEST).exists() and d not in ours)
+
+
+def saved_folder(path: Path) -> Path:
+    """Where the files of checkpoint ``path`` are now: the folder itself, or its ``.partial``
+    folder when that save's commit is still to be made."""
+    partial = path.with_name(path.name + ".partial")
+    return partial if not path.exists() and pending_manifest(partial) is not None else path
 
 
 def file_crc32(path: Path) -> int:
@@ -63,6 +135,11 @@ def file_crc32(path: Path) -> int:
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest of the checkpoint ``path``, or of its save whose commit is still to be made
+    (``find_resume`` chose it; rank 0's checkpointer commits it before any rank loads it)."""
+    pending = saved_folder(path)
+    if pending != path:
+        return pending_manifest(pending)
     try:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
@@ -121,13 +198,20 @@ def find_resume(cfg, args) -> Path | None:
     if not ck.enable or ck.load_step == 0:
         return None
     root = checkpoint_root(cfg)
+    written = recoverable_saves(root)
     for d in interrupted_saves(root):
-        warn(f"ignoring incomplete checkpoint {d} (a save was interrupted); it will be removed")
+        if all(d != partial for partial, _ in written.values()):
+            warn(f"ignoring incomplete checkpoint {d} (a save was interrupted); it will be removed")
     for d in unexpected_folders(root):
         warn(
             f"{d} has no manifest ({MANIFEST}); it is not a checkpoint torchpar can load, and is left alone"
         )
     found = complete_checkpoints(root)
+    for step, (partial, _) in written.items():
+        if step not in found:
+            warn(f"the save of {partial} was interrupted after every file was written; it is committed "
+                 f"as {step_dir(root, step)}")
+            found[step] = step_dir(root, step)
     if ck.load_step > 0:
         if ck.load_step not in found:
             have = ", ".join(map(str, sorted(found))) or "none"
@@ -150,5 +234,5 @@ def find_resume(cfg, args) -> Path | None:
         )
     check_model_matches(f"checkpoint {path}", manifest, cfg.model.name, cfg.model.flavor, args)
     # Sizes here; the CRC32s once the ranks can share the reading (Checkpointer.load).
-    verify_files(path, manifest, checksums=False)
+    verify_files(saved_folder(path), manifest, checksums=False)
     return path
