@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from torchpar.checkpoint import find_resume, read_manifest, verify_files
+from torchpar.checkpoint import find_resume, read_manifest, saved_folder, verify_files
 from torchpar.config import ConfigError, JobConfig
 from torchpar.console import progress, warn
 from torchpar.data import build_source, data_identity, resume_notes, source_specs
@@ -121,7 +121,7 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        FileSystemReader(str(path)).read_metadata()
+        FileSystemReader(str(saved_folder(path))).read_metadata()  # (its commit may be pending)
     except Exception as e:  # pickle raises many types on a damaged file; the user needs which file
         raise ConfigError(f"checkpoint {path} is damaged: its DCP metadata .metadata cannot be read "
                           f"({type(e).__name__}: {e}); delete this folder to fall back to the previous "
@@ -159,7 +159,7 @@ def verify_contents(cfg: JobConfig, pre: Preflight) -> None:
     is found before any rank starts."""
     if pre.resume is not None and cfg.checkpoint.verify_checksums:
         with progress(f"checking the CRC32s of {pre.resume}"):
-            verify_files(pre.resume, pre.resume_manifest, checksums=True)
+            verify_files(saved_folder(pre.resume), pre.resume_manifest, checksums=True)
     for corpus in prepared_corpora([*pre.sources, pre.val_source]):
         with progress(f"checking the CRC32s and token ids of {corpus.folder}"):
             verify_prepared(corpus, pre.args.vocab_size, checksums=True)
