@@ -117,6 +117,46 @@ def test_export_is_read_by_transformers(trained, tmp_path, dtype):
     assert diff <= (1e-4 if dtype == "fp32" else 0.5), diff
 
 
+def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
+    """A folder holding the user's config.json, and an existing weights file, are refused and left
+    byte for byte; --overwrite writes there. A folder an earlier export wrote is written again
+    without --overwrite: the shards of the earlier export go, a file the user put there stays."""
+    from torchpar.cli import main
+    from torchpar.weights import load_weights
+
+    def export(out, *more):
+        capfd.readouterr()
+        code = main(["export", "--checkpoint", str(trained), "--out", str(out), *more])
+        return code, capfd.readouterr().err
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    code, err = export(hf, "--format", "hf")
+    assert code == 2 and "holds files torchpar did not write there (config.json)" in err, err
+    assert [p.name for p in hf.iterdir()] == ["config.json"] and (hf / "config.json").read_text() == "{}"
+    assert export(hf, "--format", "hf", "--overwrite", "--max-shard-mb", "2")[0] == 0
+    shards = sorted(p.name for p in hf.glob("model-*.safetensors"))
+    assert len(shards) > 1 and json.loads((hf / "config.json").read_text())["architectures"]
+    (hf / "README.md").write_text("the user's notes")
+    code, err = export(hf, "--format", "hf")  # its own folder: no --overwrite needed
+    assert code == 0, err
+    assert not list(hf.glob("model-*.safetensors")) and (hf / "model.safetensors").exists()
+    assert not (hf / "model.safetensors.index.json").exists()
+    assert (hf / "README.md").read_text() == "the user's notes"
+    transformers.AutoModelForCausalLM.from_pretrained(hf)
+
+    pt = tmp_path / "m.pt"
+    pt.write_bytes(b"the user's file")
+    code, err = export(pt)
+    assert code == 2 and "m.pt already exists" in err and "--overwrite" in err, err
+    assert pt.read_bytes() == b"the user's file" and not (tmp_path / "m.pt.json").exists()
+    assert export(pt, "--overwrite")[0] == 0
+    assert "tok_embeddings.weight" in load_weights(pt)[0]
+    code, err = export(pt)  # an export is not replaced by another without --overwrite either
+    assert code == 2 and "m.pt already exists" in err, err
+
+
 def test_config_mismatch_and_damage_are_one_line(tmp_path):
     make_hf_llama(tmp_path / "hf", "debug")
     check = ["torchpar.train", "--config", str(TINY), "--checkpoint.initial_load_path", str(tmp_path / "hf")]

@@ -73,6 +73,49 @@ def test_plot_draws_one_run_and_overlays_two(resumed, tmp_path):
     assert (tmp_path / "two.png").stat().st_size > 20_000
 
 
+def test_pictures_redraw_their_own_file_and_no_other(tmp_path, capfd):
+    """plot's default picture is redrawn on the next plot (torchpar drew it: its mark is in the
+    metadata); a user's file of that name is refused and left byte for byte unless --overwrite.
+    The same for schedule's hand-written SVG."""
+    from torchpar.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = (json.dumps({"step": s, "loss": 5.0 - s / 10, "lr": 1e-3}) + "\n" for s in range(1, 6))
+    (run / "metrics.jsonl").write_text("".join(rows))
+    picture = run / "metrics.png"
+    picture.write_bytes(b"the user's picture")
+    capfd.readouterr()
+    assert main(["plot", str(run)]) == 2
+    assert "metrics.png already exists" in capfd.readouterr().err
+    assert picture.read_bytes() == b"the user's picture"
+    assert main(["plot", str(run), "--overwrite"]) == 0
+    first = picture.read_bytes()
+    assert first.startswith(b"\x89PNG")
+    assert main(["plot", str(run)]) == 0  # its own picture: redrawn
+    assert picture.read_bytes().startswith(b"\x89PNG") and not list(run.glob("*.tmp"))
+    svg = tmp_path / "s.svg"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--out", str(svg)]) == 0
+    assert main(["schedule", "--pp", "2", "--microbatches", "6", "--out", str(svg)]) == 0
+    assert "6 microbatches" in svg.read_text()
+    svg.write_text("<svg>mine</svg>")
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--out", str(svg)]) == 2
+    assert svg.read_text() == "<svg>mine</svg>"
+
+
+def test_plot_warns_about_a_run_without_losses(resumed, tmp_path, capfd):
+    """Beside a run with losses, one without them is drawn with a warning; alone it is refused
+    (see the bad-inputs table)."""
+    from torchpar.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 1, "lr": 0.001}\n')
+    capfd.readouterr()
+    assert main(["plot", str(resumed), str(empty), "--out", str(tmp_path / "two.png")]) == 0
+    assert "torchpar: warning: empty: no loss in its metrics.jsonl" in capfd.readouterr().err
+
+
 def test_plan_draws_the_memory_of_its_layouts(tmp_path):
     from torchpar.cli import main
 
