@@ -256,6 +256,10 @@ CASES = [
          edit=lambda run: damage(run / STEP / "__0_0.distcp", "flip")),
     Case("damaged DCP metadata, checksums off", CKPT + " --checkpoint.verify_checksums false", "is damaged",
          ".metadata cannot be read", run=True, edit=lambda run: damage(run / STEP / ".metadata", "flip")),
+    Case("damaged data file, checksums off", CKPT + " --training.steps 8 --checkpoint.verify_checksums false",
+         "is damaged: reading it failed", "checkpoint.verify_checksums = true", run=True,
+         edit=lambda run: (run / STEP / "__0_0.distcp").write_bytes(
+             b"\0" * 64 + (run / STEP / "__0_0.distcp").read_bytes()[64:])),
     Case("nothing left to train", CKPT + " --training.steps 6", "training.steps = 6", "is at step 6",
          "raise training.steps above 6", run=True),
     Case("fewer steps than the checkpoint, --check", CHECK_RUN + " --training.steps 4", "training.steps = 4",

@@ -133,7 +133,7 @@ class Checkpointer:
             self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
             problem = None
         except (Exception, CheckpointException) as e:  # (a BaseException) the same on every rank
-            problem = _reason(e, partial)
+            problem = _reason(e)
         if problem is None:
             problem = self._list_files(partial)
             problems = [None] * dist.get_world_size(group)
@@ -146,7 +146,8 @@ class Checkpointer:
             problem = outcome[0] if outcome[0] != "" else None
         if problem is not None:
             latest = self.latest()
-            raise SaveFailed(f"the checkpoint save of step {step} into {partial} failed: {problem}; the "
+            raise SaveFailed(f"the checkpoint save of step {step} into {partial} failed: {problem} "
+                             f"({_free_space(self.root)}); the "
                              f"latest complete checkpoint is {latest or 'none'} (intact); free space or fix "
                              "the folder, then run the same command to resume")
 
@@ -160,7 +161,7 @@ class Checkpointer:
         try:
             write_rank_files(partial, self.rank, {f.name: [f.stat().st_size, file_crc32(f)] for f in mine})
         except OSError as e:
-            return _reason(e, partial)
+            return _reason(e)
         return None
 
     def _commit(self, partial: Path, seconds: float) -> str:
@@ -171,7 +172,7 @@ class Checkpointer:
         try:
             final = commit(partial, manifest)
         except OSError as e:
-            return _reason(e, partial)
+            return _reason(e)
         print(f"torchpar: saved checkpoint {final} "
               f"({_rate(sum(f[0] for f in manifest['files'].values()), seconds)})", flush=True)
         if self.cfg.keep_latest_k > 0:
@@ -242,7 +243,13 @@ class Checkpointer:
                 state[name] = {k: v for k, v in state[name].items() if f"{name}.{k}" in metadata}
         _check_tensors(path, state, metadata)
         started = time.perf_counter()
-        self.dcp.load(state, checkpoint_id=str(path))
+        try:
+            self.dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # DCP raises the same exception on every rank
+            check = "" if self.cfg.verify_checksums else "; checkpoint.verify_checksums = true names the file"
+            raise ConfigError(f"checkpoint {path} is damaged: reading it failed ({_reason(e)}){check}; "
+                              "delete this folder to fall back to the previous checkpoint, or set "
+                              "checkpoint.load_step") from None
         for name, part in parts.items():
             part.load_state_dict(state[name])
         seconds = time.perf_counter() - started
@@ -301,9 +308,9 @@ class SaveFailed(RuntimeError):
     code = 1
 
 
-def _reason(e: BaseException, folder: Path) -> str:
-    """The OS's words for a failed write (DCP wraps each rank's exception in its own; torch's file
-    writer reports a short write as "unexpected pos"), with the space left where it was written."""
+def _reason(e: BaseException) -> str:
+    """The OS's words for a failed read or write (DCP wraps each rank's exception in its own;
+    torch's file writer reports a short write as "unexpected pos")."""
     seen = e
     for failure in getattr(e, "failures", {}).values():  # DCP's CheckpointException: rank -> (exc, tb)
         seen = failure[0] if isinstance(failure, tuple) else failure
@@ -312,16 +319,17 @@ def _reason(e: BaseException, folder: Path) -> str:
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError):
-        what = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
-    elif "unexpected pos" in str(seen):
-        what = "a file was cut short while being written (a full disk or a file-size limit)"
-    else:
-        what = f"{type(seen).__name__}: {seen}".strip().splitlines()[0]
+        return f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+    if "unexpected pos" in str(seen):
+        return "a file was cut short while being written (a full disk or a file-size limit)"
+    return f"{type(seen).__name__}: {seen}".strip().splitlines()[0]
+
+
+def _free_space(folder: Path) -> str:
     try:
-        free = f"{shutil.disk_usage(folder.parent).free / 2**20:,.0f} MiB free there"
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
     except OSError:
-        free = "free space unknown"
-    return f"{what} ({free})"
+        return "free space unknown"
 
 
 def _rate(nbytes: int, seconds: float) -> str:
