@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import dataclass, field, fields
 
 from torchpar.config import ConfigError, Parallelism
@@ -242,11 +241,8 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
     compute dtype, ``training.mixed_precision_param`` resolved for the device."""
     degrees = resolve_degrees(par, world)
     if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
-        warnings.warn(
-            f"zero_stage {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; it runs as "
-            "zero_stage 0 (gradients all-reduced over the replicas)",
-            stacklevel=2,
-        )
+        warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
+             "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
     zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"])
     _check_model(model, args, degrees, par, tr)
     _check_features(par, tr, zero, degrees["tp"])
