@@ -377,7 +377,7 @@ CASES = [
          files={"pp.toml": f'extends = "{TINY}"\n[parallelism]\npipeline_parallel_degree = 2\n'
                            "[training]\nglobal_batch_size = 4096\n"}),
     Case("schedule: too many microbatches", "schedule --pp 2 --microbatches 100000", "--microbatches 100000",
-         "beyond the 512"),
+         "beyond the 256"),
     # --- data edge cases
     Case("JSONL text not a string", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
          "a.jsonl:2: field 'text' is not a string (3)", files={"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}),

@@ -358,6 +358,38 @@ def test_search_follows_the_tutorials_reasoning():
     assert all(x.tokens_per_sec >= y.tokens_per_sec for x, y in zip(fitting, fitting[1:]))
 
 
+def test_the_search_leaves_out_schedules_too_long_to_build(capfd):
+    """Pipeline layouts of more microbatches than a schedule is built for are left out, with a
+    warning; the others, and every layout without a pipeline, are still searched."""
+    from torchpar.models import MODELS
+    from torchpar.plan import PRESETS, search
+    from torchpar.tools.schedule import MAX_MICROBATCHES
+
+    model = MODELS["llama3"]
+    plans = search(model, model.args("debug"), PRESETS["H100-80GB"], 4096, 128)
+    micro = [p.layout["local_batch_size"] // p.layout["microbatch_size"] for p in plans if p.layout["pp"] > 1]
+    assert micro and max(micro) <= MAX_MICROBATCHES
+    assert any(p.layout["pp"] == 1 and p.layout["accum"] > MAX_MICROBATCHES for p in plans)
+    assert f"more than {MAX_MICROBATCHES} microbatches per step (up to 4,096" in capfd.readouterr().err
+
+
+def test_hardware_overrides_are_figures_not_switches():
+    """--gpus-per-node 0 used to mean the preset's 8; every override given is used as given."""
+    import argparse
+
+    from torchpar.config import ConfigError
+    from torchpar.plan.search import _cluster, _parser
+
+    def cluster(*argv) -> argparse.Namespace:
+        return _cluster(_parser().parse_args(["--model", "8B", *argv]))
+
+    assert cluster("--gpus-per-node", "4", "--memory-gb", "40").gpus_per_node == 4
+    assert cluster().gpus_per_node == 8 and cluster("--memory-gb", "40").memory == 40e9
+    for flag in ("--gpus-per-node", "--memory-gb", "--peak-tflops", "--inter-gbps"):
+        with pytest.raises(ConfigError, match=flag):
+            cluster(flag, "0")
+
+
 def test_microbatches_in_flight_per_schedule():
     """Activations held at once, in whole-stage microbatches, from each schedule's own order:
     GPipe keeps all m; 1F1B up to p on the first stage, one fewer per stage after; interleaved

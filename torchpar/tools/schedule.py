@@ -19,7 +19,7 @@ from torchpar.parallel.layout import Layout
 COLOR = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 # The most microbatches a schedule is built for here: torch builds the multi-stage schedules in
 # time quadratic in their count (about a second at 1024), and the planner builds one per layout.
-MAX_MICROBATCHES = 512
+MAX_MICROBATCHES = 256
 
 
 def schedule_order(
