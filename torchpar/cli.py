@@ -9,10 +9,11 @@ USAGE = """usage: torchpar <command> [args]
 
 commands:
   train      train a model: torchpar train --config FILE [--section.key value ...]
-  prepare-data  tokenize the config's corpus once into shards that data.dataset = 'tokenized' reads:
-               torchpar prepare-data --config FILE --out DIR [--processes N] [--section.key value ...]
+  prepare-data  tokenize the config's corpus once into shards that data.dataset = 'tokenized' reads
+               (resumable: run it again): torchpar prepare-data --config FILE --out DIR [--processes N]
+               [--source NAME of [[data.sources]]] [--section.key value ...]
   schedule   draw a pipeline schedule and its bubble:
-               torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B
+               torchpar schedule --pp 4 --microbatches 16 --schedule 1F1B [--out FILE.svg]
   export     consolidate a checkpoint into one weights file, or a Hugging Face folder:
                torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16]
   plan       memory, communication, bubble and step time of layouts: torchpar plan --model 8B --gpu H100-80GB
@@ -23,6 +24,10 @@ commands:
                torchpar selftest [--nproc N] [--dtype float32,bfloat16]
   config     a DeepSpeed ds_config.json as a torchpar TOML:
                torchpar config from-deepspeed ds_config.json [--model FLAVOR] [--nproc N] > my.toml
+
+--out of prepare-data, export, plan, plot and schedule never replaces an existing file, nor writes into a
+folder holding files, that the command did not write there itself (its own corpus resumes, its own export
+folder and pictures are rewritten; an existing weights file is always kept): --overwrite allows it.
 """
 
 
