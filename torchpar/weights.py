@@ -175,8 +175,8 @@ def export_main(argv: list[str]) -> int:
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
     hf = a.format == "hf"
+    _refuse_checkpoint_target(Path(a.out).expanduser())  # even with --overwrite
     out = claim("--out", a.out, folder=hf, overwrite=a.overwrite, own=is_own_export if hf else None)
-    _refuse_checkpoint_target(out)
     if not hf:
         claim("--out", meta_path(out), overwrite=a.overwrite)  # the metadata written beside it
     if hf:
