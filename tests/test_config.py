@@ -1,6 +1,8 @@
 import pytest
 
-from torchpar.config import ConfigError, help_text, load_config, to_toml
+from torchpar.config import help_text, load_config, to_toml
+from torchpar.errors import ConfigError
+from torchpar.models import model_args
 
 
 def write(path, text):
@@ -42,7 +44,6 @@ def test_cli_overrides_both_forms_are_typed(tmp_path):
         (["--training.stpes", "3"], "unknown key 'stpes' in \\[training\\]. Did you mean 'steps'"),
         (["--training.steps", "ten"], "training.steps: got 'ten' \\(str\\), expected int"),
         (["--parallelism.zero_stage", "4"], "zero_stage = 4 is not one of \\[0, 1, 2, 3\\]"),
-        (["--model.flavor", "debgu"], "Did you mean 'debug'"),
         (["--training.steps"], "has no value"),
         (["stray"], "unexpected argument"),
         (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0, got -1.0"),
@@ -56,6 +57,15 @@ def test_cli_overrides_both_forms_are_typed(tmp_path):
 def test_user_mistakes_give_one_clear_error(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, args)
+
+
+def test_the_model_registry_checks_family_and_flavour():
+    """The loader knows no model family (it imports nothing above the errors); the registry
+    checks [model] name and flavor when the model's args are made (preflight, the planner)."""
+    with pytest.raises(ConfigError, match="Did you mean 'debug'"):
+        model_args(load_config(None, ["--model.flavor", "debgu"]).model)
+    with pytest.raises(ConfigError, match="model.name = 'llama9'.*Did you mean 'llama3'"):
+        model_args(load_config(None, ["--model.name", "llama9"]).model)
 
 
 def test_wrong_type_in_file_names_field_value_and_type(tmp_path):

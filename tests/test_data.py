@@ -11,7 +11,7 @@ import torch
 from harness import ROOT, TINY
 from test_train import env
 
-from torchpar.config import ConfigError, load_config
+from torchpar.config import load_config
 from torchpar.data import (
     DocumentSource,
     FileSource,
@@ -23,6 +23,7 @@ from torchpar.data import (
 )
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import MANIFEST, prepare, verify_prepared
+from torchpar.errors import ConfigError
 from torchpar.models import adapter, model_args
 from torchpar.tokenizer import BUILTIN, Tokenizer
 

@@ -13,7 +13,7 @@ import torch
 from harness import ROOT, TINY, free_port
 
 from torchpar import device as dev
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 B = torch.bfloat16
 

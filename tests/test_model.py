@@ -96,7 +96,8 @@ def test_causal_and_tied():
 def test_shape_overrides_from_config_reach_the_model_and_the_planner():
     import pytest
 
-    from torchpar.config import ConfigError, load_config
+    from torchpar.config import load_config
+    from torchpar.errors import ConfigError
     from torchpar.models import MODELS, model_args
     from torchpar.plan import layout_from_config, state_bytes
 

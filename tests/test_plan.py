@@ -206,7 +206,7 @@ def test_seed_pipeline_bubble_and_3d_layout(seeds):
 
 
 def test_seed_deepspeed_batch_arithmetic(seeds):
-    from torchpar.config import ConfigError
+    from torchpar.errors import ConfigError
     from torchpar.parallel.layout import grad_accum_steps
 
     e = seeds["DeepSpeed"]
@@ -377,7 +377,7 @@ def test_hardware_overrides_are_figures_not_switches():
     """--gpus-per-node 0 used to mean the preset's 8; every override given is used as given."""
     import argparse
 
-    from torchpar.config import ConfigError
+    from torchpar.errors import ConfigError
     from torchpar.plan.search import _cluster, _parser
 
     def cluster(*argv) -> argparse.Namespace:

@@ -4,7 +4,8 @@ import pytest
 import torch.distributed as dist
 from harness import TINY
 
-from torchpar.config import ConfigError, load_config
+from torchpar.config import load_config
+from torchpar.errors import ConfigError
 from torchpar.models import MODELS
 from torchpar.models.llama import ModelArgs
 from torchpar.parallel.layout import resolve_layout

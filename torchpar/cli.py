@@ -49,7 +49,7 @@ def dispatch(argv: list[str]) -> int:
         print(USAGE)
         return 0
     if argv[0] not in COMMANDS:
-        from torchpar.config import ConfigError, did_you_mean
+        from torchpar.errors import ConfigError, did_you_mean
 
         raise ConfigError(f"unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} (torchpar --help)")
     module, name = COMMANDS[argv[0]]

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 
 def is_rank0() -> bool:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 
 @torch.no_grad()

@@ -22,12 +22,6 @@ import torch.distributed as dist
 from torchpar import device as dev
 
 
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (divergence); the message is the one line to show."""
-
-    code = 3
-
-
 class DivergenceGuard:
     def __init__(self, tr, optimizer: torch.optim.Optimizer):
         """``tr`` is the [training] section."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.weights import LazyWeight
 

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 MARKER = "torchpar-output.json"  # in a folder a command writes: which command, and the files it wrote
 PICTURE_MARK = "torchpar-picture"  # in the metadata near the start of every picture torchpar draws

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchpar.checkpoint import find_resume, read_manifest, saved_folder, verify_files
-from torchpar.config import ConfigError, JobConfig
+from torchpar.config import JobConfig
 from torchpar.console import progress, warn
 from torchpar.data import build_source, data_identity, resume_notes, source_specs
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype
+from torchpar.errors import ConfigError
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path

@@ -255,8 +255,8 @@ def main(argv: list[str]) -> int:
     import shlex
 
     from torchpar import device as dev
-    from torchpar.config import ConfigError
     from torchpar.console import ArgumentParser, at_least
+    from torchpar.errors import ConfigError
 
     p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=dev.default_nproc(),

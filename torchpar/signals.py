@@ -34,11 +34,3 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-
-
-class Preempted(RuntimeError):
-    """The run stopped at a step boundary because of a signal; ``code`` is the exit code."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.code = 128 + signum

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
-from torchpar.checkpoint import Checkpointer, SaveFailed, checkpoint_root
+from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
 from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
+from torchpar.errors import Preempted, SaveFailed, TrainingStopped
 from torchpar.evaluate import evaluate
-from torchpar.guard import DivergenceGuard, TrainingStopped, skipped_where, weights_finite
+from torchpar.guard import DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import cross_entropy_sum
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import build_lr_scheduler, build_optimizer
@@ -33,7 +34,7 @@ from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
-from torchpar.signals import Preempted, StopSignals
+from torchpar.signals import StopSignals
 from torchpar.state import ModelState, OptimizerState, RNGState, TrainState
 from torchpar.watchdog import Watchdog
 

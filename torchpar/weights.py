@@ -21,7 +21,7 @@ from torchpar.checkpoint import (
     read_manifest,
     verify_files,
 )
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.outputs import add_overwrite, claim, replacing, write_text
 

@@ -23,7 +23,7 @@ trainer's parts, all keyed by names of the unsplit model so any layout can load 
 A part is added with one line in the trainer's ``stateful_parts``.
 """
 
-from torchpar.checkpoint.checkpointer import Checkpointer, SaveFailed
+from torchpar.checkpoint.checkpointer import Checkpointer
 from torchpar.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -41,6 +41,6 @@ from torchpar.checkpoint.files import (
     verify_files,
 )
 
-__all__ = ["FORMAT", "MANIFEST", "PARTIAL_MARKER", "Checkpointer", "SaveFailed", "check_model_matches",
+__all__ = ["FORMAT", "MANIFEST", "PARTIAL_MARKER", "Checkpointer", "check_model_matches",
            "checkpoint_root", "complete_checkpoints", "find_resume", "interrupted_saves", "read_manifest",
            "recoverable_saves", "saved_folder", "step_dir", "unexpected_folders", "verify_files"]

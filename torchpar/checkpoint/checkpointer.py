@@ -25,8 +25,8 @@ from torchpar.checkpoint.files import (
     write_pending,
     write_rank_files,
 )
-from torchpar.config import ConfigError
 from torchpar.console import warn
+from torchpar.errors import ConfigError, SaveFailed
 
 
 class Checkpointer:
@@ -299,13 +299,6 @@ def host_snapshot(obj, pin: bool = False):
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_snapshot(v, pin) for v in obj)
     return obj
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk, a lost folder); every rank raises it at the
-    same step. The message is the one line to show."""
-
-    code = 1
 
 
 def _reason(e: BaseException) -> str:

@@ -9,8 +9,8 @@ import time
 import zlib
 from pathlib import Path
 
-from torchpar.config import ConfigError
 from torchpar.console import warn
+from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
 
 MANIFEST = "torchpar.json"

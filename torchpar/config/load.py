@@ -9,12 +9,12 @@ dataclass field. Every user mistake raises :class:`ConfigError` with one readabl
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
-from torchpar.config.sections import ConfigError, JobConfig
+from torchpar.config.sections import JobConfig
+from torchpar.errors import ConfigError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,16 +24,6 @@ else:  # pragma: no cover
 
 def _sections() -> dict[str, type]:
     return get_type_hints(JobConfig)
-
-
-def did_you_mean(word: str, options) -> str:
-    by_lower = {str(o).lower(): str(o) for o in options}
-    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
-    return (
-        f" Did you mean '{by_lower[close[0]]}'?"
-        if close
-        else f" Known: {', '.join(sorted(map(str, options)))}."
-    )
 
 
 def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
@@ -201,12 +191,6 @@ def validate(cfg: JobConfig) -> None:
                            ("weight_decay", o.weight_decay >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
-    from torchpar.models import MODELS
-
-    flavors = MODELS[cfg.model.name].flavors
-    if cfg.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not a {cfg.model.name} "
-                          f"flavour.{did_you_mean(cfg.model.flavor, flavors)}")
     _validate_files_and_runtime(cfg)
 
 
@@ -218,9 +202,6 @@ def _validate_files_and_runtime(cfg: JobConfig) -> None:
                           f"(got {ck.interval}, {ck.keep_latest_k}, {ck.load_step})")
     if cfg.data.dataset != "stdlib" and not cfg.data.path and not cfg.data.sources:
         raise ConfigError(f"data.path is required when data.dataset = '{cfg.data.dataset}'")
-    from torchpar.data.sources import source_specs
-
-    source_specs(cfg.data)
     v = cfg.validation
     if v.freq <= 0 or v.steps <= 0:
         raise ConfigError(f"validation.freq and validation.steps must be positive (got {v.freq}, {v.steps})")

@@ -6,10 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """A user mistake in a config file, an override or a layout; printed without a traceback."""
-
-
 def opt(default: Any, help: str, choices: tuple | None = None):
     """A config field with its docstring (shown by ``--help``) and optional allowed values."""
     kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
@@ -31,9 +27,8 @@ class Job:
 class Model:
     name: str = opt(
         "llama3",
-        "Model family: 'llama3' (RMSNorm, RoPE, GQA, SwiGLU) or 'gpt2' (learned positions, LayerNorm, GELU "
-        "MLP, biases).",
-        ("llama3", "gpt2"),
+        "Model family, one of those registered in torchpar/models/__init__.py (MODELS): 'llama3' (RMSNorm, "
+        "RoPE, GQA, SwiGLU) and 'gpt2' (learned positions, LayerNorm, GELU MLP, biases) ship with torchpar.",
     )
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(

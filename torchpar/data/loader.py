@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchpar.config import ConfigError
 from torchpar.data.streams import Mixture, TextStream, TokenStream, lane_size
 from torchpar.data.tokenized import TokenizedCorpus
+from torchpar.errors import ConfigError
 from torchpar.tokenizer import Tokenizer
 
 

@@ -11,7 +11,7 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 VALIDATION_PERCENT = 3  # stdlib files whose path hashes into this bucket form the held-out split
 

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 
 
 def _keys(seed: int, epoch: int, count: int) -> list[int]:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 from torchpar.outputs import replacing, write_text
 
 FORMAT = "torchpar-tokens/1"

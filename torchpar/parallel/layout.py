@@ -17,8 +17,9 @@ import itertools
 import math
 from dataclasses import dataclass, field, fields
 
-from torchpar.config import ConfigError, Parallelism
+from torchpar.config import Parallelism
 from torchpar.console import warn
+from torchpar.errors import ConfigError
 from torchpar.parallel.pipeline import V_SCHEDULES, pipeline_split
 from torchpar.parallel.recompute import recomputed
 

@@ -14,7 +14,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from torchpar.config import ConfigError, did_you_mean
+from torchpar.errors import ConfigError, did_you_mean
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from torchpar.config import ConfigError, did_you_mean, load_config
+from torchpar.config import load_config
+from torchpar.errors import ConfigError, did_you_mean
 from torchpar.models import DEFAULT_FAMILY, MODELS
 from torchpar.parallel.layout import Layout
 from torchpar.parallel.recompute import OPTIONS, option_name

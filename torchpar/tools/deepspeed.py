@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-from torchpar.config import ConfigError, load_config, to_toml
+from torchpar.config import load_config, to_toml
+from torchpar.errors import ConfigError
 
 # Keys DeepSpeed users often set that have no torchpar counterpart, and why.
 NO_KNOB = ("torchpar's engines have no such setting (overlap is always on; stages 1-2 gather in the "

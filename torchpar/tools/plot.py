@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchpar.config import ConfigError
+from torchpar.errors import ConfigError
 from torchpar.outputs import PICTURE_MARK, replacing
 
 # (title, keys drawn in that panel: the first solid, the rest dashed)

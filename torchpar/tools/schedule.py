@@ -149,8 +149,8 @@ PICTURES = {".svg": write_svg, ".png": write_png}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchpar.config import ConfigError, did_you_mean
     from torchpar.console import ArgumentParser, at_least
+    from torchpar.errors import ConfigError, did_you_mean
     from torchpar.outputs import add_overwrite, claim, is_own_picture
     from torchpar.parallel.pipeline import SCHEDULES, SINGLE_STAGE, schedule_problem
 
