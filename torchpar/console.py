@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -25,17 +26,85 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+class RankError(ConfigError):
+    """A start-up fault that may be this rank's alone (the other ranks never came): every rank
+    says it, not rank 0 alone, which may not exist."""
+
+
 def warn(message: str) -> None:
     if is_rank0():
-        print(f"torchpar: warning: {message}", file=sys.stderr, flush=True)
+        _note(f"torchpar: warning: {message}")
 
 
 def error(message: str, every_rank: bool = False) -> None:
-    """``every_rank``: for a fault that may be this rank's alone (a file it could not write)."""
+    """``every_rank``: for a fault that may be this rank's alone (a file it could not write).
+    Under torchrun every rank records the line as its reason, shown or not (see :class:`Reason`)."""
     if every_rank and not is_rank0():
         message = f"rank {os.environ['RANK']}: {message}"
-    if every_rank or is_rank0():
-        print(f"torchpar: error: {message}", file=sys.stderr, flush=True)
+    line, shown = f"torchpar: error: {message}", every_rank or is_rank0()
+    if isinstance(sys.stderr, Reason):
+        sys.stderr.record(line, shown)
+    if shown:
+        _note(line)
+
+
+def _note(line: str) -> None:
+    """A line on stderr that is no rank's reason to stop (a warning, a progress note, or an error
+    recorded already)."""
+    stream = sys.stderr.stream if isinstance(sys.stderr, Reason) else sys.stderr
+    print(line, file=stream, flush=True)
+
+
+class Reason:
+    """This process's stderr under torchrun, recording why the rank stops for the launcher.
+
+    torchrun gives each rank an error file (``TORCHELASTIC_ERROR_FILE``) and reads it when the rank
+    fails. Each line that starts with "torchpar: " and is printed to stderr by any module (an
+    error, the stop on a signal, the watchdog's verdict right before it ends the process) is written
+    there at once, with its time, as is every rank's error, shown or not, and at the end the exit
+    code. ``torchpar.launch`` shows the first failing rank's line from it; torchrun's own report
+    (``message``, ``timestamp``) shows it too."""
+
+    def __init__(self, stream, path: str):
+        self.stream, self.path = stream, path
+        self.reason: dict = {"rank": int(os.environ.get("RANK", "0"))}
+        self._partial, self._lock = "", threading.Lock()
+
+    def write(self, text: str) -> int:
+        count = self.stream.write(text)
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            if line.startswith("torchpar: ") and not line.startswith("torchpar: warning:"):
+                self.record(line, shown=True)
+        return count
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def record(self, line: str | None = None, shown: bool = True, code: int | None = None,
+               exception: bool = False) -> None:
+        """This rank's line (with its time and whether it was printed), its exit code, or (beside
+        torchrun's record of an exception, which the file holds then) the time of the exception."""
+        with self._lock:
+            if line is not None or exception:
+                self.reason["time"] = time.time()
+            if line is not None:
+                self.reason.update(line=line, shown=shown)
+            if code is not None:
+                self.reason["code"] = code
+            if exception:
+                with open(self.path) as f:
+                    data = json.load(f)
+            else:
+                data = {"message": self.reason.get("line", f"exit code {code}"),
+                        "timestamp": int(self.reason.get("time", time.time()))}
+            data["torchpar"] = self.reason
+            # written whole or not at all: torchrun's agent fails on a half-written file
+            temporary = f"{self.path}.{threading.get_ident()}.tmp"
+            with open(temporary, "w") as f:
+                json.dump(data, f)
+            os.replace(temporary, self.path)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -72,14 +141,36 @@ def output_path(flag: str, path: str | Path, folder: bool = False, suffixes: tup
 
 
 def run_command(main, argv: list[str] | None = None) -> int:
-    """``main(argv) -> exit code``, with every way it can fail turned into one line."""
+    """``main(argv) -> exit code``, with every way it can fail turned into one line. Under
+    torchrun the rank's reason and code also go to its error file (:class:`Reason`)."""
     argv = sys.argv[1:] if argv is None else argv
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or isinstance(sys.stderr, Reason):
+        return _run(main, argv)
+    sys.stderr = reason = Reason(sys.stderr, path)
+    code = None
+    try:
+        code = _run(main, argv)
+        return code
+    except Exception as e:  # a fault no check foresaw: torchrun's own record of it, traceback and all
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+        reason.record(exception=True)  # beside it, when (to order the ranks' faults)
+        raise
+    finally:
+        sys.stderr = reason.stream
+        if code:
+            reason.record(code=code)
+
+
+def _run(main, argv: list[str]) -> int:
     try:
         code = main(argv)
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return code
     except ConfigError as e:
-        error(str(e))
+        error(str(e), every_rank=isinstance(e, RankError))
         return 2
     except BrokenPipeError:
         # The reader went away (`torchpar plan | head`): later writes to stdout must not fail again
@@ -97,19 +188,22 @@ def run_command(main, argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: float = 30.0):
+def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: float = 30.0,
+             line=None, until=None):
     """While ``what`` runs longer than ``after_s`` (then every ``every_s``), say it is still going:
-    a long start-up, save or evaluation is visibly alive, and a stall names the phase it is in."""
+    a long start-up, save or evaluation is visibly alive, and a stall names the phase it is in.
+    ``line(seconds)``: the note in other words; ``until()``: true once the wait is over, though the
+    block goes on (checked before each note)."""
     if not shown:
         yield
         return
     done, started = threading.Event(), time.perf_counter()
+    line = line or (lambda seconds: f"torchpar: {what}: still going after {seconds:.0f} s")
 
     def watch() -> None:
         wait = after_s
-        while not done.wait(wait):
-            seconds = time.perf_counter() - started
-            print(f"torchpar: {what}: still going after {seconds:.0f} s", file=sys.stderr, flush=True)
+        while not done.wait(wait) and not (until and until()):
+            _note(line(time.perf_counter() - started))
             wait = every_s
 
     thread = threading.Thread(target=watch, name="torchpar-progress", daemon=True)

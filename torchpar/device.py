@@ -10,12 +10,14 @@ import gc
 import os
 import re
 import resource
+import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from torchpar.console import RankError, progress
 from torchpar.errors import ConfigError
 
 # Dense peak FLOP/s per device, no sparsity: (bf16/fp16 tensor cores, TF32 tensor cores, plain
@@ -86,19 +88,35 @@ def backend(cpu_tensors: bool = False) -> str:
 
 
 def local_device(tf32: bool = True) -> torch.device:
-    """This process's device: GPU ``LOCAL_RANK`` (the index on this node, never the global rank).
-    ``tf32``: fp32 matmuls and convolutions in TF32 on GPUs."""
+    """This process's device: GPU :func:`device_index`. ``tf32``: fp32 matmuls and convolutions in
+    TF32 on GPUs."""
     if device_type() == "cuda":
-        index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-        if index >= count:
-            raise ConfigError(
-                f"LOCAL_RANK {index} but this node has {count} visible GPU(s): start at most {count} "
-                "processes per node (NGPU / --nproc-per-node), or fix CUDA_VISIBLE_DEVICES")
+        index = device_index()
         torch.cuda.set_device(index)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         return torch.device("cuda", index)
     keep_freed_host_memory()
     return torch.device("cpu")
+
+
+def device_index() -> int:
+    """This process's GPU: ``LOCAL_RANK``, the index on this node (never the global rank) — or the
+    one GPU a task sees under ``srun --gpus-per-task=1`` (each task started by srun, without
+    torchrun, sees only its own GPU, as device 0, whatever its SLURM_LOCALID)."""
+    index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if index >= count == 1 and started_by_srun(os.environ):
+        return 0
+    if index >= count:
+        raise ConfigError(
+            f"LOCAL_RANK {index} but this node has {count} visible GPU(s): start at most {count} "
+            "processes per node (NGPU / --nproc-per-node), or fix CUDA_VISIBLE_DEVICES")
+    return index
+
+
+def started_by_srun(env) -> bool:
+    """This process is one of srun's tasks, with no torchrun in between."""
+    return ("SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env
+            and env.get("RANK") == env["SLURM_PROCID"])
 
 
 def keep_freed_host_memory() -> None:
@@ -123,33 +141,72 @@ def bind_thread_to_device() -> None:
     """A new thread's CUDA calls go to GPU 0 until it sets its own device: threads that work for
     this rank (the checkpoint writer) call this first."""
     if device_type() == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device_index())
 
 
 def slurm_environment(env: dict[str, str]) -> dict[str, str]:
     """The torchrun-style variables for a process that ``srun`` started without torchrun, from the
     step's SLURM variables; {} when this is no multi-task srun step or torchrun already set them.
     srun starts one process per task, so every task must join one job: without this each would
-    run alone as rank 0 of 1, all writing the same checkpoints and metrics."""
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)
-    if "RANK" in env or tasks <= 1:
+    run alone as rank 0 of 1, all writing the same checkpoints and metrics. Variables that do not
+    add up are one line here, before any process group waits for ranks that cannot come."""
+    if "RANK" in env:
+        return {}
+    tasks = count_of(env, "SLURM_STEP_NUM_TASKS", "1", low=1)
+    if tasks <= 1:
         return {}
     missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST") if not env.get(k)]
     if missing:
         raise ConfigError(
             f"started by srun with {tasks} tasks, but {missing[0]} is not set, so this process cannot "
             "tell its rank: launch through torchrun (scripts/slurm/train.sbatch) instead")
-    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1"
-    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks), "LOCAL_RANK": env["SLURM_LOCALID"],
-            "LOCAL_WORLD_SIZE": str(tasks // max(1, int(nodes))),
+    rank = count_of(env, "SLURM_PROCID")
+    if rank >= tasks:
+        raise ConfigError(f"SLURM_PROCID={rank} but SLURM_STEP_NUM_TASKS={tasks}: a task's index is below "
+                          "the number of tasks; start the job with srun, not with these variables by hand")
+    local = count_of(env, "SLURM_LOCALID")
+    nodes = count_of(env, "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES", "1",
+                     low=1)
+    return {"RANK": str(rank), "WORLD_SIZE": str(tasks), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(tasks // nodes),
             "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"]),
             # One port per job, so two jobs sharing a first node do not collide.
-            "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)}
+            "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + count_of(env, "SLURM_JOB_ID", "0") % 20000)}
+
+
+def count_of(env: dict[str, str], name: str, default: str | None = None, low: int = 0) -> int:
+    """The whole number ``low`` or more in variable ``name`` (``default`` when unset)."""
+    value = env.get(name) or default
+    if value is None or not value.isdigit() or int(value) < low:
+        raise ConfigError(f"{name}={env.get(name, '')!r}: expected a whole number {low} or more; "
+                          "it is set by the launcher (torchrun, srun), not by hand")
+    return int(value)
 
 
 def adopt_slurm_environment() -> None:
-    """Set RANK, WORLD_SIZE, ... from srun's variables (see :func:`slurm_environment`)."""
+    """Set RANK, WORLD_SIZE, ... from srun's variables (see :func:`slurm_environment`), and check
+    the torchrun-style ones a multi-process job is joined by, before anything waits on them."""
     os.environ.update(slurm_environment(dict(os.environ)))
+    check_rank_environment(os.environ)
+
+
+def check_rank_environment(env) -> None:
+    """With RANK: WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, and a rank inside the world.
+    Without them the process runs alone; with some, init_process_group would fail with a traceback
+    or wait for ranks that do not exist."""
+    if "RANK" not in env:  # (WORLD_SIZE alone is the world a single-process --check validates for)
+        return
+    world = count_of(env, "WORLD_SIZE", low=1)
+    rank = count_of(env, "RANK")
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} but WORLD_SIZE={world}: a rank is below the world size")
+    count_of(env, "LOCAL_RANK", "0")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name):
+            raise ConfigError(f"RANK and WORLD_SIZE are set but {name} is not: start the processes with "
+                              "torchrun (./run_train.sh), or set MASTER_ADDR and MASTER_PORT to rank 0's "
+                              "host and a free port there; unset RANK and WORLD_SIZE to run one process")
+    count_of(env, "MASTER_PORT", low=1)
 
 
 def first_host(nodelist: str) -> str:
@@ -176,12 +233,56 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
         atexit.register(shutdown_distributed)
         device = local_device(tf32)
         if "RANK" in os.environ:
-            # device_id: nccl connects eagerly and knows its device (no guessing from the rank).
-            dist.init_process_group(backend(cpu_tensors), timeout=timedelta(seconds=timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+            join_process_group(backend(cpu_tensors), timeout_s, device)
         else:
             dist.init_process_group(backend(cpu_tensors), store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_process_group(name: str, timeout_s: int, device: torch.device) -> None:
+    """The default group of RANK, WORLD_SIZE at MASTER_ADDR:MASTER_PORT. srun's tasks (no torchrun
+    agents have met before) say whom they wait for while they wait, and a task whose peers never
+    come stops with one line after ``timeout_s`` — rank 0 waits for the others in its store, and
+    the others first wait for rank 0's store to answer (torch's own retries would take longer than
+    the timeout and print native stack traces)."""
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    srun = started_by_srun(env)
+
+    def note(seconds: float) -> str:
+        whom = "the other ranks to join" if rank == 0 else "rank 0 to answer"
+        return (f"torchpar: rank {rank} of {world}: waiting for {whom} at {host}:{port} ({seconds:.0f} s; "
+                f"at most comm.timeout_s = {timeout_s} s)")
+
+    with progress("", shown=srun, line=note):
+        try:
+            if srun and rank != 0:
+                wait_for_listener(host, port, timeout_s)
+            # device_id: nccl connects eagerly and knows its device (no guessing from the rank).
+            dist.init_process_group(name, timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        except (dist.DistError, TimeoutError) as e:
+            summary = str(e).strip().splitlines()[0] if str(e).strip() else "timed out"
+            raise RankError(
+                f"the process group of {world} ranks did not form at {host}:{port} ({type(e).__name__}: "
+                f"{summary}): start all {world} processes (under srun: every task of the step) with the same "
+                f"MASTER_ADDR and MASTER_PORT, or raise comm.timeout_s ({timeout_s} s) if some start "
+                "slowly") from None
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Until something accepts a connection at host:port; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+                                     ).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing answered in {timeout_s} s") from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def shutdown_distributed() -> None:

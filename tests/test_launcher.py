@@ -1,0 +1,274 @@
+"""The launcher speaks in one line: a job that stops after launch (a divergence, a stop signal, the
+watchdog, a check that only the ranks make) ends with the first failing rank's own line and its
+exit code, torchrun's report in the dump folder's logs; start-up waits say whom they wait for and
+end at comm.timeout_s; launch variables that do not add up are one line before anything waits.
+
+Real ``./run_train.sh`` runs of the tiny job on 2 CPU ranks; each asserts the exit code, that the
+last line on stderr that is not a warning is the expected one, that no torchrun report or
+traceback reached the console, and a time bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import ROOT, TINY, free_port
+from test_bad_inputs import error_line
+from test_checkpoint_files import _rank_pids, folder_digest
+from test_train import env
+
+from torchpar.launch import Ended, first_failure
+
+# A start-up wait that ends soon: the waits end at comm.timeout_s (the watchdog must be below it).
+SHORT = ["--comm.timeout_s", "12", "--comm.watchdog_s", "0"]
+LONG = ["--training.steps", "100000", "--metrics.log_freq", "1", "--validation.enable", "false"]
+
+
+class Run:
+    """``./run_train.sh`` (or any command) in the background, its stderr lines timed as they come."""
+
+    def __init__(self, tmp_path, cmd, **extra):
+        self.started = time.time()
+        environment = env(tmp_path, **{"CONFIG_FILE": str(TINY), "NGPU": "2", **extra})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[tuple[float, str]] = []
+        self.out: list[str] = []
+        self.readers = [threading.Thread(target=self._read, args=args, daemon=True)
+                        for args in ((self.proc.stderr, True), (self.proc.stdout, False))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, stream, timed: bool) -> None:
+        for line in stream:
+            if timed:
+                self.lines.append((time.time() - self.started, line.rstrip("\n")))
+            else:
+                self.out.append(line)
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        for reader in self.readers:
+            reader.join(timeout=10)
+        self.elapsed = time.time() - self.started
+        return self.proc.returncode
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def first(self, text: str) -> float:
+        """Seconds from the start to the first stderr line containing ``text``."""
+        return next(t for t, line in self.lines if text in line)
+
+
+def train_sh(tmp_path, *overrides, **extra) -> Run:
+    return Run(tmp_path, ["./run_train.sh", "--job.dump_folder", str(tmp_path / "run"), *overrides], **extra)
+
+
+def assert_one_line(run: Run, code: int, start: str, *fragments: str, traceback_ok: bool = False) -> str:
+    err = run.stderr
+    assert run.proc.returncode == code, f"exit {run.proc.returncode}:\n{err[-4000:]}"
+    line = error_line(err)
+    assert line.startswith(start), err[-4000:]
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    assert err.count(line) == 1, err[-4000:]  # said once, though several ranks know it
+    for noise in ("ChildFailedError", "Traceback", "torch.distributed.elastic", "Root Cause"):
+        assert noise not in err or (noise == "Traceback" and traceback_ok), err[-4000:]
+    return line
+
+
+def report(tmp_path) -> str:
+    return (tmp_path / "run" / "logs" / "torchrun_node0.log").read_text()
+
+
+def wait_for_steps(run: Run, folder: Path, steps: int, limit: float = 180) -> None:
+    deadline = time.time() + limit
+    metrics = folder / "metrics.jsonl"
+    while run.proc.poll() is None and time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {steps} steps logged:\n{run.stderr[-3000:]}")
+
+
+# --- after launch: the first failing rank's line and code
+
+
+def test_a_divergence_stop_is_its_line_and_code_3(tmp_path):
+    run = train_sh(tmp_path, "--optimizer.lr", "inf")
+    assert run.wait() == 3
+    assert_one_line(run, 3, "torchpar: error: step ", "non-finite loss", "last good checkpoint: none")
+    assert "ChildFailedError" in report(tmp_path) and "torchpar.train FAILED" in report(tmp_path)
+    assert run.elapsed < 120, run.elapsed
+
+
+# Rank 1 of the job sees one GPU (torch.cuda patched at its interpreter's start): the ranks' own
+# check of their device, which no check before the launch can make, refuses LOCAL_RANK 1.
+ONE_GPU_FOR_RANK_1 = """import os
+if os.environ.get("LOCAL_RANK") == "1" and "TORCHELASTIC_RUN_ID" in os.environ:
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+"""
+
+
+@pytest.mark.parametrize("log_rank", ["0", "0,1"])
+def test_a_check_only_a_rank_makes_is_its_line(tmp_path, log_rank):
+    """A ConfigError that rank 1 alone raises (rank 0 goes on to wait for it in the process group
+    until torchrun stops it): its line, though rank 1's errors are not printed by the rank, and 2."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ONE_GPU_FOR_RANK_1)
+    run = train_sh(tmp_path, LOG_RANK=log_rank, PYTHONPATH=str(tmp_path / "site"))
+    assert run.wait() == 2
+    assert_one_line(run, 2, "torchpar: error: LOCAL_RANK 1 but this node has 1 visible GPU(s)", "NGPU")
+    assert run.elapsed < 120, run.elapsed
+
+
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_sigterm_stop_keeps_its_code(tmp_path, target):
+    """SIGTERM (what SLURM sends before it kills a job) to the launcher, which torchrun passes on
+    to every rank, or to one rank: a save after the same step on every rank, rank 0's line, 143."""
+    folder = tmp_path / "run"
+    run = train_sh(tmp_path, *LONG, "--checkpoint.enable", "true", "--checkpoint.interval", "100000")
+    wait_for_steps(run, folder, 3)
+    if target == "launcher":
+        run.proc.send_signal(signal.SIGTERM)  # run_train.sh is the launcher by now (exec)
+    else:
+        for pid in _rank_pids(1, folder):
+            os.kill(pid, signal.SIGTERM)
+    assert run.wait() == 128 + signal.SIGTERM
+    line = assert_one_line(run, 143, "torchpar: stopped by SIGTERM after step ", "saved checkpoint")
+    (saved,) = (folder / "checkpoint").glob("step-*")
+    assert saved.name in line
+
+
+def test_the_watchdog_stop_is_its_line_and_code_4(tmp_path):
+    """A rank that stops answering (SIGSTOP) is named by the watchdog of the rank that noticed."""
+    folder = tmp_path / "run"
+    run = train_sh(tmp_path, *LONG, "--comm.watchdog_s", "4")
+    stopped = []
+    try:
+        wait_for_steps(run, folder, 3)
+        time.sleep(3)  # a few heartbeats, so that rank 1 has reported a step
+        for pid in _rank_pids(1, folder):
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        assert run.wait() == 4
+    finally:
+        for pid in stopped:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert_one_line(run, 4, "torchpar: error: rank ", "watchdog (comm.watchdog_s = 4)",
+                    "rank 1 stopped answering")
+
+
+def test_a_rank_that_dies_without_a_word_is_named(tmp_path):
+    """SIGKILL leaves no line of the rank's own: the launcher names the rank, how it ended and
+    where its output is. (Rank 0's collective may fail with the peer gone and print its traceback
+    before torchrun stops it; the launcher's line still comes last.)"""
+    folder = tmp_path / "run"
+    run = train_sh(tmp_path, *LONG)
+    wait_for_steps(run, folder, 2)
+    for pid in _rank_pids(1, folder):
+        os.kill(pid, signal.SIGKILL)
+    assert run.wait() == 128 + signal.SIGKILL
+    assert_one_line(run, 137, "run_train.sh: error: rank 1 was killed by SIGKILL without a message",
+                    f"{folder}/logs/rank_1.log", f"{folder}/logs/torchrun_node0.log", traceback_ok=True)
+
+
+def test_which_rank_speaks_and_with_which_code():
+    said = {"torchpar": {"line": "torchpar: error: x", "time": 2.0, "shown": True}}
+    later = {"torchpar": {"line": "torchpar: error: y", "time": 3.0, "shown": False}}
+    raised = {"message": {"message": "RuntimeError: Connection closed by peer"}, "torchpar": {"time": 1.0}}
+    # rank 1 exited by itself with code 3 first; rank 0 had printed the line when torchrun stopped it
+    assert pick([Ended(0, 0, -15, said), Ended(1, 1, 3, {})]) == (0, 3)
+    assert pick([Ended(0, 0, 4, later), Ended(1, 1, 4, said)]) == (1, 4)  # the earlier line
+    # a peer's collective fails after a rank is killed: the killed one is the cause
+    assert pick([Ended(0, 0, 1, raised), Ended(1, 1, -9, {})]) == (1, 137)
+    assert pick([Ended(0, 0, -15, {}), Ended(1, 1, 1, raised)]) == (1, 1)
+    assert pick([Ended(0, 0, -15, {}), Ended(1, 1, 2, {})]) == (1, 2)
+    assert pick([Ended(0, 0, None, said)]) == (0, 1)  # (a line but no code: stopped before it could exit)
+
+
+def pick(ended: list[Ended]) -> tuple[int, int]:
+    first, code = first_failure(ended)
+    return first.rank, code
+
+
+# --- start-up waits: who is waited for, and an end at comm.timeout_s
+
+
+def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
+    port = free_port()
+    run = train_sh(tmp_path, *SHORT, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{port}")
+    assert run.wait() == 2
+    assert_one_line(run, 2, f"run_train.sh: error: the other node of NNODES=2 at 127.0.0.1:{port}",
+                    "did not join within comm.timeout_s = 12 s", "RDZV_ENDPOINT")
+    waiting = run.first("run_train.sh: waiting for the other node of NNODES=2 at 127.0.0.1:")
+    assert waiting < 35, run.lines
+    assert run.elapsed < waiting + 12 + 15, (waiting, run.elapsed)  # 12 s after the first note at most
+    # nothing started: the launch check's lock file and torchrun's report only
+    files = sorted(str(p.relative_to(tmp_path / "run")) for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert files == ["logs/torchrun_node0.log", "torchpar.lock"], files
+
+
+def srun_task(tmp_path, task: int, port: int) -> Run:
+    """One task of a 2-task srun step that starts python -m torchpar.train itself (no torchrun)."""
+    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--job.dump_folder",
+           str(tmp_path / "run"), *SHORT]
+    return Run(tmp_path, cmd, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
+               SLURM_STEP_NODELIST="localhost", SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
+               MASTER_PORT=str(port))
+
+
+@pytest.mark.parametrize("task", [0, 1])
+def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path, task):
+    port = free_port()
+    run = srun_task(tmp_path, task, port)
+    assert run.wait() == 2
+    whom = "the other ranks to join" if task == 0 else "rank 0 to answer"
+    waiting = run.first(f"torchpar: rank {task} of 2: waiting for {whom} at localhost:{port}")
+    assert waiting < 35, run.lines
+    prefix = "torchpar: error: " + ("rank 1: " if task else "")
+    assert_one_line(run, 2, prefix + f"the process group of 2 ranks did not form at localhost:{port}",
+                    "start all 2 processes", "comm.timeout_s (12 s)")
+    assert run.elapsed < waiting + 12 + 15, (waiting, run.elapsed)
+
+
+# --- launch variables that do not add up: one line before anything starts or waits
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"NGPU": "0"}, "NGPU=0: give the number of processes on this node, 1 or more"),
+    ({"NGPU": "-2"}, "NGPU=-2: give the number of processes"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0"}, "RDZV_ENDPOINT=node0: give host:port"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0:"}, "RDZV_ENDPOINT=node0:: give host:port"),
+    ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS=abc is not a number of tasks"),
+    ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: give 0 or more"),
+    ({"LOG_RANK": "all"}, "LOG_RANK=all: give local ranks"),
+], ids=["NGPU=0", "NGPU=-2", "endpoint without port", "endpoint with empty port", "srun tasks abc",
+        "negative restarts", "LOG_RANK all"])
+def test_launch_variables_that_do_not_add_up(tmp_path, extra, message):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("the user's")
+    before = folder_digest(folder)
+    run = train_sh(tmp_path, **extra)
+    assert run.wait(timeout=60) == 2
+    assert_one_line(run, 2, f"run_train.sh: error: {message}")
+    assert run.elapsed < 30, run.elapsed
+    assert folder_digest(folder) == before

@@ -1,0 +1,235 @@
+"""run_train.sh's torchrun: torchrun itself (its options, agent and rendezvous), reporting the way
+torchpar does.
+
+    python -m torchpar.launch [torchrun options] -m torchpar.train --config FILE [overrides]
+
+- A failed job ends with one line and the first failing rank's exit code: that rank's own
+  ``torchpar: ...`` line, read from the error file torchrun gives each rank (written by
+  :class:`torchpar.console.Reason`) — printed unless the console showed it already. A stop on
+  purpose keeps its code (divergence 3, the watchdog 4, a signal 128 + its number).
+  torchrun's own log and its failure report go to <dump_folder>/logs/torchrun_node<N>.log.
+- While the agents of a multi-node job wait for each other at the rendezvous, a line every
+  30 s says for whom; after ``comm.timeout_s`` the wait ends with one line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchpar.config import load_config, parse_train_args
+from torchpar.console import progress
+from torchpar.errors import ConfigError
+
+PROG = "run_train.sh"
+
+
+@dataclass
+class Ended:
+    """A rank that ended with a nonzero code, and what it recorded in its error file."""
+
+    rank: int | str
+    local_rank: int
+    code: int | None
+    data: dict
+
+    @property
+    def line(self) -> str | None:
+        return self.data.get("torchpar", {}).get("line")
+
+    @property
+    def exception(self) -> str | None:
+        """torchrun's record of an exception no check foresaw: 'RuntimeError: ...'."""
+        message = self.data.get("message")
+        return message.get("message") if isinstance(message, dict) else None
+
+
+def first_failure(ended: list[Ended]) -> tuple[Ended, int]:
+    """The rank to speak for the job, and the job's exit code. The rank: the first to record a
+    line; else one that was killed or crashed (torchrun stops the others with SIGTERM, and their
+    collectives fail after a peer's death); else the first to raise an exception; else one that
+    exited by itself. The code is that rank's own — unless torchrun stopped it after it had said
+    why, when it is the code of a rank that exited by itself (a divergence stop on every rank: rank
+    0 has the line, and may be stopped by torchrun once another rank exits with 3)."""
+    def at(e: Ended) -> float:
+        return e.data.get("torchpar", {}).get("time", float("inf"))
+
+    said = [e for e in ended if e.line]
+    crashed = [e for e in ended if e.code is not None and e.code < 0 and e.code != -signal.SIGTERM]
+    raised = [e for e in ended if e.exception]
+    by_itself = [e for e in ended if e.code is not None and e.code > 0]
+    first = (min(said, key=at) if said else crashed[0] if crashed else min(raised, key=at) if raised
+             else by_itself[0] if by_itself else ended[0])
+    code = first.code
+    if first.line and (code is None or code < 0) and by_itself:
+        code = by_itself[0].code
+    return first, exit_code(code if code is not None else 1)
+
+
+def exit_code(code: int) -> int:
+    """A shell's code for a process's: a death by signal N is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+class Launch:
+    def __init__(self, args, cfg):
+        from torch.distributed.run import parse_min_max_nnodes
+
+        self.args, self.cfg = args, cfg
+        self.nnodes = parse_min_max_nnodes(args.nnodes)[1]
+        self.timeout = cfg.comm.timeout_s
+        self.logs = Path(cfg.job.dump_folder) / "logs"
+        self.report = self.logs / f"torchrun_node{args.node_rank}.log"
+        self.shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
+
+    def where(self) -> str:
+        others = "the other node" if self.nnodes == 2 else f"the other {self.nnodes - 1} nodes"
+        a = self.args
+        return (f"{others} of NNODES={self.nnodes} at {a.rdzv_endpoint} (RDZV_ID {a.rdzv_id}; "
+                f"this is NODE_RANK {a.node_rank})")
+
+    def run(self) -> int:
+        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+        from torch.distributed.run import run
+
+        self._log_to_report()
+        # The rendezvous gives up when comm.timeout_s is over: the agents' wait for each other,
+        # and a node's wait for the first node's store to answer.
+        conf = f"join_timeout={self.timeout},read_timeout={self.timeout}"
+        self.args.rdzv_conf = f"{conf},{self.args.rdzv_conf}" if self.args.rdzv_conf else conf
+        with tempfile.TemporaryDirectory(prefix="torchpar-torchrun-") as log_dir:
+            # torchrun's folder for the ranks' error files (attempt_<n>/<local rank>/error.json)
+            self.args.log_dir = log_dir
+
+            def started() -> bool:
+                return any(Path(log_dir).glob("*/attempt_*"))
+
+            def note(seconds: float) -> str:
+                return (f"{PROG}: waiting for {self.where()}: {seconds:.0f} s, at most "
+                        f"comm.timeout_s = {self.timeout} s")
+
+            try:
+                with progress("", shown=self.nnodes > 1, line=note, until=started):
+                    run(self.args)
+                return 0
+            except ChildFailedError as e:
+                self._to_report(e)
+                return self._failed([Ended(rank, f.local_rank, f.exitcode, f.error_file_data)
+                                     for rank, f in e.failures.items()])
+            except SignalException as e:
+                self._to_report(e)
+                return self._stopped(e.sigval, log_dir)
+            except RendezvousTimeoutError as e:
+                self._to_report(e)
+                return self._say(f"{PROG}: error: {self.where()} did not join within comm.timeout_s = "
+                                 f"{self.timeout} s: start run_train.sh on every node with the same NNODES, "
+                                 "RDZV_ENDPOINT and RDZV_ID, or raise --comm.timeout_s", 2)
+            except RendezvousConnectionError as e:
+                self._to_report(e)
+                return self._say(
+                    f"{PROG}: error: the rendezvous at RDZV_ENDPOINT={self.args.rdzv_endpoint} did not "
+                    f"answer within comm.timeout_s = {self.timeout} s: start NODE_RANK 0 there, give every "
+                    "node an address of it that they reach (host:port), or raise --comm.timeout_s", 2)
+            except Exception as e:  # torchrun's own fault: its traceback to the report
+                self._to_report(e)
+                first = (str(e).strip().splitlines() or [""])[0]
+                return self._say(f"{PROG}: error: torchrun failed: {type(e).__name__}: {first} "
+                                 f"(its report: {self.report})", 1)
+
+    def _failed(self, ended: list[Ended]) -> int:
+        """The first failing rank's line (unless the console showed it) and its code."""
+        first, code = first_failure(ended)
+        if first.line:
+            on_console = self.shown is None or first.local_rank in self.shown
+            return code if first.data["torchpar"].get("shown") and on_console else self._say(first.line, code)
+        output = (f"its output: {self.logs}/rank_{first.rank}.log" if self.cfg.job.rank_logs
+                  else f"LOG_RANK={first.local_rank} shows its output")
+        if first.exception:
+            return self._say(f"{PROG}: error: rank {first.rank} failed: {first.exception} ({output}; "
+                             f"torchrun's report: {self.report})", code)
+        killed = first.code is not None and first.code < 0
+        how = f"was killed by {signal.Signals(-first.code).name}" if killed else f"exited with code {code}"
+        return self._say(f"{PROG}: error: rank {first.rank} {how} without a message ({output}; torchrun's "
+                         f"report: {self.report})", code)
+
+    def _stopped(self, signum: int, log_dir: str) -> int:
+        """This launcher got a stop signal and torchrun passed it on: the ranks' own lines and codes,
+        from their error files in torchrun's last attempt."""
+        attempts = sorted(Path(log_dir).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+        ended = []
+        for path in sorted(attempts[-1].glob("*/error.json")) if attempts else []:
+            data = json.loads(path.read_text())
+            record = data.get("torchpar", {})
+            ended.append(Ended(record.get("rank", "?"), int(path.parent.name), record.get("code"), data))
+        if any(e.line for e in ended):
+            return self._failed(ended)
+        name = signal.Signals(signum).name
+        return self._say(f"{PROG}: stopped by {name} before the ranks could stop at a step (nothing was "
+                         f"saved; torchrun's report: {self.report})", 128 + signum)
+
+    @staticmethod
+    def _say(line: str, code: int) -> int:
+        print(line, file=sys.stderr, flush=True)
+        return code
+
+    def _log_to_report(self) -> None:
+        """torchrun's log lines (and Python's warnings here) go to the report file, not the console."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.report, "a") as f:  # appended to by every launch on this node
+            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
+                    f"torchrun {' '.join(sys.argv[1:])}\n")
+        handler = logging.FileHandler(self.report)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.captureWarnings(True)
+        for name in ("torch.distributed", "py.warnings"):
+            log = logging.getLogger(name)
+            log.handlers = [handler]  # (torch gives torch.distributed a handler of its own, to stderr)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+
+    def _to_report(self, e: BaseException) -> None:
+        with open(self.report, "a") as f:
+            f.write("".join(traceback.format_exception(e)))
+
+
+def main(argv: list[str]) -> int:
+    # The agent's store client retries with native warnings, each with a C++ stack trace, on the
+    # console; its failures reach this process as exceptions anyway. Quiet here only (torch reads
+    # the level when it loads): the ranks keep theirs.
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from torch.distributed.run import parse_args
+
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+    args = parse_args(argv)
+    try:
+        config, overrides, _, _ = parse_train_args(args.training_script_args, "")
+        cfg = load_config(config, overrides)
+    except ConfigError as e:  # run_train.sh checked the config before: this is a launch of another shape
+        return Launch._say(f"{PROG}: error: {e}", 2)
+    # The agent turns these signals into its own exception from the moment it starts ranks; before
+    # that (the rendezvous) too, so that a stop while waiting is one line.
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def stop(signum, frame):
+        raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return Launch(args, cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
