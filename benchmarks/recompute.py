@@ -46,7 +46,7 @@ def step_seconds(overrides: list[str], steps: int, folder: str) -> list[float]:
 def main() -> None:
     from torchpar.config import load_config
     from torchpar.device import init_distributed, shutdown_distributed
-    from torchpar.plan.checks import step_peak_check
+    from torchpar.verify import step_peak_check
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--flavor", default="debug")

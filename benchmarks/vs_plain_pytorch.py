@@ -93,7 +93,7 @@ def torchpar_step(out: str, overrides: list[str], seq: int, batch: int, bucket_m
 def worker(rank, world, out, variant, steps, seq, batch, bucket_mb=25.0):
     """One variant (ranks, plain reference kind or None, torchpar overrides or None) in this group:
     ``steps`` steps, the first untimed (and its collectives counted), figures to result.json."""
-    from torchpar.tools.ledger import CommLedger
+    from torchpar.parallel.ledger import CommLedger
 
     ranks, kind, overrides = variant
     if kind is None:

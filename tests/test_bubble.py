@@ -3,7 +3,8 @@ from fractions import Fraction
 import pytest
 
 from torchpar.parallel.bubble import compute_actions, schedule_actions, simulate
-from torchpar.tools.schedule import _shade, schedule_order, text_gantt, write_png, write_svg
+from torchpar.parallel.pipeline import schedule_order
+from torchpar.tools.schedule import _shade, text_gantt, write_png, write_svg
 
 
 def bubble(name, pp, m, v):

@@ -30,7 +30,7 @@ LEDGER_LAYOUTS = {
 
 def _ledger_worker(rank, world, out):
     from torchpar.config import load_config
-    from torchpar.tools.ledger import CommLedger
+    from torchpar.parallel.ledger import CommLedger
     from torchpar.train import Trainer
 
     results = {}
@@ -159,7 +159,7 @@ def test_planner_bytes_equal_the_real_model_at_scale(name):
 
 @pytest.fixture(scope="module")
 def seeds():
-    from torchpar.plan.checks import seed_examples
+    from torchpar.plan.seeds import seed_examples
 
     return {
         e["example"].split(" ")[0]
@@ -227,7 +227,7 @@ ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("
 def _activation_worker(rank, world, out, cases):
     from torchpar.models import MODELS
     from torchpar.parallel.layout import Layout
-    from torchpar.plan.checks import activation_check
+    from torchpar.verify import activation_check
 
     results = []
     for family, flavor, batch, seq, sp, policy, every in cases:
@@ -279,7 +279,7 @@ def test_activations_predicted_under_tensor_and_sequence_parallelism():
 
 def _peak_worker(rank, world, out, shapes):
     from torchpar.config import load_config
-    from torchpar.plan.checks import step_peak_check
+    from torchpar.verify import step_peak_check
 
     results = {}
     for shape, overrides in shapes.items():
@@ -362,8 +362,8 @@ def test_the_search_leaves_out_schedules_too_long_to_build(capfd):
     """Pipeline layouts of more microbatches than a schedule is built for are left out, with a
     warning; the others, and every layout without a pipeline, are still searched."""
     from torchpar.models import MODELS
+    from torchpar.parallel.pipeline import MAX_MICROBATCHES
     from torchpar.plan import PRESETS, search
-    from torchpar.tools.schedule import MAX_MICROBATCHES
 
     model = MODELS["llama3"]
     plans = search(model, model.args("debug"), PRESETS["H100-80GB"], 4096, 128)

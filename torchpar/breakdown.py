@@ -23,6 +23,8 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+from torchpar.parallel.ledger import CommLedger
+
 PHASES = ("data", "forward_backward", "reduce_clip", "optimizer")
 
 
@@ -45,8 +47,6 @@ class StepBreakdown:
         if not count_bytes:
             yield
             return
-        from torchpar.tools.ledger import CommLedger
-
         with CommLedger(self.mesh, self.synchronize) as ledger:
             yield
         self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
+from torchpar.parallel.zero import local
 
 
 class DivergenceGuard:
@@ -82,7 +83,6 @@ def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
 
 def weights_finite(params: list[torch.Tensor]) -> bool:
     """Whether every value of every parameter on every rank is finite (one all-reduce)."""
-    from torchpar.parallel.zero import local
 
     ok = torch.ones((), device=params[0].device if params else "cpu")
     for p in params:

@@ -16,6 +16,9 @@ import time
 import uuid
 from pathlib import Path
 
+from torchpar import device as dev
+from torchpar.data import TokenizedCorpus
+
 
 class Throughput:
     """Tokens per second over training time alone (evaluation and checkpoint saves are set aside),
@@ -167,7 +170,6 @@ def describe_run(trainer) -> str:
             f"{lay.zero_stage}, global batch {trainer.global_batch} ({lay.accum} accumulation step(s)), "
             f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
     windows = trainer.dataloader.dataset
-    from torchpar.data import TokenizedCorpus
 
     how = {True: "prepared: own windows only", False: "tokenized on the fly"}
     read = ", ".join(f"{name} ({how[isinstance(src, TokenizedCorpus)]})"
@@ -185,8 +187,6 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
     also each rank's state bytes (and, through ``on_first_step``, the planner's prediction)."""
     import torch
     import torch.distributed as dist
-
-    from torchpar import device as dev
 
     lay, step = trainer.layout, trainer.train_state.step
     dev.synchronize()

@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from torchpar.console import output_path
 from torchpar.errors import ConfigError
 
 MARKER = "torchpar-output.json"  # in a folder a command writes: which command, and the files it wrote
@@ -33,7 +34,6 @@ def claim(flag: str, path: str | Path, *, folder: bool = False, suffixes: tuple[
     writing there would replace what torchpar did not write: an existing file, or a folder with
     files in it, unless ``own(path)`` recognises it as this command's earlier output or
     ``overwrite`` is set."""
-    from torchpar.console import output_path
 
     p = output_path(flag, path, folder=folder, suffixes=suffixes)
     if overwrite or not p.exists() or (own is not None and own(p)):

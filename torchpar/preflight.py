@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from torchpar.checkpoint import find_resume, read_manifest, saved_folder, verify_files
+from torchpar.checkpoint import checkpoint_root, find_resume, read_manifest, saved_folder, verify_files
 from torchpar.config import JobConfig
 from torchpar.console import progress, warn
 from torchpar.data import build_source, data_identity, resume_notes, source_specs
@@ -24,6 +24,7 @@ from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
+from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
@@ -169,7 +170,6 @@ def verify_contents(cfg: JobConfig, pre: Preflight) -> None:
 def initial_weights(cfg: JobConfig, model: ModelAdapter, args):
     """``checkpoint.initial_load_path`` as a mapping from parameter names to full tensors (an
     export file) or to lazily read weights (a Hugging Face folder: each rank reads its shards)."""
-    from torchpar.hf import HFWeights, is_hf_dir
 
     ck = cfg.checkpoint
     fmt = ck.initial_load_format
@@ -221,7 +221,6 @@ class RunLock:
 def claim_folders(cfg: JobConfig, rank: int) -> RunLock | None:
     """The dump folder (and the checkpoint folder) exist and are writable folders, before
     training rather than at the first save; rank 0 takes the run lock."""
-    from torchpar.checkpoint import checkpoint_root
 
     folders = [("job.dump_folder", Path(cfg.job.dump_folder))]
     if cfg.checkpoint.enable:

@@ -11,6 +11,8 @@ import sysconfig
 import zlib
 from pathlib import Path
 
+from torchpar.console import warn
+from torchpar.data.tokenized import TokenizedCorpus, is_prepared
 from torchpar.errors import ConfigError
 
 VALIDATION_PERCENT = 3  # stdlib files whose path hashes into this bucket form the held-out split
@@ -128,7 +130,6 @@ class FileSource(DocumentSource):
             else:
                 self._add(text)
         if nulls:
-            from torchpar.console import warn
 
             warn(f"skipped {len(nulls)} record(s) whose \"{text_field}\" is null (the first at {nulls[0]})")
         if not self.docs:
@@ -200,7 +201,6 @@ class HFSource(DocumentSource):
 
 def build_source(cfg, seed: int):
     """``cfg`` is the [data] section (or one of its sources)."""
-    from torchpar.data.tokenized import TokenizedCorpus, is_prepared
 
     if cfg.dataset == "stdlib":
         return StdlibSource(cfg.split, seed)

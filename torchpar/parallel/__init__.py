@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchpar.parallel.flat import FlatZero
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
+from torchpar.parallel.pipeline import Pipeline, split_model
 from torchpar.parallel.recompute import apply_recompute
 from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
 from torchpar.parallel.zero import ZeroState, unique_params
@@ -61,7 +62,6 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
     with torch.device("meta"):
         module = model.build(args)
     if layout.pp > 1:
-        from torchpar.parallel.pipeline import split_model
 
         parts = split_model(module, model, layout)
     else:
@@ -105,7 +105,6 @@ def build_parallel_model(model, args, layout: Layout, device: torch.device, seed
     state = materialize(parts, layout, device, seed, build_optimizer, initial_weights)
     pipeline = None
     if layout.pp > 1:
-        from torchpar.parallel.pipeline import Pipeline
 
         pipeline = Pipeline(parts, layout, device)
     return ParallelModel(parts, state, pipeline)

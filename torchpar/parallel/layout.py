@@ -17,10 +17,13 @@ import itertools
 import math
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.parallel.pipeline import V_SCHEDULES, pipeline_split
+from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
+from torchpar.parallel.pipeline import balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -97,13 +100,8 @@ class Layout:
         return 2 if self.param_dtype == "bfloat16" else 4
 
     def stage_ids(self, pp_rank: int) -> list[int]:
-        """The global pipeline stages rank ``pp_rank`` holds, in order: stage s on rank s mod pp,
-        or the V placement (rank r holds r and 2pp-1-r) of the V-shaped schedules."""
-        if self.pp == 1:
-            return [0]
-        if self.schedule in V_SCHEDULES:
-            return [pp_rank, 2 * self.pp - 1 - pp_rank]
-        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+        """The global pipeline stages rank ``pp_rank`` holds, in order (see pipeline.stage_ids)."""
+        return stage_ids(self.pp, pp_rank, self.schedule, self.stages_per_rank)
 
     def rank_coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank, tp fastest."""
@@ -290,14 +288,40 @@ def _check_recompute(layout: Layout, args) -> None:
                  "at most the layers of a stage")
 
 
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when torch.chunk / DTensor Shard split ``n`` into ``parts``."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - index * size))
+
+
+def split_of(model, args, lay: Layout) -> list[int]:
+    """Layers per pipeline stage: the layout's split, or the balanced one."""
+    if lay.pp == 1:
+        return [args.n_layers]
+    if lay.layers_per_stage:
+        return list(lay.layers_per_stage)
+    return balanced_split(model, args, lay.num_stages)
+
+
+def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> list[tuple[int, int]]:
+    """(rows, cols) of each parameter the rank holds at pipeline position ``pp_rank`` and TP
+    coordinate ``tp_index``, after tensor parallelism, in model order (first-stage modules,
+    blocks, last-stage modules)."""
+    split = split_of(model, args, lay)
+    out = []
+    for s in lay.stage_ids(pp_rank):
+        for _, (rows, cols), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]):
+            if lay.tp > 1 and tp_dim == 0:
+                rows = chunk(rows, lay.tp, tp_index)
+            elif lay.tp > 1 and tp_dim == 1:
+                cols = chunk(cols, lay.tp, tp_index)
+            out.append((rows, cols))
+    return out
+
+
 def _check_buckets(layout: Layout, model, args) -> None:
     """ZeRO 0-2 cut each rank's gradients into buckets of ``bucket_mb``: a count beyond
     MAX_BUCKETS is refused by arithmetic, before anything is built."""
-    import torch
-
-    from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
-    from torchpar.plan.layout import rank_params
-
     n = flat_shards(layout)
     held = max(sum(r * c for r, c in rank_params(model, args, layout, p)) for p in range(layout.pp))
     elements = math.ceil(held / n) * n

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchpar.plan.estimate import RING_FACTOR
+# Share of the payload a ring sends per rank: the ledger and the planner count with the same factors.
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
+               "broadcast": lambda n: (n - 1) / n}
 
 
 def _first(args, n):  # the (full) tensor or tensor list the op reduces, gathers into, or sends

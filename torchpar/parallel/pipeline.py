@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 from torchpar.errors import ConfigError, did_you_mean
+from torchpar.loss import cross_entropy_sum
+from torchpar.parallel.bubble import bubble_report, schedule_actions, simulate
+from torchpar.parallel.zero import full_value
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -22,6 +25,48 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
              "DualPipeV")
+
+
+def stage_ids(pp: int, pp_rank: int, schedule: str, stages_per_rank: int) -> list[int]:
+    """The global pipeline stages rank ``pp_rank`` holds, in order: stage s on rank s mod pp,
+    or the V placement (rank r holds r and 2pp-1-r) of the V-shaped schedules."""
+    if pp == 1:
+        return [0]
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+# The most microbatches a schedule is built for here: torch builds the multi-stage schedules in
+# time quadratic in their count (about a second at 1024), and the planner builds one per layout.
+MAX_MICROBATCHES = 256
+
+
+def schedule_order(
+    name: str, pp: int, n_microbatches: int, stages_per_rank: int
+) -> tuple[dict[int, list], int]:
+    """Build the real torch schedule for rank 0 on a fake process group and return its order."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    num_stages = pp * stages_per_rank
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        group = dist.new_group(list(range(pp))) if not created else None
+        stages = [PipelineStage(nn.Linear(1, 1), s, num_stages, "cpu", group=group)
+                  for s in stage_ids(pp, 0, name, stages_per_rank)]
+        cls = get_schedule_class(name)
+        schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n_microbatches,
+                       loss_fn=lambda out, target: out.sum(), scale_grads=False)
+        return schedule.pipeline_order, num_stages
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def stages_per_rank(par) -> int:
@@ -195,8 +240,6 @@ class Pipeline:
         self._timer = None  # see time_actions
 
     def _loss(self, output, target):
-        from torchpar.loss import cross_entropy_sum
-        from torchpar.parallel.zero import full_value
 
         with self._timer("L") if self._timer else contextlib.nullcontext():  # the last stage's work too
             loss = cross_entropy_sum(output, target)
@@ -221,7 +264,6 @@ class Pipeline:
         """Evaluation (call under no_grad): a batch through the stages in stage order, with
         plain sends between ranks and no schedule — torch 2.13's ``schedule.eval`` fails for the
         V-shaped schedules. Returns the summed token loss on the last stage's ranks, else 0."""
-        from torchpar.loss import cross_entropy_sum
 
         loss = torch.zeros((), device=inputs.device)
         x, dtype = inputs, getattr(torch, self.layout.param_dtype)  # activations in the compute dtype
@@ -261,18 +303,15 @@ class Pipeline:
     def predicted_bubble(self, cost: dict | None = None) -> float:
         """The cost model's bubble of this schedule (mean over the pipeline ranks); ``cost``:
         times per action kind instead of the model's F=1, B=2, I=W=1."""
-        from torchpar.parallel.bubble import simulate
 
         return simulate(self.actions(), self.layout.num_stages, cost)["bubble"]
 
     def actions(self) -> dict[int, list]:
-        from torchpar.parallel.bubble import schedule_actions
 
         return schedule_actions(self.layout.schedule, self.schedule.pipeline_order, self.layout.pp,
                                 self.n_microbatches)
 
     def describe(self) -> str:
-        from torchpar.parallel.bubble import bubble_report
 
         lay = self.layout
         return (

@@ -15,8 +15,9 @@ of parameters. :func:`deepspeed_bytes` gives that convention for comparison.
 The model is known through its adapter (``torchpar.models``), the layout is
 :class:`torchpar.parallel.layout.Layout`. Modules: ``layout`` (the cluster, what each rank
 holds), ``estimate`` (activations, communication, bubble, step time of one layout), ``search``
-(every layout, the explanation, the command line), ``checks`` (the tutorials' worked examples,
-measured activations), ``compare`` (the prediction a running job logs beside its measurement).
+(every layout and the explanation), ``seeds`` (published worked examples), ``compare`` (the
+prediction a running job logs beside its measurement). ``torchpar.verify`` holds the planner
+against measured runs; nothing at run time imports the planner.
 """
 
 from torchpar.parallel.layout import Layout

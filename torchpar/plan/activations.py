@@ -8,7 +8,7 @@ Each storage is tagged with the tensor-parallel style of the module that created
 adapter's block plan), which says how tensor and sequence parallelism divide it. Attention runs
 as a fused kernel would (it keeps q, k, v, its output and the log-sum-exp, no score matrix).
 
-The same tracker, on real tensors, measures a real run (``torchpar.plan.checks``).
+The same tracker, on real tensors, measures a real run (``torchpar.verify``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from torchpar.loss import cross_entropy_sum
+from torchpar.models import canonical_name
+from torchpar.parallel.recompute import apply_recompute, recomputed
 
 NORM_OUTPUT = "norm output"  # a norm's result: gathered to full length before a column-wise linear
 
@@ -111,7 +115,6 @@ class FusedAttention(TorchFunctionMode):
 
 def styles_of(module, plan: dict, part: str) -> dict:
     """The modules of ``module`` named in an adapter's plan: module -> (part, style)."""
-    from torchpar.models import canonical_name
 
     named = {canonical_name(name): m for name, m in module.named_modules()}
     return {named[path]: (part, style) for path, style in plan.items() if path in named}
@@ -121,8 +124,6 @@ def styles_of(module, plan: dict, part: str) -> dict:
 def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -> dict:
     """Bytes a one-block model and its loss hold at the end of the forward, on the meta device,
     by part ("block": the block; "rest": embedding, final norm, head and loss) and creating style."""
-    from torchpar.loss import cross_entropy_sum
-    from torchpar.parallel.recompute import apply_recompute
 
     with torch.device("meta"):
         module = model.build(replace(args, n_layers=1))
@@ -186,7 +187,6 @@ def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) 
 
 def stage_activation_bytes(model, args, lay, batch: int, seq: int, first: int, layers: int) -> float:
     """Bytes the blocks ``first`` .. ``first + layers - 1`` hold, per microbatch."""
-    from torchpar.parallel.recompute import recomputed
 
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
     wrapped = sum(recomputed(i, policy, every) for i in range(first, first + layers))

@@ -8,9 +8,13 @@ import math
 from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
-from torchpar.parallel.layout import Layout
+from torchpar.parallel.flat import IN_FLIGHT
+from torchpar.parallel.layout import Layout, rank_params, split_of
+from torchpar.parallel.ledger import RING_FACTOR
+from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
+from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
-from torchpar.plan.layout import Cluster, rank_params, split_of, state_bytes
+from torchpar.plan.layout import Cluster, state_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
@@ -24,11 +28,9 @@ def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
     matmuls and attention). Selective recomputation keeps every matmul's and attention's output
     and reruns elementwise work only, O(d) FLOPs per token against the matmuls' O(d²): it is
     charged as memory traffic instead (:func:`_elementwise_recompute_s`)."""
-    from torchpar.parallel.recompute import recomputed
 
     if lay.activation_checkpoint != "full":
         return 0.0
-    from torchpar.parallel.pipeline import SPLIT_BACKWARD
 
     wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(args.n_layers))
     block, _head = model.matmul_params(args)
@@ -51,7 +53,6 @@ def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluste
 
 @functools.lru_cache(maxsize=None)
 def _actions(schedule: str, pp: int, n_micro: int, v: int):
-    from torchpar.tools.schedule import schedule_order
 
     order, num_stages = schedule_order(schedule, pp, n_micro, v)
     return schedule_actions(schedule, order, pp, n_micro), num_stages
@@ -138,7 +139,6 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     (stage 2) the owned shard, the buckets in flight and the one being filled, and up to a block's
     gradients more: a block's gradients arrive in backward's order, not the buffer's, so complete
     buckets wait for the block's last one before they are reduced, in order."""
-    from torchpar.parallel.flat import IN_FLIGHT
 
     elements = _flat_elements(lay, rank_params(model, args, lay, pp_rank))
     whole = _reduce_bytes(lay) * elements
@@ -244,10 +244,6 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
     )
 
 
-# Share of the payload a ring sends per rank (the communication ledger uses the same factors).
-RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
-               "broadcast": lambda n: (n - 1) / n}
 
 
 class _Sent(dict):

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.parallel.layout import Layout, resolve_layout
-from torchpar.parallel.pipeline import balanced_split
+from torchpar.parallel.layout import Layout, chunk, rank_params, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,6 @@ PRESETS = {
 }
 
 
-def chunk(n: int, parts: int, index: int) -> int:
-    """Length of piece ``index`` when torch.chunk / DTensor Shard split ``n`` into ``parts``."""
-    size = math.ceil(n / parts)
-    return max(0, min(size, n - index * size))
-
-
 def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) -> tuple[Layout, object,
                                                                                       object]:
     """The exact layout a config gives on ``world`` ranks of ``device`` type (default: this
@@ -56,31 +49,6 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     return resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype), model, args
-
-
-def split_of(model, args, lay: Layout) -> list[int]:
-    """Layers per pipeline stage: the layout's split, or the balanced one."""
-    if lay.pp == 1:
-        return [args.n_layers]
-    if lay.layers_per_stage:
-        return list(lay.layers_per_stage)
-    return balanced_split(model, args, lay.num_stages)
-
-
-def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> list[tuple[int, int]]:
-    """(rows, cols) of each parameter the rank holds at pipeline position ``pp_rank`` and TP
-    coordinate ``tp_index``, after tensor parallelism, in model order (first-stage modules,
-    blocks, last-stage modules)."""
-    split = split_of(model, args, lay)
-    out = []
-    for s in lay.stage_ids(pp_rank):
-        for _, (rows, cols), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]):
-            if lay.tp > 1 and tp_dim == 0:
-                rows = chunk(rows, lay.tp, tp_index)
-            elif lay.tp > 1 and tp_dim == 1:
-                cols = chunk(cols, lay.tp, tp_index)
-            out.append((rows, cols))
-    return out
 
 
 def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, int]:

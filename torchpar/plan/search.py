@@ -6,11 +6,13 @@ import json
 import sys
 
 from torchpar.config import load_config
+from torchpar.console import warn
 from torchpar.errors import ConfigError, did_you_mean
 from torchpar.models import DEFAULT_FAMILY, MODELS
 from torchpar.parallel.layout import Layout
+from torchpar.parallel.pipeline import MAX_MICROBATCHES, SPLIT_BACKWARD, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
-from torchpar.plan.estimate import Plan, plan
+from torchpar.plan.estimate import Plan, micro_steps, plan
 from torchpar.plan.layout import PRESETS, Cluster, layout_from_config
 
 # ------------------------------------------------------------------ search and the command
@@ -44,8 +46,6 @@ def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: s
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
     left out (their schedules take too long to build) and counted in ``left_out``."""
-    from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, schedule_problem
-    from torchpar.tools.schedule import MAX_MICROBATCHES
 
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
         if zero in (1, 2, 3) and dp == 1 and not offload:
@@ -76,8 +76,6 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
            efficiency: float = 0.5) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
     ranked by estimated tokens/s (layouts that fit first)."""
-    from torchpar.console import warn
-    from torchpar.tools.schedule import MAX_MICROBATCHES
 
     left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
@@ -91,8 +89,6 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 
 def check_microbatches(lay: Layout) -> None:
     """One config's pipeline: its schedule must be one the planner can build (MAX_MICROBATCHES)."""
-    from torchpar.plan.estimate import micro_steps
-    from torchpar.tools.schedule import MAX_MICROBATCHES
 
     n_micro = micro_steps(lay)[1]
     if lay.pp > 1 and n_micro > MAX_MICROBATCHES:
@@ -301,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out = claim("--out", a.out, suffixes=PICTURE_SUFFIXES, overwrite=a.overwrite, own=is_own_picture)
     if a.seeds:
-        from torchpar.plan.checks import seed_examples
+        from torchpar.plan.seeds import seed_examples
 
         examples = seed_examples()
         if a.json:

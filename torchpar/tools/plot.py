@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from torchpar.console import warn
 from torchpar.errors import ConfigError
 from torchpar.outputs import PICTURE_MARK, replacing
 
@@ -64,7 +65,6 @@ def read_metrics(folder: str | Path) -> list[dict]:
 def check_losses(runs: list[tuple[str, list[dict]]]) -> None:
     """A run without a logged loss draws empty charts: refused when no run has one, a warning for
     each run that lacks them beside runs that have them."""
-    from torchpar.console import warn
 
     lacking = [name for name, records in runs if not any("loss" in r for r in records)]
     if len(lacking) == len(runs):

@@ -14,41 +14,10 @@ from pathlib import Path
 
 from torchpar.outputs import PICTURE_MARK, write_text
 from torchpar.parallel.bubble import schedule_actions, simulate
-from torchpar.parallel.layout import Layout
+from torchpar.parallel.pipeline import MAX_MICROBATCHES, schedule_order
+from torchpar.tools.plot import pyplot, save_figure
 
 COLOR = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
-# The most microbatches a schedule is built for here: torch builds the multi-stage schedules in
-# time quadratic in their count (about a second at 1024), and the planner builds one per layout.
-MAX_MICROBATCHES = 256
-
-
-def schedule_order(
-    name: str, pp: int, n_microbatches: int, stages_per_rank: int
-) -> tuple[dict[int, list], int]:
-    """Build the real torch schedule for rank 0 on a fake process group and return its order."""
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    num_stages = pp * stages_per_rank
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
-    try:
-        group = dist.new_group(list(range(pp))) if not created else None
-        stages = [PipelineStage(nn.Linear(1, 1), s, num_stages, "cpu", group=group)
-                  for s in Layout(pp=pp, stages_per_rank=stages_per_rank, schedule=name).stage_ids(0)]
-        cls = get_schedule_class(name)
-        schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n_microbatches,
-                       loss_fn=lambda out, target: out.sum(), scale_grads=False)
-        return schedule.pipeline_order, num_stages
-    finally:
-        if created:
-            dist.destroy_process_group()
-
-
 def _has_virtual_stages(sim: dict) -> bool:
     return len({s for tl in sim["timeline"].values() for *_, s, _ in tl}) > len(sim["timeline"])
 
@@ -123,7 +92,6 @@ def write_svg(sim: dict, path: str, title: str) -> None:
 
 
 def write_png(sim: dict, path: str, title: str) -> None:
-    from torchpar.tools.plot import pyplot, save_figure
 
     plt = pyplot()
     ranks = sorted(sim["timeline"])
