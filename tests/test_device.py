@@ -351,3 +351,61 @@ def test_cpu_training_keeps_freed_memory_in_the_heap():
     assert r.returncode == 0, r.stderr
     plain, kept = map(int, r.stdout.split())
     assert plain > 16000 and kept < 1000, (plain, kept)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_PROCID": "8"}, "SLURM_PROCID=8 but SLURM_STEP_NUM_TASKS=8"),
+    ({"SLURM_PROCID": "-1"}, "SLURM_PROCID='-1': expected a whole number 0 or more"),
+    ({"SLURM_LOCALID": "first"}, "SLURM_LOCALID='first': expected a whole number 0 or more"),
+    ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS='abc': expected a whole number 1 or more"),
+    ({"SLURM_STEP_NUM_NODES": "0"}, "SLURM_STEP_NUM_NODES='0': expected a whole number 1 or more"),
+    ({"SLURM_JOB_ID": "x"}, "SLURM_JOB_ID='x'"),
+])
+def test_srun_variables_that_do_not_add_up_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dev.slurm_environment({**SRUN, **change})
+
+
+WHERE = {"MASTER_ADDR": "h", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "WORLD_SIZE are set but MASTER_ADDR is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT is not"),
+    ({"RANK": "2", "WORLD_SIZE": "2", **WHERE}, "RANK=2 but WORLD_SIZE=2"),
+    ({"RANK": "0"}, "WORLD_SIZE=''"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "a", **WHERE}, "LOCAL_RANK='a'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "port"}, "MASTER_PORT='port'"),
+])
+def test_torchrun_variables_that_do_not_add_up_are_refused(env, message):
+    with pytest.raises(ConfigError, match=message):
+        dev.check_rank_environment(env)
+
+
+def test_torchrun_variables_that_add_up_pass():
+    dev.check_rank_environment({})  # one process
+    dev.check_rank_environment({"WORLD_SIZE": "4"})  # the launch check's world, no rank
+    dev.check_rank_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                                "MASTER_PORT": "29500"})
+
+
+def test_an_srun_task_with_its_one_gpu_uses_it(monkeypatch):
+    """srun --gpus-per-task=1: each task sees exactly its own GPU (device 0), whatever its
+    SLURM_LOCALID; under torchrun, or with more GPUs visible, LOCAL_RANK must exist."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(ConfigError, match="LOCAL_RANK 3 but this node has 1 visible GPU"):
+        dev.device_index()  # no srun: a launch of more processes than GPUs
+    monkeypatch.setenv("SLURM_PROCID", "7")
+    monkeypatch.setenv("RANK", "7")  # as adopt_slurm_environment sets it
+    assert dev.device_index() == 0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun under srun: its LOCAL_RANK counts
+    with pytest.raises(ConfigError, match="LOCAL_RANK 3"):
+        dev.device_index()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # not one GPU per task
+    with pytest.raises(ConfigError, match="LOCAL_RANK 3 but this node has 2 visible GPU"):
+        dev.device_index()

@@ -272,3 +272,23 @@ def test_launch_variables_that_do_not_add_up(tmp_path, extra, message):
     assert_one_line(run, 2, f"run_train.sh: error: {message}")
     assert run.elapsed < 30, run.elapsed
     assert folder_digest(folder) == before
+
+
+def test_the_slurm_script_hands_srun_its_cpus(tmp_path):
+    """srun inherits no --cpus-per-task from the batch since Slurm 22.05: the script passes it on
+    (srun and scontrol stand-ins record what the script asks of them)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu001\\ngpu002\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    slurm = {"SLURM_CPUS_PER_TASK": "64", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[001-002]",
+             "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT)}
+    slurm.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_ARGS=str(tmp_path / "srun_args"))
+    r = subprocess.run(["bash", "scripts/slurm/train.sbatch", "--training.steps", "3"], cwd=ROOT,
+                       env={**os.environ, **slurm}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "srun_args").read_text().splitlines()
+    assert {"--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"} <= set(args), args
+    assert args[-3:] == ["bash", "--training.steps", "3"], args  # the overrides reach run_train.sh
