@@ -58,8 +58,8 @@ if [ "$MAX_RESTARTS" -gt 0 ]; then
 fi
 # Check the config, data and layout once for the whole world, so a mistake is one line, not one
 # traceback per rank.
-NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar.train --check --config "$CONFIG_FILE" "$@" || exit $?
+NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar train --check --config "$CONFIG_FILE" "$@" || exit $?
 # torchrun, with torchpar's reporting: one line and the failing rank's code, waits that say so.
 exec python -m torchpar.launch "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \
-  -m torchpar.train --config "$CONFIG_FILE" "$@"
+  -m torchpar train --config "$CONFIG_FILE" "$@"

@@ -13,9 +13,9 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-timeout "$STAGE_S" python -m torchpar.cli selftest --json "$OUT/selftest.json" || echo "selftest: exit $?"
+timeout "$STAGE_S" python -m torchpar selftest --json "$OUT/selftest.json" || echo "selftest: exit $?"
 for zero in 0 3; do
-  timeout "$STAGE_S" python -m torchpar.train --config train_configs/debug_model.toml --model.flavor 1B \
+  timeout "$STAGE_S" python -m torchpar train --config train_configs/debug_model.toml --model.flavor 1B \
     --training.steps 20 --training.seq_len 2048 --training.local_batch_size 4 \
     --parallelism.zero_stage "$zero" --checkpoint.enable false --validation.enable false \
     --metrics.log_freq 5 --job.dump_folder "$OUT/1B_zero$zero" || echo "1B zero $zero: exit $?"

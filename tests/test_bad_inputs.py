@@ -23,7 +23,7 @@ from harness import ROOT, TINY
 from test_checkpoint_files import folder_digest
 from test_train import env
 
-from torchpar.cli import main
+from torchpar.commands import main
 from torchpar.preflight import RunLock
 
 STEP = "checkpoint/step-00000006"  # the latest
@@ -34,7 +34,7 @@ def trained(tmp_path_factory) -> Path:
     """A dump folder with complete checkpoints of steps 3 and 6 of the tiny model."""
     tmp = tmp_path_factory.mktemp("bad_inputs")
     folder = tmp / "trained"
-    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "6",
+    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "6",
            "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(folder)]
     r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

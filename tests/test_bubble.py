@@ -77,7 +77,7 @@ def test_picture_png_and_virtual_stages(tmp_path):
 
 
 def test_cli(capsys):
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     assert main(["schedule", "--pp", "4", "--microbatches", "16", "--schedule", "1F1B"]) == 0
     assert "bubble 15.79%" in capsys.readouterr().out

@@ -15,7 +15,7 @@ import torch
 from harness import ROOT, TINY
 from test_train import env, run
 
-TRAIN = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.seq_len", "32"]
+TRAIN = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.seq_len", "32"]
 
 
 def train(tmp_path, folder, *more):
@@ -233,7 +233,7 @@ def _rank_pids(local_rank: int, folder: Path | None = None) -> list[int]:
         except OSError:
             continue
         if (
-            b"torchpar.train" in cmd
+            b"torchpar\0train\0" in cmd
             and b"torchrun" not in cmd
             and (folder is None or str(folder).encode() in cmd)
             and f"LOCAL_RANK={local_rank}".encode() in environ
@@ -410,9 +410,9 @@ def test_a_save_interrupted_after_its_files_is_committed_at_the_next_start(tmp_p
         "    return commit(partial, manifest) if len(seen) < 2 else os._exit(9)\n"
         "c.commit = cut\n"
         "from torchpar.console import run_command\n"
-        "from torchpar.train import main\n"
+        "from torchpar.commands.train import main\n"
         "sys.exit(run_command(main, sys.argv[1:]))\n")
-    cut = run([sys.executable, "-c", die_at_second_commit, *TRAIN[3:], "--job.dump_folder", str(folder),
+    cut = run([sys.executable, "-c", die_at_second_commit, *TRAIN[4:], "--job.dump_folder", str(folder),
                "--checkpoint.enable", "true", *steps], tmp_path)
     assert cut.returncode == 9, cut.stderr[-3000:]
     partial = folder / "checkpoint" / "step-00000004.partial"

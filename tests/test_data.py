@@ -173,7 +173,7 @@ def folder_bytes(folder: Path) -> dict:
 
 
 def prepare_cli(tmp_path, out, *more):
-    cmd = [sys.executable, "-m", "torchpar.cli", "prepare-data", "--config", str(TINY), "--out", str(out),
+    cmd = [sys.executable, "-m", "torchpar", "prepare-data", "--config", str(TINY), "--out", str(out),
            *more]
     r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -440,9 +440,9 @@ def test_document_attention_per_document_equals_the_mask(monkeypatch):
 
 
 def train(tmp_path, folder, *overrides, config=TINY):
-    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(config), "--job.dump_folder", str(folder),
-           "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode", "off",
-           *overrides]
+    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(config), "--job.dump_folder",
+           str(folder), "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+           "--checkpoint.async_mode", "off", *overrides]
     r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -487,7 +487,7 @@ def test_trainer_logs_and_checkpoints_tokens_per_source(tmp_path, prepared):
 
 def prepare_in_process(capfd, tmp_path, out, *more, corpus=None) -> tuple[int, str]:
     """``torchpar prepare-data`` of a small JSON-lines corpus, in this process: (exit code, stderr)."""
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     if corpus is None:
         corpus = tmp_path / "c.jsonl"
@@ -526,7 +526,7 @@ def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
     import time
 
     out = tmp_path / "p"
-    cmd = [sys.executable, "-m", "torchpar.cli", "prepare-data", "--config", str(TINY), "--out", str(out),
+    cmd = [sys.executable, "-m", "torchpar", "prepare-data", "--config", str(TINY), "--out", str(out),
            "--processes", "2", "--docs-per-shard", "16"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -608,7 +608,7 @@ def test_prepare_data_prepares_one_source_of_a_mixture(tmp_path, capfd):
     mix = tmp_path / "mix.toml"
     mix.write_text(f'extends = "{TINY}"\n[[data.sources]]\nweight = 1\n[[data.sources]]\nname = "code"\n'
                    f'weight = 1\ndataset = "files"\npath = "{tmp_path}/code.jsonl"\n')
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     assert main(["prepare-data", "--config", str(mix), "--out", str(tmp_path / "p"), "--source", "code"]) == 0
     corpus = TokenizedCorpus(str(tmp_path / "p"))

@@ -47,7 +47,7 @@ ZERO2_FP16 = {
 def convert(tmp_path, ds, *args):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(ds))
-    return run([sys.executable, "-m", "torchpar.cli", "config", "from-deepspeed", str(path), *args], tmp_path)
+    return run([sys.executable, "-m", "torchpar", "config", "from-deepspeed", str(path), *args], tmp_path)
 
 
 def written(tmp_path, r):
@@ -111,7 +111,7 @@ def test_generated_toml_trains(tmp_path):
     (tmp_path / "my.toml").write_text(convert(tmp_path, ds, "--nproc", "2").stdout)
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-             "torchpar.train", "--config", str(tmp_path / "my.toml"), "--training.steps", "3",
+             "torchpar", "train", "--config", str(tmp_path / "my.toml"), "--training.steps", "3",
              "--training.seq_len", "32", "--job.dump_folder", str(out)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["step"] for x in records(out)] == [1, 2, 3]

@@ -25,8 +25,8 @@ def test_single_processes_exit_cleanly_under_load(tmp_path):
     try:
         done = []
         for pair in range(4):  # two at a time on two cores, beside the busy process
-            cmds = [[sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "2",
-                     *LAST_ACTS, "--job.dump_folder", str(tmp_path / f"run{pair}{i}")] for i in range(2)]
+            cmds = [[sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps",
+                     "2", *LAST_ACTS, "--job.dump_folder", str(tmp_path / f"run{pair}{i}")] for i in range(2)]
             procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True) for cmd in cmds]
             done += [(p, *p.communicate(timeout=300)) for p in procs]

@@ -10,22 +10,23 @@ from harness import TINY, spawn_ranks
 from test_checkpoint_files import TRAIN, expect_error
 from test_train import records, run
 
-# torchpar.train's own main, with the loss of the third forward turned into NaN (a poisoned batch).
+# torchpar train's own main, with the loss of the third forward turned into NaN (a poisoned batch).
 POISON = """
 import sys
 import torchpar.train as t
+from torchpar.commands.train import main
 plain, calls = t.cross_entropy_sum, [0]
 def poisoned(logits, targets):
     calls[0] += 1
     loss = plain(logits, targets)
     return loss * float("nan") if calls[0] == 3 else loss
 t.cross_entropy_sum = poisoned
-sys.exit(t.main(sys.argv[1:]))
+sys.exit(main(sys.argv[1:]))
 """
 
 
 def poisoned_run(tmp_path, folder, *more):
-    return run([sys.executable, "-c", POISON, *TRAIN[3:], "--job.dump_folder", str(folder),
+    return run([sys.executable, "-c", POISON, *TRAIN[4:], "--job.dump_folder", str(folder),
                 "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.async_mode", "off",
                 "--training.steps", "5", *more], tmp_path)
 

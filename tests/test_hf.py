@@ -87,7 +87,8 @@ def trained(tmp_path_factory):
     """A torchpar checkpoint trained for 4 steps (untied, GQA)."""
     folder = tmp_path_factory.mktemp("trained")
     r = run(
-        ["torchpar.train", "--config", str(TINY), "--training.steps", "4", "--job.dump_folder", str(folder),
+        ["torchpar", "train", "--config", str(TINY), "--training.steps", "4", "--job.dump_folder",
+         str(folder),
          "--checkpoint.enable", "true"],
         ROOT,
     )
@@ -100,7 +101,7 @@ def test_export_is_read_by_transformers(trained, tmp_path, dtype):
     from torchpar.weights import load_model
 
     out = tmp_path / "hf"
-    r = run(["torchpar.cli", "export", "--checkpoint", str(trained), "--out", str(out), "--format", "hf",
+    r = run(["torchpar", "export", "--checkpoint", str(trained), "--out", str(out), "--format", "hf",
              "--dtype", dtype, "--max-shard-mb", "2"], ROOT)
     assert r.returncode == 0, r.stderr
     assert "safetensors file(s)" in r.stdout
@@ -121,7 +122,7 @@ def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
     """A folder holding the user's config.json, and an existing weights file, are refused and left
     byte for byte; --overwrite writes there. A folder an earlier export wrote is written again
     without --overwrite: the shards of the earlier export go, a file the user put there stays."""
-    from torchpar.cli import main
+    from torchpar.commands import main
     from torchpar.weights import load_weights
 
     def export(out, *more):
@@ -159,7 +160,8 @@ def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
 
 def test_config_mismatch_and_damage_are_one_line(tmp_path):
     make_hf_llama(tmp_path / "hf", "debug")
-    check = ["torchpar.train", "--config", str(TINY), "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+    check = ["torchpar", "train", "--config", str(TINY), "--checkpoint.initial_load_path",
+             str(tmp_path / "hf")]
     r = run([*check, "--check"], ROOT)
     assert r.returncode == 0, r.stderr
     for extra, message in (

@@ -16,7 +16,7 @@ def resumed(tmp_path_factory):
     are in the event files already) and goes on to 6: TensorBoard and wandb offline on."""
     tmp = tmp_path_factory.mktemp("metrics")
     out = tmp / "run"
-    common = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--job.dump_folder", str(out),
+    common = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--job.dump_folder", str(out),
               "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.enable_tensorboard",
               "true", "--metrics.enable_wandb", "true"]
     first = run([*common, "--training.steps", "4"], tmp)
@@ -58,7 +58,7 @@ def picture_colours(path) -> set:
 
 
 def test_plot_draws_one_run_and_overlays_two(resumed, tmp_path):
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     assert main(["plot", str(resumed), "--out", str(tmp_path / "one.png")]) == 0
     other = tmp_path / "other"  # a second run: the same records, the losses half a nat higher
@@ -77,7 +77,7 @@ def test_pictures_redraw_their_own_file_and_no_other(tmp_path, capfd):
     """plot's default picture is redrawn on the next plot (torchpar drew it: its mark is in the
     metadata); a user's file of that name is refused and left byte for byte unless --overwrite.
     The same for schedule's hand-written SVG."""
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     run = tmp_path / "run"
     run.mkdir()
@@ -106,7 +106,7 @@ def test_pictures_redraw_their_own_file_and_no_other(tmp_path, capfd):
 def test_plot_warns_about_a_run_without_losses(resumed, tmp_path, capfd):
     """Beside a run with losses, one without them is drawn with a warning; alone it is refused
     (see the bad-inputs table)."""
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -117,7 +117,7 @@ def test_plot_warns_about_a_run_without_losses(resumed, tmp_path, capfd):
 
 
 def test_plan_draws_the_memory_of_its_layouts(tmp_path):
-    from torchpar.cli import main
+    from torchpar.commands import main
 
     out = tmp_path / "memory.png"
     assert main(["plan", "--model", "70B", "--gpu", "A100-80GB", "--top", "6", "--out", str(out)]) == 0
@@ -151,7 +151,7 @@ def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts
 
 def test_the_profiler_writes_a_trace_of_each_requested_iteration(tmp_path):
     out = tmp_path / "run"
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "4",
+    r = run([sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "4",
              "--job.dump_folder", str(out), "--profiling.enable_profiling", "true",
              "--profiling.profile_freq", "2", "--profiling.enable_memory_snapshot", "true"], tmp_path)
     assert r.returncode == 0, r.stderr

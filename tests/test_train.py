@@ -31,7 +31,7 @@ def records(folder, kind="loss"):
 
 def test_single_process_loss_falls_and_logs_everything(tmp_path):
     out = tmp_path / "run"
-    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "40",
+    r = run([sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "40",
              "--training.seq_len", "64", "--metrics.log_freq", "10", "--job.dump_folder", str(out),
              "--validation.enable", "true", "--validation.freq", "25", "--validation.steps", "2"], tmp_path)
     assert r.returncode == 0, r.stderr
@@ -51,7 +51,7 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
 def test_wandb_offline_writes_the_run(tmp_path):
     out = tmp_path / "wb"
     r = run(
-        [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
+        [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "3",
          "--metrics.enable_wandb", "true", "--metrics.wandb_run_name", "offline-test", "--job.dump_folder",
          str(out), "--validation.enable", "true"],
         tmp_path,
@@ -96,7 +96,7 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
 
 def test_print_config_and_help(tmp_path):
     r = run(
-        [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--print-config", "--training.steps",
+        [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--print-config", "--training.steps",
          "9"],
         tmp_path,
     )
@@ -106,7 +106,7 @@ def test_print_config_and_help(tmp_path):
         r.returncode == 0
         and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay." in r.stdout
     )
-    r = run([sys.executable, "-m", "torchpar.train", "--training.stepz", "3"], tmp_path)
+    r = run([sys.executable, "-m", "torchpar", "train", "--training.stepz", "3"], tmp_path)
     assert r.returncode == 2 and "Did you mean 'steps'" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -119,7 +119,7 @@ def test_validation_on_local_files(tmp_path):
 
     def held_out_losses(path, folder):
         r = run(
-            [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "3",
+            [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "3",
              "--training.seq_len", "32", "--data.dataset", "files", "--data.path",
              str(tmp_path / "train.txt"), "--validation.enable", "true", "--validation.path", str(path),
              "--validation.freq", "2", "--job.dump_folder", str(tmp_path / folder)],

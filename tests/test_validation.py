@@ -186,7 +186,7 @@ def trained(tmp_path_factory):
     from test_train import env
 
     tmp = tmp_path_factory.mktemp("resume")
-    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--training.steps", "2",
+    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "2",
            "--checkpoint.enable", "true", "--job.dump_folder", str(tmp / "run")]
     r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from torchpar.errors import ConfigError
+from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
+from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import LazyWeight
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -260,3 +262,20 @@ class HFWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
+
+
+def export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: float) -> str:
+
+    family = adapter(meta.get("model_name", DEFAULT_FAMILY))
+    if family.hf_architecture is None:
+        raise ConfigError(f"the {family.name} family has no Hugging Face mapping; export with --format "
+                          "torchpar")
+    args = family.args_class(**meta["model_args"])
+    try:
+        tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    except TokenizerError:  # the tokenizer moved since training: the weights still export
+        ids = {}
+    stats = write_hf(out, family, args, read, dtype, int(max_shard_mb * 2**20), extra_config=ids)
+    return (f"{len(stats['files'])} safetensors file(s) of {stats['bytes'] / 2**20:.1f} MiB + config.json, "
+            f"peak {stats['peak_bytes'] / 2**20:.1f} MiB of tensors held")

@@ -1,7 +1,7 @@
 """run_train.sh's torchrun: torchrun itself (its options, agent and rendezvous), reporting the way
 torchpar does.
 
-    python -m torchpar.launch [torchrun options] -m torchpar.train --config FILE [overrides]
+    python -m torchpar.launch [torchrun options] -m torchpar train --config FILE [overrides]
 
 - A failed job ends with one line and the first failing rank's exit code: that rank's own
   ``torchpar: ...`` line, read from the error file torchrun gives each rank (written by
@@ -25,7 +25,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchpar.config import load_config, parse_train_args
+from torchpar.commands.train import parse_train_args
+from torchpar.config import load_config
 from torchpar.console import progress
 from torchpar.errors import ConfigError
 
@@ -215,7 +216,9 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     try:
-        config, overrides, _, _ = parse_train_args(args.training_script_args, "")
+        script_args = args.training_script_args  # (-m torchpar) train --config ...
+        script_args = script_args[1:] if script_args[:1] == ["train"] else script_args
+        config, overrides, _, _ = parse_train_args(script_args, "")
         cfg = load_config(config, overrides)
     except ConfigError as e:  # run_train.sh checked the config before: this is a launch of another shape
         return Launch._say(f"{PROG}: error: {e}", 2)

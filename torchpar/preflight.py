@@ -1,7 +1,7 @@
 """Everything a user can get wrong, checked before any process group exists: the model, the
 tokenizer, the layout, the data, the checkpoint to resume from or the weights to start from.
 
-``torchpar.train --check`` (which ``run_train.sh`` runs once before torchrun) and every rank of
+``torchpar train --check`` (which ``run_train.sh`` runs once before torchrun) and every rank of
 the trainer run the same checks, so a mistake is one line, never a hang or a traceback per rank.
 """
 

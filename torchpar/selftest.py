@@ -26,6 +26,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from torchpar import device as dev
+from torchpar.config import load_config
+from torchpar.data.loader import PackedWindows
+from torchpar.models import canonical_name
+from torchpar.parallel.zero import full_value
+from torchpar.plan import predict_for_trainer
+from torchpar.train import Trainer
+
 BASE = Path(__file__).resolve().parent / "assets" / "selftest.toml"
 NATIVE_ERROR = re.compile(r"terminate called|what\(\)|enforce fail|Fatal|SIGABRT|SIGSEGV")
 # Largest |loss - one device's loss| accepted over the run: fp32 differs only in summation order
@@ -65,7 +73,6 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) -> None:
-    from torchpar import device as dev
 
     # Each rank's output goes to its own file, at the descriptor level so that a C++ abort's
     # message is kept too; spawn_ranks shows it when a rank dies.
@@ -103,18 +110,12 @@ def spawn_ranks(target, world: int, *args) -> str:
 def full_parameters(parts) -> dict[str, torch.Tensor]:
     """This rank's stages' parameters as full fp32 CPU tensors (collective over TP and FSDP), by
     canonical name."""
-    from torchpar.models import canonical_name
-    from torchpar.parallel.zero import full_value
 
     return {canonical_name(name): full_value(p.detach()).float().cpu().clone()
             for part in parts for name, p in part.named_parameters()}
 
 
 def _worker(rank: int, world: int, out: str, layouts: dict, base: str) -> None:
-    from torchpar.config import load_config
-    from torchpar.data.loader import PackedWindows
-    from torchpar.plan import predict_for_trainer
-    from torchpar.train import Trainer
 
     seen: list[tuple[int, int, list[int]]] = []  # (loader id, dp rank, window CRCs)
     plain_iter = PackedWindows.__iter__
@@ -200,7 +201,6 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
              base: str | Path = BASE) -> list[dict]:
     """One row per layout and dtype: the built-in layouts of at most ``nproc`` processes, and
     ``extra`` ({name: overrides}) on ``nproc`` processes, each against one device."""
-    from torchpar import device as dev
 
     table = [(w, n, o) for w, n, o in LAYOUTS if w <= nproc] + [(nproc, n, o) for n, o in extra.items()]
     rows = []
@@ -249,45 +249,3 @@ def format_rows(rows: list[dict]) -> str:
     cells = [header] + [fmt(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
-
-
-def main(argv: list[str]) -> int:
-    import shlex
-
-    from torchpar import device as dev
-    from torchpar.console import ArgumentParser, at_least
-    from torchpar.errors import ConfigError
-
-    p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=dev.default_nproc(),
-                   help="processes (one per GPU); default: every visible GPU, else 2 CPU ranks")
-    p.add_argument("--dtype", default="float32,bfloat16" if dev.device_type() == "cuda" else "float32",
-                   help="comma-separated compute dtypes to test (default: both on GPUs, float32 on CPU)")
-    p.add_argument("--layout", action="append", default=[], metavar="NAME=OVERRIDES",
-                   help="an extra layout on --nproc processes, e.g. "
-                        "tp4='--parallelism.tensor_parallel_degree 4'")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    a = p.parse_args(argv)
-    at_least("--nproc", a.nproc, 1)
-    dtypes = [d.strip() for d in a.dtype.split(",")]
-    for d in dtypes:
-        if d not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype {d!r}: use float32, bfloat16 or both, comma-separated")
-    if dev.device_type() == "cuda" and a.nproc > dev.default_nproc():
-        raise ConfigError(f"--nproc {a.nproc}: this machine has {dev.default_nproc()} GPU(s)")
-    extra = {}
-    for spec in a.layout:
-        name, sep, overrides = spec.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--layout {spec!r}: write NAME='--section.key value ...'")
-        extra[name] = shlex.split(overrides)
-    print(f"torchpar selftest: {a.nproc} process(es) on {dev.device_name()}, torch {torch.__version__}; "
-          "each layout's losses against one device's", flush=True)
-    rows = selftest(a.nproc, dtypes, extra)
-    print(format_rows(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
-    failed = [r["layout"] + f" ({r['dtype']})" for r in rows if r["status"] != "PASS"]
-    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} passed" + (f"; failed: {', '.join(failed)}"
-                                                                          if failed else ""))
-    return 1 if failed else 0

@@ -1,18 +1,11 @@
-"""The trainer: check everything, build everything, then the loop.
-
-    python -m torchpar.train --config train_configs/debug_model.toml [--section.key value ...]
-    torchrun --nproc-per-node 4 -m torchpar.train --config ... (what run_train.sh does)
-
-    --print-config  print the merged config as TOML and exit
-    --check         validate config, tokenizer, data and layout for WORLD_SIZE ranks, then exit
-"""
+"""The trainer: check everything, build everything, then the loop. Its command (argv, exit codes)
+is ``torchpar train`` in torchpar/commands/train.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
@@ -21,10 +14,10 @@ import torch.distributed as dist
 from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
-from torchpar.config import JobConfig, load_config, parse_train_args, to_toml
+from torchpar.config import JobConfig, to_toml
 from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
-from torchpar.errors import Preempted, SaveFailed, TrainingStopped
+from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import cross_entropy_sum
@@ -310,47 +303,3 @@ class Trainer:
         self.signals.restore()
         if self.run_lock is not None:
             self.run_lock.release()
-
-
-def main(argv: list[str]) -> int:
-    """The trainer's command; ``torchpar.console.run_command`` turns its errors into one line."""
-    config, overrides, print_config, check = parse_train_args(argv, __doc__)
-    cfg = load_config(config, overrides)
-    if print_config:
-        print(to_toml(cfg))
-        return 0
-    if check:  # run_train.sh calls this once before torchrun starts any rank
-        from torchpar.preflight import verify_contents
-
-        verify_contents(cfg, preflight(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
-        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
-            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
-        return 0
-    from torchpar.plan import predict_for_trainer
-
-    trainer = None
-    try:
-        trainer = Trainer(cfg, on_first_step=predict_for_trainer)
-        trainer.signals.install()
-        trainer.train()  # closes the trainer at its end
-    except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step
-        trainer.close()
-        if trainer.rank == 0:
-            kind = "" if isinstance(e, Preempted) else "error: "
-            print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
-        return e.code
-    except BaseException as e:
-        if trainer is not None:
-            if isinstance(e, torch.OutOfMemoryError):
-                trainer.profiler.memory_snapshot("out_of_memory")  # before the process dies
-            trainer.close(graceful=False)  # other ranks may be anywhere: no collectives
-        raise
-    finally:
-        dev.shutdown_distributed()  # after the trainer's threads, before the interpreter's exit
-    return 0
-
-
-if __name__ == "__main__":
-    from torchpar.console import run_command
-
-    sys.exit(run_command(main))

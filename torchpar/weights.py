@@ -23,7 +23,7 @@ from torchpar.checkpoint import (
 )
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
-from torchpar.outputs import add_overwrite, claim, replacing, write_text
+from torchpar.outputs import replacing, write_text
 
 
 def save_weights(state: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
@@ -124,75 +124,3 @@ def load_model(path: str | Path):
     model.init_weights(0, values=values)
     model.eval()
     return model, meta
-
-
-def _export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: float) -> str:
-    from torchpar.hf import write_hf
-    from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
-
-    family = adapter(meta.get("model_name", DEFAULT_FAMILY))
-    if family.hf_architecture is None:
-        raise ConfigError(f"the {family.name} family has no Hugging Face mapping; export with --format "
-                          "torchpar")
-    args = family.args_class(**meta["model_args"])
-    try:
-        tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
-        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-    except TokenizerError:  # the tokenizer moved since training: the weights still export
-        ids = {}
-    stats = write_hf(out, family, args, read, dtype, int(max_shard_mb * 2**20), extra_config=ids)
-    return (f"{len(stats['files'])} safetensors file(s) of {stats['bytes'] / 2**20:.1f} MiB + config.json, "
-            f"peak {stats['peak_bytes'] / 2**20:.1f} MiB of tensors held")
-
-
-def _refuse_checkpoint_target(out: Path) -> None:
-    """An export never writes into a checkpoint: it could replace the files it is made from."""
-    for folder in (out, out.parent):
-        if (folder / MANIFEST).exists() or (folder / ".metadata").exists():
-            raise ConfigError(f"--out {out} is inside checkpoint {folder}; writing there could overwrite it, "
-                              "choose a path outside the checkpoint folders")
-
-
-def export_main(argv: list[str]) -> int:
-    """torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16|fp32]"""
-    from torchpar.console import ArgumentParser, at_least
-    from torchpar.hf import is_own_export
-
-    ap = ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
-                        "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
-                        "or into a Hugging Face folder (safetensors + config.json). An existing FILE "
-                        "is not replaced, nor a folder holding files an earlier export did not write, "
-                        "unless --overwrite.")
-    ap.add_argument("--checkpoint", required=True,
-                    help="step folder, checkpoint folder or dump folder (latest step), or an export file")
-    ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
-    ap.add_argument("--format", default="torchpar", choices=("torchpar", "hf"))
-    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--max-shard-mb", type=float, default=5 * 1024,
-                    help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
-    add_overwrite(ap)
-    a = ap.parse_args(argv)
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
-    hf = a.format == "hf"
-    _refuse_checkpoint_target(Path(a.out).expanduser())  # even with --overwrite
-    out = claim("--out", a.out, folder=hf, overwrite=a.overwrite, own=is_own_export if hf else None)
-    if not hf:
-        claim("--out", meta_path(out), overwrite=a.overwrite)  # the metadata written beside it
-    if hf:
-        meta, read = open_source(a.checkpoint)
-        what = _export_hf(meta, read, out, dtype, a.max_shard_mb)
-        print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
-        return 0
-    if out.exists() and out.resolve() == Path(a.checkpoint).expanduser().resolve():
-        raise ConfigError(f"--out {out} is the --checkpoint being exported; choose another file")
-    model, meta = load_model(a.checkpoint)
-    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-    keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
-    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
-                **{k: meta[k] for k in keys if k in meta}}
-    save_weights(state, out_meta, out)
-    n = sum(p.numel() for p in model.parameters())  # a tied table once
-    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and "
-          f"{a.out}.json")
-    return 0

@@ -1,6 +1,6 @@
 """Typed job configuration: the sections (``sections.py``) and their loading (``load.py``)."""
 
-from torchpar.config.load import help_text, load_config, parse_overrides, parse_train_args, to_toml, validate
+from torchpar.config.load import help_text, load_config, parse_overrides, to_toml, validate
 from torchpar.config.sections import (
     DTYPES,
     Checkpoint,
@@ -34,7 +34,6 @@ __all__ = [
     "Validation",
     "help_text",
     "load_config",
-    "parse_train_args",
     "opt",
     "parse_overrides",
     "to_toml",

@@ -257,31 +257,3 @@ def help_text() -> str:
             )
         lines.append("")
     return "\n".join(lines)
-
-
-def parse_train_args(argv: list[str], usage: str) -> tuple[str | None, list[str], bool, bool]:
-    """The trainer's command line: (config file, overrides, --print-config, --check); ``--help``
-    prints ``usage`` and every config field."""
-    config, rest, print_config, check = None, [], False, False
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-h", "--help"):
-            print(usage)
-            print(help_text())
-            raise SystemExit(0)
-        if a == "--print-config":
-            print_config = True
-        elif a == "--check":
-            check = True
-        elif a == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config needs a file path")
-            config = argv[i + 1]
-            i += 1
-        elif a.startswith("--config="):
-            config = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    return config, rest, print_config, check

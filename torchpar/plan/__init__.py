@@ -39,8 +39,8 @@ from torchpar.plan.layout import (
                                     rank_params,
                                     state_bytes,
 )
-from torchpar.plan.search import explain, main, search
+from torchpar.plan.search import explain, search
 
 __all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",
-           "layout_from_config", "main", "micro_steps", "pipeline_bubble", "plan", "predict_for_trainer",
+           "layout_from_config", "micro_steps", "pipeline_bubble", "plan", "predict_for_trainer",
            "rank_params", "recompute_flops_per_token", "search", "state_bytes"]

@@ -111,23 +111,3 @@ def plot_plan_memory(plans, describe, device_bytes: float, out: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, out, dpi=100)
-
-
-def main(argv: list[str]) -> int:
-    from torchpar.console import ArgumentParser
-    from torchpar.outputs import add_overwrite, claim, is_own_picture
-
-    ap = ArgumentParser(prog="torchpar plot", description="Draw runs' curves from their metrics.jsonl; "
-                        "several dump folders are overlaid.")
-    ap.add_argument("folders", nargs="+", help="dump folders (each with a metrics.jsonl)")
-    ap.add_argument("--out", help="FILE.png or FILE.svg; default <first folder>/metrics.png. A picture "
-                    "torchpar drew is redrawn; any other existing file only with --overwrite")
-    add_overwrite(ap)
-    a = ap.parse_args(argv)
-    out = claim("--out", a.out or Path(a.folders[0]) / "metrics.png", suffixes=PICTURE_SUFFIXES,
-                overwrite=a.overwrite, own=is_own_picture)
-    runs = [(Path(f).resolve().name, read_metrics(f)) for f in a.folders]  # all checked before drawing
-    check_losses(runs)
-    plot_runs(runs, out)
-    print(f"wrote {out}")
-    return 0

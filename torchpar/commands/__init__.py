@@ -1,9 +1,17 @@
-"""``torchpar <command>``: train, schedule, export, generate."""
+"""``torchpar <command>``: every command's argument parsing, ``main`` and exit codes live in this
+package, one module per subcommand; nothing below it imports it.
+
+    torchpar <command> [args]      (the console script)
+    python -m torchpar <command>   (the same; torchrun starts ranks with ``-m torchpar train``)
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from torchpar.console import run_command
+from torchpar.errors import ConfigError, did_you_mean
 
 USAGE = """usage: torchpar <command> [args]
 
@@ -32,15 +40,15 @@ folder and pictures are rewritten; an existing weights file is always kept): --o
 
 
 COMMANDS = {
-    "train": ("torchpar.train", "main"),
-    "prepare-data": ("torchpar.data.tokenized", "prepare_main"),
-    "schedule": ("torchpar.tools.schedule", "main"),
-    "export": ("torchpar.weights", "export_main"),
-    "plan": ("torchpar.plan.search", "main"),
-    "config": ("torchpar.tools.deepspeed", "main"),
-    "generate": ("torchpar.generate", "main"),
-    "plot": ("torchpar.tools.plot", "main"),
-    "selftest": ("torchpar.selftest", "main"),
+    "train": ("torchpar.commands.train", "main"),
+    "prepare-data": ("torchpar.commands.prepare_data", "prepare_main"),
+    "schedule": ("torchpar.commands.schedule", "main"),
+    "export": ("torchpar.commands.export", "export_main"),
+    "plan": ("torchpar.commands.plan", "main"),
+    "config": ("torchpar.commands.config", "main"),
+    "generate": ("torchpar.commands.generate", "main"),
+    "plot": ("torchpar.commands.plot", "main"),
+    "selftest": ("torchpar.commands.selftest", "main"),
 }
 
 
@@ -49,16 +57,12 @@ def dispatch(argv: list[str]) -> int:
         print(USAGE)
         return 0
     if argv[0] not in COMMANDS:
-        from torchpar.errors import ConfigError, did_you_mean
-
         raise ConfigError(f"unknown command {argv[0]!r}.{did_you_mean(argv[0], COMMANDS)} (torchpar --help)")
     module, name = COMMANDS[argv[0]]
     return getattr(importlib.import_module(module), name)(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchpar.console import run_command
-
     return run_command(dispatch, argv)
 
 

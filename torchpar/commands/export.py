@@ -1,0 +1,67 @@
+"""``torchpar export``: a checkpoint consolidated into one weights file, or a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from torchpar.checkpoint import (
+    MANIFEST,
+)
+from torchpar.console import ArgumentParser, at_least
+from torchpar.errors import ConfigError
+from torchpar.hf import export_hf, is_own_export
+from torchpar.outputs import add_overwrite, claim
+from torchpar.weights import load_model, meta_path, open_source, save_weights
+
+
+def _refuse_checkpoint_target(out: Path) -> None:
+    """An export never writes into a checkpoint: it could replace the files it is made from."""
+    for folder in (out, out.parent):
+        if (folder / MANIFEST).exists() or (folder / ".metadata").exists():
+            raise ConfigError(f"--out {out} is inside checkpoint {folder}; writing there could overwrite it, "
+                              "choose a path outside the checkpoint folders")
+
+
+def export_main(argv: list[str]) -> int:
+    """torchpar export --checkpoint DIR --out FILE|DIR [--format torchpar|hf] [--dtype bf16|fp32]"""
+
+    ap = ArgumentParser(prog="torchpar export", description="Consolidate a DCP checkpoint into one "
+                        "weights file (torch.save, loadable with weights_only=True) + FILE.json, "
+                        "or into a Hugging Face folder (safetensors + config.json). An existing FILE "
+                        "is not replaced, nor a folder holding files an earlier export did not write, "
+                        "unless --overwrite.")
+    ap.add_argument("--checkpoint", required=True,
+                    help="step folder, checkpoint folder or dump folder (latest step), or an export file")
+    ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
+    ap.add_argument("--format", default="torchpar", choices=("torchpar", "hf"))
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--max-shard-mb", type=float, default=5 * 1024,
+                    help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
+    add_overwrite(ap)
+    a = ap.parse_args(argv)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
+    hf = a.format == "hf"
+    _refuse_checkpoint_target(Path(a.out).expanduser())  # even with --overwrite
+    out = claim("--out", a.out, folder=hf, overwrite=a.overwrite, own=is_own_export if hf else None)
+    if not hf:
+        claim("--out", meta_path(out), overwrite=a.overwrite)  # the metadata written beside it
+    if hf:
+        meta, read = open_source(a.checkpoint)
+        what = export_hf(meta, read, out, dtype, a.max_shard_mb)
+        print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
+        return 0
+    if out.exists() and out.resolve() == Path(a.checkpoint).expanduser().resolve():
+        raise ConfigError(f"--out {out} is the --checkpoint being exported; choose another file")
+    model, meta = load_model(a.checkpoint)
+    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
+    out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
+                **{k: meta[k] for k in keys if k in meta}}
+    save_weights(state, out_meta, out)
+    n = sum(p.numel() for p in model.parameters())  # a tied table once
+    print(f"torchpar: wrote {a.out} ({n / 1e6:.2f}M parameters, {a.dtype}, step {meta.get('step')}) and "
+          f"{a.out}.json")
+    return 0

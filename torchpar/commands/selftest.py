@@ -1,0 +1,51 @@
+"""``torchpar selftest``: train the debug model in every layout the devices hold, each against one device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from torchpar import device as dev
+from torchpar.console import ArgumentParser, at_least
+from torchpar.errors import ConfigError
+from torchpar.selftest import format_rows, selftest
+
+
+def main(argv: list[str]) -> int:
+    import shlex
+
+    p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=dev.default_nproc(),
+                   help="processes (one per GPU); default: every visible GPU, else 2 CPU ranks")
+    p.add_argument("--dtype", default="float32,bfloat16" if dev.device_type() == "cuda" else "float32",
+                   help="comma-separated compute dtypes to test (default: both on GPUs, float32 on CPU)")
+    p.add_argument("--layout", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="an extra layout on --nproc processes, e.g. "
+                        "tp4='--parallelism.tensor_parallel_degree 4'")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    a = p.parse_args(argv)
+    at_least("--nproc", a.nproc, 1)
+    dtypes = [d.strip() for d in a.dtype.split(",")]
+    for d in dtypes:
+        if d not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype {d!r}: use float32, bfloat16 or both, comma-separated")
+    if dev.device_type() == "cuda" and a.nproc > dev.default_nproc():
+        raise ConfigError(f"--nproc {a.nproc}: this machine has {dev.default_nproc()} GPU(s)")
+    extra = {}
+    for spec in a.layout:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--layout {spec!r}: write NAME='--section.key value ...'")
+        extra[name] = shlex.split(overrides)
+    print(f"torchpar selftest: {a.nproc} process(es) on {dev.device_name()}, torch {torch.__version__}; "
+          "each layout's losses against one device's", flush=True)
+    rows = selftest(a.nproc, dtypes, extra)
+    print(format_rows(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    failed = [r["layout"] + f" ({r['dtype']})" for r in rows if r["status"] != "PASS"]
+    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} passed" + (f"; failed: {', '.join(failed)}"
+                                                                          if failed else ""))
+    return 1 if failed else 0

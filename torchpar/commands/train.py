@@ -1,0 +1,86 @@
+"""``torchpar train``: check everything, then train.
+
+    torchpar train --config train_configs/debug_model.toml [--section.key value ...]
+    torchrun --nproc-per-node 4 -m torchpar train --config ... (what run_train.sh does)
+
+    --print-config  print the merged config as TOML and exit
+    --check         validate config, tokenizer, data, layout and the checkpoint's files for WORLD_SIZE
+                    ranks, then exit
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from torchpar import device as dev
+from torchpar.config import help_text, load_config, to_toml
+from torchpar.errors import ConfigError, Preempted, SaveFailed, TrainingStopped
+from torchpar.plan import predict_for_trainer
+from torchpar.preflight import claim_folders, preflight, verify_contents
+from torchpar.train import Trainer
+
+
+def main(argv: list[str]) -> int:
+    """The trainer's command; ``torchpar.console.run_command`` turns its errors into one line."""
+    config, overrides, print_config, check = parse_train_args(argv, __doc__)
+    cfg = load_config(config, overrides)
+    if print_config:
+        print(to_toml(cfg))
+        return 0
+    if check:  # run_train.sh calls this once before torchrun starts any rank
+        verify_contents(cfg, preflight(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
+        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
+            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
+        return 0
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg, on_first_step=predict_for_trainer)
+        trainer.signals.install()
+        trainer.train()  # closes the trainer at its end
+    except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step
+        trainer.close()
+        if trainer.rank == 0:
+            kind = "" if isinstance(e, Preempted) else "error: "
+            print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
+        return e.code
+    except BaseException as e:
+        if trainer is not None:
+            if isinstance(e, torch.OutOfMemoryError):
+                trainer.profiler.memory_snapshot("out_of_memory")  # before the process dies
+            trainer.close(graceful=False)  # other ranks may be anywhere: no collectives
+        raise
+    finally:
+        dev.shutdown_distributed()  # after the trainer's threads, before the interpreter's exit
+    return 0
+
+
+def parse_train_args(argv: list[str], usage: str) -> tuple[str | None, list[str], bool, bool]:
+    """The trainer's command line: (config file, overrides, --print-config, --check); ``--help``
+    prints ``usage`` and every config field."""
+    config, rest, print_config, check = None, [], False, False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(usage)
+            print(help_text())
+            raise SystemExit(0)
+        if a == "--print-config":
+            print_config = True
+        elif a == "--check":
+            check = True
+        elif a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file path")
+            config = argv[i + 1]
+            i += 1
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest, print_config, check
