@@ -110,7 +110,7 @@ def test_a_divergence_stop_is_its_line_and_code_3(tmp_path):
     run = train_sh(tmp_path, "--optimizer.lr", "inf")
     assert run.wait() == 3
     assert_one_line(run, 3, "torchpar: error: step ", "non-finite loss", "last good checkpoint: none")
-    assert "ChildFailedError" in report(tmp_path) and "torchpar.train FAILED" in report(tmp_path)
+    assert "ChildFailedError" in report(tmp_path) and "Root Cause" in report(tmp_path)
     assert run.elapsed < 120, run.elapsed
 
 
@@ -226,9 +226,19 @@ def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
     assert files == ["logs/torchrun_node0.log", "torchpar.lock"], files
 
 
+def test_a_stop_while_waiting_for_the_other_node_is_one_line(tmp_path):
+    run = train_sh(tmp_path, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    deadline = time.time() + 60
+    while not any("run_train.sh: waiting for" in line for _, line in run.lines) and time.time() < deadline:
+        time.sleep(0.1)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert_one_line(run, 143, "run_train.sh: stopped by SIGTERM before the ranks could stop at a step")
+
+
 def srun_task(tmp_path, task: int, port: int) -> Run:
-    """One task of a 2-task srun step that starts python -m torchpar.train itself (no torchrun)."""
-    cmd = [sys.executable, "-m", "torchpar.train", "--config", str(TINY), "--job.dump_folder",
+    """One task of a 2-task srun step that starts python -m torchpar train itself (no torchrun)."""
+    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--job.dump_folder",
            str(tmp_path / "run"), *SHORT]
     return Run(tmp_path, cmd, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
                SLURM_STEP_NODELIST="localhost", SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
