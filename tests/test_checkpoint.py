@@ -12,6 +12,8 @@ import pytest
 import torch
 from harness import assert_matches, run_layouts
 
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
 Z = "--parallelism.zero_stage"
 LB = "--training.local_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]

@@ -15,6 +15,8 @@ import torch
 from harness import ROOT, TINY
 from test_train import env, run
 
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
 TRAIN = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.seq_len", "32"]
 
 

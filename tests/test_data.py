@@ -180,6 +180,7 @@ def prepare_cli(tmp_path, out, *more):
     return r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     """The same bytes whatever the number of processes; an interrupted preparation (shards without
     their commit file, no manifest) redoes only what is missing and ends with the same bytes."""
@@ -452,6 +453,7 @@ def losses(records):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.slow
 def test_trainer_reads_prepared_data_and_resumes_across_readers(tmp_path, prepared):
     """A run on the prepared corpus has the text run's losses; a text run's checkpoint resumes on
     the prepared corpus (the same data position) and ends where the uninterrupted run ends."""
@@ -463,6 +465,7 @@ def test_trainer_reads_prepared_data_and_resumes_across_readers(tmp_path, prepar
     assert resumed[4] == text[4]
 
 
+@pytest.mark.slow
 def test_trainer_logs_and_checkpoints_tokens_per_source(tmp_path, prepared):
     """A 3:1 mixture: tokens read per source logged at every step, in the proportion of the weights,
     and restored from a checkpoint (a resumed run counts on from the saved figures)."""
@@ -519,6 +522,7 @@ def test_prepare_data_never_writes_among_other_files(tmp_path, capfd):
     assert code == 0 and "resuming, 2 of 3 shards already written" in err, err
 
 
+@pytest.mark.slow
 def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops every process with
     one line and no traceback; the same command then goes on from the shards written."""

@@ -10,6 +10,8 @@ from torchpar.config import load_config
 from torchpar.models import MODELS
 from torchpar.parallel.layout import resolve_layout
 
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
 # The tutorials' ZeRO-2 example: micro-batch 4 x accumulation 2 x 4 GPUs = 32.
 TUTORIAL = {
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "allgather_partitions": True},

@@ -96,6 +96,7 @@ SRUN = {
 }
 
 
+@pytest.mark.slow
 def test_srun_variables_map_to_torchrun_ones():
     env = dev.slurm_environment(SRUN)
     assert env == {
@@ -122,6 +123,7 @@ def test_srun_variables_map_to_torchrun_ones():
         dev.slurm_environment({k: v for k, v in SRUN.items() if k != "SLURM_PROCID"})
 
 
+@pytest.mark.slow
 def test_srun_without_torchrun_is_one_job(tmp_path):
     """Two processes started as srun starts them (no torchrun variables) form one world-2 job, not
     two world-1 jobs writing the same files; a task that cannot tell its rank is one line."""
@@ -140,7 +142,8 @@ def test_srun_without_torchrun_is_one_job(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "torchpar.train",
+        "torchpar",
+        "train",
         "--config",
         str(TINY),
         "--training.steps",
@@ -221,23 +224,15 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
         assert torch.allclose(g, p.grad, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
-    """`torchpar selftest --nproc 2` on CPU: every built-in layout of 1 and 2 processes equals one
-    process; a layout whose learning rate differs (a broken layout, on purpose) fails the run."""
+    """`torchpar selftest --nproc 2` on CPU, on two built-in layouts (the layout tables train every
+    one of them already): each equals one process; a layout whose learning rate differs (a broken
+    layout, on purpose) fails the run."""
     out = tmp_path / "rows.json"
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchpar.cli",
-            "selftest",
-            "--nproc",
-            "2",
-            "--json",
-            str(out),
-            "--layout",
-            "broken=--optimizer.lr 4e-3",
-        ],
+        [sys.executable, "-m", "torchpar", "selftest", "--nproc", "2", "--only", "zero3,dp2_zero1", "--json",
+         str(out), "--layout", "broken=--optimizer.lr 4e-3"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -247,11 +242,12 @@ def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
     rows = {row["layout"]: row for row in json.loads(out.read_text())}
     assert r.returncode == 1, r.stdout + r.stderr
     assert rows.pop("broken")["status"] == "FAIL" and "failed: broken (float32)" in r.stdout
-    assert {"one_device", "zero3", "compile", "dp2_zero1", "tp2_sp_lp", "pp2_ZBVZeroBubble"} <= set(rows)
+    assert set(rows) == {"one_device", "zero3", "dp2_zero1"}
     for row in rows.values():
         assert row["status"] == "PASS" and row["max_dloss"] <= 1e-5 and row["tokens_per_sec"] > 0, row
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
     """Two torchrun agents as two nodes of 2 ranks (run_train.sh with NNODES=2, a c10d rendezvous on
     127.0.0.1) train dp_shard 2 x tp 2 for 5 steps; the losses equal one process's within 1e-5."""
@@ -280,7 +276,8 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
         [
             sys.executable,
             "-m",
-            "torchpar.train",
+            "torchpar",
+            "train",
             "--config",
             str(TINY),
             "--parallelism.zero_stage",
@@ -313,6 +310,7 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
     assert len(got) == len(want) == 5 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
+@pytest.mark.slow
 def test_run_train_refuses_a_multi_node_launch_it_cannot_join(tmp_path):
     env = {**os.environ, "CONFIG_FILE": str(TINY), "NGPU": "2"}
     for extra, message in [
@@ -331,6 +329,7 @@ def test_run_train_refuses_a_multi_node_launch_it_cannot_join(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith(f"run_train.sh: error: {message}"), r.stderr
 
 
+@pytest.mark.slow
 def test_cpu_training_keeps_freed_memory_in_the_heap():
     """On a CPU, a tensor freed and made again comes from the heap (no page faults: 64 MiB would
     be 16,384 of them), once the training device is chosen; before, glibc maps it fresh each time."""

@@ -8,8 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness import NATIVE_ERROR, ROOT, TINY, spawn_ranks
 from test_train import env
+
+pytestmark = pytest.mark.slow  # trains in spawned processes
 
 LAST_ACTS = ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async", "--checkpoint.interval", "1",
              "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1"]

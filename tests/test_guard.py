@@ -10,6 +10,8 @@ from harness import TINY, spawn_ranks
 from test_checkpoint_files import TRAIN, expect_error
 from test_train import records, run
 
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
 # torchpar train's own main, with the loss of the third forward turned into NaN (a poisoned batch).
 POISON = """
 import sys

@@ -96,6 +96,7 @@ def trained(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_is_read_by_transformers(trained, tmp_path, dtype):
     from torchpar.weights import load_model
@@ -118,6 +119,7 @@ def test_export_is_read_by_transformers(trained, tmp_path, dtype):
     assert diff <= (1e-4 if dtype == "fp32" else 0.5), diff
 
 
+@pytest.mark.slow
 def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
     """A folder holding the user's config.json, and an existing weights file, are refused and left
     byte for byte; --overwrite writes there. A folder an earlier export wrote is written again
@@ -158,6 +160,7 @@ def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
     assert code == 2 and "m.pt already exists" in err, err
 
 
+@pytest.mark.slow
 def test_config_mismatch_and_damage_are_one_line(tmp_path):
     make_hf_llama(tmp_path / "hf", "debug")
     check = ["torchpar", "train", "--config", str(TINY), "--checkpoint.initial_load_path",
@@ -190,6 +193,7 @@ def hf_folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_training_from_hf_is_the_same_under_tp_and_pp(hf_folder):
     """Started from the HF model, tp2 (each rank reads only its shards of every tensor) and pp2
     train exactly like one process — from the HF weights, not a fresh init."""

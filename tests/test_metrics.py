@@ -34,6 +34,7 @@ def scalars(folder, key):
     return [(e.step, e.value) for e in events.Scalars(key)]
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_loss_series_of_metrics_jsonl_once_per_step(resumed):
     logged = {}
     for r in records(resumed):  # the resumed run's steps 3-4 replace the first run's
@@ -44,6 +45,7 @@ def test_tensorboard_holds_the_loss_series_of_metrics_jsonl_once_per_step(resume
     assert [step for step, _ in scalars(resumed, "grad_norm")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(resumed):
     runs = sorted((resumed / "wandb").glob("offline-run-*"))
     assert len(runs) == 2  # one folder per attempt, both under one run id
@@ -57,6 +59,7 @@ def picture_colours(path) -> set:
     return {tuple(p) for p in np.unique(pixels, axis=0)}
 
 
+@pytest.mark.slow
 def test_plot_draws_one_run_and_overlays_two(resumed, tmp_path):
     from torchpar.commands import main
 
@@ -103,6 +106,7 @@ def test_pictures_redraw_their_own_file_and_no_other(tmp_path, capfd):
     assert svg.read_text() == "<svg>mine</svg>"
 
 
+@pytest.mark.slow
 def test_plot_warns_about_a_run_without_losses(resumed, tmp_path, capfd):
     """Beside a run with losses, one without them is drawn with a warning; alone it is refused
     (see the bad-inputs table)."""
@@ -124,6 +128,7 @@ def test_plan_draws_the_memory_of_its_layouts(tmp_path):
     assert out.stat().st_size > 20_000 and len(picture_colours(out)) > 20
 
 
+@pytest.mark.slow
 def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts():
     """dp2 ZeRO-2, tp2 and pp2 (rank 0: the first stage): the bytes rank 0 sent in steps 2 and 3,
     counted by the ledger, equal the planner's prediction logged at step 1; the time inside them is
@@ -149,6 +154,7 @@ def test_logged_steps_carry_their_breakdown_and_the_traffic_the_planner_predicts
             assert all(t >= 0 for t in phases) and phases[1] > 0 and 0 <= r["data_share"] < 1
 
 
+@pytest.mark.slow
 def test_the_profiler_writes_a_trace_of_each_requested_iteration(tmp_path):
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "4",
@@ -183,6 +189,7 @@ def test_a_long_phase_says_it_is_still_going(capsys):
     assert not [t for t in threading.enumerate() if t.name == "torchpar-progress"]
 
 
+@pytest.mark.slow
 def test_measured_pipeline_bubble_beside_the_predicted_one():
     """pp2 1F1B with 8 microbatches: every logged step carries the bubble measured from the timed
     compute actions (forward, backward, loss) of both ranks beside the cost model's 1/9, and the

@@ -57,6 +57,7 @@ def ledgers():
     return torch.load(f"{spawn_ranks(_ledger_worker, 2)}/ledger.pt", weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LEDGER_LAYOUTS))
 def test_planner_communication_equals_the_ledger(ledgers, name):
     from torchpar.config import load_config
@@ -135,7 +136,9 @@ BIG = {  # name: (world, overrides, ranks to build)
 }
 
 
-@pytest.mark.parametrize("name", list(BIG))
+# The 70B case keeps the fast tier's check of the planner at scale; the others build bigger ranks.
+@pytest.mark.parametrize("name", [n if n.startswith("70B") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in BIG])
 def test_planner_bytes_equal_the_real_model_at_scale(name):
     """8B on 64 ranks, 70B on 512 as tp8 x pp8 x dp8, 405B on 1,024: each sampled rank (first,
     middle and last pipeline stages; varied tp and dp coordinates) holds exactly the bytes the
@@ -253,6 +256,7 @@ def _activation_ratios(world, cases):
     return results
 
 
+@pytest.mark.slow
 def test_activations_predicted_from_structure_match_one_process():
     """Bytes each block, and the whole forward + loss, hold for backward on one process: the
     planner's meta-device trace against the real fp32 model on the CPU, for every recomputation
@@ -268,6 +272,7 @@ def test_activations_predicted_from_structure_match_one_process():
         assert held[("none", 1)] > held[("full", 2)] > held[("full", 1)], held
 
 
+@pytest.mark.slow
 def test_activations_predicted_under_tensor_and_sequence_parallelism():
     """The same on one rank of TP = 2, with and without sequence parallelism (loss parallel on):
     the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
@@ -291,6 +296,7 @@ def _peak_worker(rank, world, out, shapes):
         json.dump(results, f)
 
 
+@pytest.mark.slow
 def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
     """A real training step whose activations dominate (batch 16 x 256 tokens): the most bytes
     alive at once, plus parameters and Adam state, falls in the order none > selective >
@@ -313,6 +319,7 @@ def run_plan(*args):
     )
 
 
+@pytest.mark.slow
 def test_plan_command_json_and_exact_config():
     r = run_plan("--config", str(TINY), "--nproc", "2", "--gpu", "A100-80GB", "--json")
     assert r.returncode == 0, r.stderr
@@ -378,7 +385,7 @@ def test_hardware_overrides_are_figures_not_switches():
     import argparse
 
     from torchpar.errors import ConfigError
-    from torchpar.plan.search import _cluster, _parser
+    from torchpar.commands.plan import _cluster, _parser
 
     def cluster(*argv) -> argparse.Namespace:
         return _cluster(_parser().parse_args(["--model", "8B", *argv]))

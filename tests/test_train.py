@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harness import ROOT, TINY
+
+pytestmark = pytest.mark.slow  # trains in spawned processes
 
 
 def env(tmp_path, **extra):
@@ -96,8 +99,8 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
 
 def test_print_config_and_help(tmp_path):
     r = run(
-        [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--print-config", "--training.steps",
-         "9"],
+        [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--print-config",
+         "--training.steps", "9"],
         tmp_path,
     )
     assert r.returncode == 0 and "[training]\nsteps = 9\n" in r.stdout

@@ -193,6 +193,7 @@ def trained(tmp_path_factory):
     return tmp / "run"
 
 
+@pytest.mark.slow
 def test_what_a_resume_overrides_or_changes_warns(trained, capfd, monkeypatch):
     """A resume ignores checkpoint.initial_load_path and may toggle data.document_masking: one
     warning each, naming the checkpoint and its step; the same settings as the run say nothing."""

@@ -16,6 +16,7 @@ from test_train import env
 from torchpar.watchdog import KEY, Watchdog
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_with_its_name(tmp_path):
     folder = tmp_path / "run"
     cmd = ["./run_train.sh", "--training.steps", "100000", "--training.seq_len", "32", "--metrics.log_freq",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from harness import TINY, spawn_ranks
 
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
 Z, LB = "--parallelism.zero_stage", "--training.local_batch_size"
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
 

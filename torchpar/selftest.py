@@ -198,11 +198,12 @@ def _row(name: str, world: int, dtype: str, run: dict, ref: dict, tol: float) ->
 
 
 def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
-             base: str | Path = BASE) -> list[dict]:
-    """One row per layout and dtype: the built-in layouts of at most ``nproc`` processes, and
-    ``extra`` ({name: overrides}) on ``nproc`` processes, each against one device."""
-
-    table = [(w, n, o) for w, n, o in LAYOUTS if w <= nproc] + [(nproc, n, o) for n, o in extra.items()]
+             base: str | Path = BASE, only: list[str] | None = None) -> list[dict]:
+    """One row per layout and dtype: the built-in layouts of at most ``nproc`` processes (those
+    named in ``only``, when given), and ``extra`` ({name: overrides}) on ``nproc`` processes, each
+    against one device."""
+    table = [(w, n, o) for w, n, o in LAYOUTS if w <= nproc and (only is None or n in only)]
+    table += [(nproc, n, o) for n, o in extra.items()]
     rows = []
     for dtype in dtypes:
         tol = TOLERANCE[dev.device_type(), dtype]

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import torch
 
 from torchpar import device as dev
 from torchpar.console import ArgumentParser, at_least
-from torchpar.errors import ConfigError
-from torchpar.selftest import format_rows, selftest
+from torchpar.errors import ConfigError, did_you_mean
+from torchpar.selftest import LAYOUTS, format_rows, selftest
 
 
 def main(argv: list[str]) -> int:
-    import shlex
-
     p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=dev.default_nproc(),
                    help="processes (one per GPU); default: every visible GPU, else 2 CPU ranks")
@@ -24,9 +23,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--layout", action="append", default=[], metavar="NAME=OVERRIDES",
                    help="an extra layout on --nproc processes, e.g. "
                         "tp4='--parallelism.tensor_parallel_degree 4'")
+    p.add_argument("--only", default="", metavar="NAME,...",
+                   help="only these built-in layouts (and the one-device reference), e.g. zero3,tp2_sp_lp")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     a = p.parse_args(argv)
     at_least("--nproc", a.nproc, 1)
+    only = [n.strip() for n in a.only.split(",") if n.strip()] or None
+    for name in only or []:
+        if name not in {n for w, n, _ in LAYOUTS if w <= a.nproc}:
+            raise ConfigError(f"--only {name!r} is not a built-in layout of at most {a.nproc} process(es)."
+                              f"{did_you_mean(name, [n for w, n, _ in LAYOUTS if w <= a.nproc])}")
     dtypes = [d.strip() for d in a.dtype.split(",")]
     for d in dtypes:
         if d not in ("float32", "bfloat16"):
@@ -41,7 +47,7 @@ def main(argv: list[str]) -> int:
         extra[name] = shlex.split(overrides)
     print(f"torchpar selftest: {a.nproc} process(es) on {dev.device_name()}, torch {torch.__version__}; "
           "each layout's losses against one device's", flush=True)
-    rows = selftest(a.nproc, dtypes, extra)
+    rows = selftest(a.nproc, dtypes, extra, only=only)
     print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
