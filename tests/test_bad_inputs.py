@@ -68,17 +68,20 @@ class Case:
     """``command``: the arguments after ``torchpar``, split like a shell does, with {tiny} (the test
     config), {t} (the case's folder) and {run} (its dump folder, t/run) filled in. ``files`` are
     written under {t} first; ``run`` copies the trained run into {run} (``"lock"``: and holds its
-    lock as another run would); ``edit`` then changes it."""
+    lock as another run would); ``edit`` then changes it; ``env``: variables a launcher would set."""
 
-    def __init__(self, name, command, *fragments, code=2, world=None, files=None, run=False, edit=None):
+    def __init__(self, name, command, *fragments, code=2, world=None, files=None, run=False, edit=None,
+                 env=None):
         self.name, self.command, self.fragments, self.code = name, command, fragments, code
-        self.world, self.files, self.run, self.edit = world, files or {}, run, edit
+        self.world, self.files, self.run, self.edit, self.env = world, files or {}, run, edit, env or {}
 
     def argv(self, t: Path) -> list[str]:
         return shlex.split(self.command.format(tiny=TINY, t=t, run=t / "run"))
 
 
 CHECK = "train --config {tiny} --check"
+SRUN = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "localhost"}  # one task of two, as srun starts it without torchrun
 TRAIN = "train --config {tiny} --training.steps 2 --validation.enable false --job.dump_folder {run}"
 # (a resume of the trained run with steps left to train: 8 > its 6)
 CKPT = TRAIN.replace("--training.steps 2", "--training.steps 8") + " --checkpoint.enable true"
@@ -289,6 +292,17 @@ CASES = [
     Case("divergence", TRAIN + " --optimizer.lr inf", "step 2: non-finite loss nan",
          "the update was not applied",
          "last good checkpoint: none", code=3),
+    # --- launch variables that do not add up (srun's tasks, torchrun's ranks), refused before any wait
+    Case("srun: task index past the tasks", TRAIN, "SLURM_PROCID=2 but SLURM_STEP_NUM_TASKS=2",
+         env={**SRUN, "SLURM_PROCID": "2"}),
+    Case("srun: local index not a number", TRAIN, "SLURM_LOCALID='x'", "whole number",
+         env={**SRUN, "SLURM_LOCALID": "x"}),
+    Case("srun: tasks not a number", TRAIN, "SLURM_STEP_NUM_TASKS='abc'", "whole number",
+         env={**SRUN, "SLURM_STEP_NUM_TASKS": "abc"}),
+    Case("rank without MASTER_ADDR", TRAIN, "RANK and WORLD_SIZE are set but MASTER_ADDR is not", "torchrun",
+         env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}),
+    Case("rank past the world", TRAIN, "RANK=2 but WORLD_SIZE=2",
+         env={"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}),
     # --- the other commands
     Case("unknown command", "trian", "unknown command 'trian'", "train"),
     Case("plan: no model", "plan", "give --model FLAVOR"),
@@ -424,6 +438,8 @@ def test_one_line(case, trained, tmp_path, capfd, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     if case.world:
         monkeypatch.setenv("WORLD_SIZE", str(case.world))
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
     for name, data in case.files.items():
         write(tmp_path / name, data)
     run = tmp_path / "run"

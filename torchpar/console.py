@@ -27,8 +27,8 @@ def is_rank0() -> bool:
 
 
 class RankError(ConfigError):
-    """A start-up fault that may be this rank's alone (the other ranks never came): every rank
-    says it, not rank 0 alone, which may not exist."""
+    """A start-up fault that may be this process's alone (its launch variables, peers that never
+    came): every rank says it, not rank 0 alone, which may not exist."""
 
 
 def warn(message: str) -> None:

@@ -107,7 +107,7 @@ def device_index() -> int:
     if index >= count == 1 and started_by_srun(os.environ):
         return 0
     if index >= count:
-        raise ConfigError(
+        raise RankError(
             f"LOCAL_RANK {index} but this node has {count} visible GPU(s): start at most {count} "
             "processes per node (NGPU / --nproc-per-node), or fix CUDA_VISIBLE_DEVICES")
     return index
@@ -157,12 +157,12 @@ def slurm_environment(env: dict[str, str]) -> dict[str, str]:
         return {}
     missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST") if not env.get(k)]
     if missing:
-        raise ConfigError(
+        raise RankError(
             f"started by srun with {tasks} tasks, but {missing[0]} is not set, so this process cannot "
             "tell its rank: launch through torchrun (scripts/slurm/train.sbatch) instead")
     rank = count_of(env, "SLURM_PROCID")
     if rank >= tasks:
-        raise ConfigError(f"SLURM_PROCID={rank} but SLURM_STEP_NUM_TASKS={tasks}: a task's index is below "
+        raise RankError(f"SLURM_PROCID={rank} but SLURM_STEP_NUM_TASKS={tasks}: a task's index is below "
                           "the number of tasks; start the job with srun, not with these variables by hand")
     local = count_of(env, "SLURM_LOCALID")
     nodes = count_of(env, "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES", "1",
@@ -178,7 +178,7 @@ def count_of(env: dict[str, str], name: str, default: str | None = None, low: in
     """The whole number ``low`` or more in variable ``name`` (``default`` when unset)."""
     value = env.get(name) or default
     if value is None or not value.isdigit() or int(value) < low:
-        raise ConfigError(f"{name}={env.get(name, '')!r}: expected a whole number {low} or more; "
+        raise RankError(f"{name}={env.get(name, '')!r}: expected a whole number {low} or more; "
                           "it is set by the launcher (torchrun, srun), not by hand")
     return int(value)
 
@@ -199,11 +199,11 @@ def check_rank_environment(env) -> None:
     world = count_of(env, "WORLD_SIZE", low=1)
     rank = count_of(env, "RANK")
     if rank >= world:
-        raise ConfigError(f"RANK={rank} but WORLD_SIZE={world}: a rank is below the world size")
+        raise RankError(f"RANK={rank} but WORLD_SIZE={world}: a rank is below the world size")
     count_of(env, "LOCAL_RANK", "0")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not env.get(name):
-            raise ConfigError(f"RANK and WORLD_SIZE are set but {name} is not: start the processes with "
+            raise RankError(f"RANK and WORLD_SIZE are set but {name} is not: start the processes with "
                               "torchrun (./run_train.sh), or set MASTER_ADDR and MASTER_PORT to rank 0's "
                               "host and a free port there; unset RANK and WORLD_SIZE to run one process")
     count_of(env, "MASTER_PORT", low=1)
