@@ -384,8 +384,8 @@ def test_hardware_overrides_are_figures_not_switches():
     """--gpus-per-node 0 used to mean the preset's 8; every override given is used as given."""
     import argparse
 
-    from torchpar.errors import ConfigError
     from torchpar.commands.plan import _cluster, _parser
+    from torchpar.errors import ConfigError
 
     def cluster(*argv) -> argparse.Namespace:
         return _cluster(_parser().parse_args(["--model", "8B", *argv]))
