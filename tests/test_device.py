@@ -296,7 +296,9 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
     assert "world 4 = pp 1 x dp_replicate 1 x dp_shard 2 x tp 2" in outs[0] and "[default" not in outs[0]
     # Every rank of both nodes also wrote its output to its own file in the shared dump folder.
     logs = tmp_path / "job" / "logs"
-    assert sorted(p.name for p in logs.iterdir()) == [f"rank_{r}.log" for r in range(4)]
+    # (and each node's torchrun its report)
+    assert sorted(p.name for p in logs.iterdir()) == [f"rank_{r}.log" for r in range(4)] + [
+        "torchrun_node0.log", "torchrun_node1.log"]
     assert "world 4 = pp 1" in (logs / "rank_0.log").read_text()
 
     def losses(folder):
