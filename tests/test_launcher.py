@@ -227,6 +227,18 @@ def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
     assert files == ["logs/torchrun_node0.log", "torchpar.lock"], files
 
 
+def test_a_node_whose_first_node_never_answers_says_so_and_stops_at_the_timeout(tmp_path):
+    """NODE_RANK 1 waits for the rendezvous on the first node (nothing listens at 127.0.0.2)."""
+    port = free_port()
+    run = train_sh(tmp_path, *SHORT, NNODES="2", NODE_RANK="1", RDZV_ENDPOINT=f"127.0.0.2:{port}")
+    assert run.wait() == 2
+    assert_one_line(run, 2, f"run_train.sh: error: the rendezvous at RDZV_ENDPOINT=127.0.0.2:{port} did not "
+                    "answer within comm.timeout_s = 12 s", "start NODE_RANK 0 there")
+    waiting = run.first(f"run_train.sh: waiting for the other node of NNODES=2 at 127.0.0.2:{port}")
+    assert waiting < 35 and run.elapsed < waiting + 12 + 15, (waiting, run.elapsed)
+    assert "TCPStore" not in run.stderr  # torch's own retries, with their C++ stack traces
+
+
 def test_a_stop_while_waiting_for_the_other_node_is_one_line(tmp_path):
     run = train_sh(tmp_path, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
     deadline = time.time() + 60

@@ -25,9 +25,15 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+
 from torchpar.commands.train import parse_train_args
 from torchpar.config import load_config
 from torchpar.console import progress
+from torchpar.device import wait_for_listener
 from torchpar.errors import ConfigError
 
 PROG = "run_train.sh"
@@ -82,8 +88,6 @@ def exit_code(code: int) -> int:
 
 class Launch:
     def __init__(self, args, cfg):
-        from torch.distributed.run import parse_min_max_nnodes
-
         self.args, self.cfg = args, cfg
         self.nnodes = parse_min_max_nnodes(args.nnodes)[1]
         self.timeout = cfg.comm.timeout_s
@@ -98,16 +102,7 @@ class Launch:
                 f"this is NODE_RANK {a.node_rank})")
 
     def run(self) -> int:
-        from torch.distributed.elastic.multiprocessing import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
-        from torch.distributed.run import run
-
         self._log_to_report()
-        # The rendezvous gives up when comm.timeout_s is over: the agents' wait for each other,
-        # and a node's wait for the first node's store to answer.
-        conf = f"join_timeout={self.timeout},read_timeout={self.timeout}"
-        self.args.rdzv_conf = f"{conf},{self.args.rdzv_conf}" if self.args.rdzv_conf else conf
         with tempfile.TemporaryDirectory(prefix="torchpar-torchrun-") as log_dir:
             # torchrun's folder for the ranks' error files (attempt_<n>/<local rank>/error.json)
             self.args.log_dir = log_dir
@@ -121,6 +116,7 @@ class Launch:
 
             try:
                 with progress("", shown=self.nnodes > 1, line=note, until=started):
+                    self._rendezvous()
                     run(self.args)
                 return 0
             except ChildFailedError as e:
@@ -135,7 +131,7 @@ class Launch:
                 return self._say(f"{PROG}: error: {self.where()} did not join within comm.timeout_s = "
                                  f"{self.timeout} s: start run_train.sh on every node with the same NNODES, "
                                  "RDZV_ENDPOINT and RDZV_ID, or raise --comm.timeout_s", 2)
-            except RendezvousConnectionError as e:
+            except (RendezvousConnectionError, TimeoutError) as e:
                 self._to_report(e)
                 return self._say(
                     f"{PROG}: error: the rendezvous at RDZV_ENDPOINT={self.args.rdzv_endpoint} did not "
@@ -146,6 +142,18 @@ class Launch:
                 first = (str(e).strip().splitlines() or [""])[0]
                 return self._say(f"{PROG}: error: torchrun failed: {type(e).__name__}: {first} "
                                  f"(its report: {self.report})", 1)
+
+    def _rendezvous(self) -> None:
+        """The rendezvous gives up when comm.timeout_s is over: the agents' wait for each other, and
+        a node's wait for the first node's store, which the other nodes wait for here first —
+        torchrun's own retries would print a native warning with a C++ stack trace each time."""
+        deadline = time.monotonic() + self.timeout
+        if self.nnodes > 1 and self.args.node_rank != 0:
+            host, port = self.args.rdzv_endpoint.rsplit(":", 1)
+            wait_for_listener(host.strip("[]"), int(port), self.timeout)
+        left = max(1, round(deadline - time.monotonic()))
+        conf = f"join_timeout={left},read_timeout={left}"
+        self.args.rdzv_conf = f"{conf},{self.args.rdzv_conf}" if self.args.rdzv_conf else conf
 
     def _failed(self, ended: list[Ended]) -> int:
         """The first failing rank's line (unless the console showed it) and its code."""
@@ -204,16 +212,6 @@ class Launch:
 
 
 def main(argv: list[str]) -> int:
-    # The agent's store client retries with native warnings, each with a C++ stack trace, on the
-    # console; its failures reach this process as exceptions anyway. Quiet here only (torch reads
-    # the level when it loads): the ranks keep theirs.
-    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    from torch.distributed.run import parse_args
-
-    if quiet:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-
     args = parse_args(argv)
     try:
         script_args = args.training_script_args  # (-m torchpar) train --config ...
@@ -224,8 +222,6 @@ def main(argv: list[str]) -> int:
         return Launch._say(f"{PROG}: error: {e}", 2)
     # The agent turns these signals into its own exception from the moment it starts ranks; before
     # that (the rendezvous) too, so that a stop while waiting is one line.
-    from torch.distributed.elastic.multiprocessing import SignalException
-
     def stop(signum, frame):
         raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
