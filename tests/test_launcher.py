@@ -23,7 +23,7 @@ from test_bad_inputs import error_line
 from test_checkpoint_files import _rank_pids, folder_digest
 from test_train import env
 
-from torchpar.launch import Ended, first_failure
+from torchpar.launch import Ended, first_failure, on_console
 
 # A start-up wait that ends soon: the waits end at comm.timeout_s (the watchdog must be below it).
 SHORT = ["--comm.timeout_s", "12", "--comm.watchdog_s", "0"]
@@ -203,6 +203,16 @@ def test_which_rank_speaks_and_with_which_code():
     assert pick([Ended(0, 0, -15, {}), Ended(1, 1, 1, raised)]) == (1, 1)
     assert pick([Ended(0, 0, -15, {}), Ended(1, 1, 2, {})]) == (1, 2)
     assert pick([Ended(0, 0, None, said)]) == (0, 1)  # (a line but no code: stopped before it could exit)
+
+
+def test_a_line_the_console_showed_is_not_said_again():
+    shown = {"torchpar": {"line": "torchpar: error: x", "time": 2.0, "shown": True}}
+    unshown = {"torchpar": {"line": "torchpar: error: x", "time": 1.0, "shown": False}}
+    ended = [Ended(0, 0, 2, shown), Ended(1, 1, 2, unshown)]
+    assert first_failure(ended)[0].rank == 1  # recorded first, by a rank that did not print it
+    assert on_console("torchpar: error: x", ended, {0})  # rank 0 printed the same line
+    assert not on_console("torchpar: error: x", ended, {1})  # (the console shows rank 1 alone)
+    assert not on_console("torchpar: error: y", ended, {0, 1})
 
 
 def pick(ended: list[Ended]) -> tuple[int, int]:

@@ -81,6 +81,13 @@ def first_failure(ended: list[Ended]) -> tuple[Ended, int]:
     return first, exit_code(code if code is not None else 1)
 
 
+def on_console(line: str, ended: list[Ended], console: set[int] | None) -> bool:
+    """A rank that the console shows (local ranks ``console``; None: all) printed ``line``: every
+    rank may record the same error (a check all ranks make), rank 0 alone prints it."""
+    return any(e.line == line and e.data["torchpar"].get("shown")
+               and (console is None or e.local_rank in console) for e in ended)
+
+
 def exit_code(code: int) -> int:
     """A shell's code for a process's: a death by signal N is 128 + N."""
     return 128 - code if code < 0 else code
@@ -159,8 +166,7 @@ class Launch:
         """The first failing rank's line (unless the console showed it) and its code."""
         first, code = first_failure(ended)
         if first.line:
-            on_console = self.shown is None or first.local_rank in self.shown
-            return code if first.data["torchpar"].get("shown") and on_console else self._say(first.line, code)
+            return code if on_console(first.line, ended, self.shown) else self._say(first.line, code)
         output = (f"its output: {self.logs}/rank_{first.rank}.log" if self.cfg.job.rank_logs
                   else f"LOG_RANK={first.local_rank} shows its output")
         if first.exception:
