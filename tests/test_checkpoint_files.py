@@ -223,8 +223,9 @@ def test_export_then_train_from_it_and_generate(trained, tmp_path):
     assert a.stdout == b.stdout and a.stdout.startswith("import os\n") and len(a.stdout) > len("import os\n")
 
 
-def _rank_pids(local_rank: int, folder: Path | None = None) -> list[int]:
-    """The training processes of ``local_rank`` (of the run writing ``folder``, when given)."""
+def _rank_pids(local_rank: int, folder: Path) -> list[int]:
+    """The training processes of ``local_rank`` of the run writing ``folder`` (never another run's:
+    a user's training on the same machine is left alone)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -236,8 +237,8 @@ def _rank_pids(local_rank: int, folder: Path | None = None) -> list[int]:
             continue
         if (
             b"torchpar\0train\0" in cmd
-            and b"torchrun" not in cmd
-            and (folder is None or str(folder).encode() in cmd)
+            and b"--nproc-per-node" not in cmd  # (the launcher's agent, which names the ranks' command)
+            and str(folder).encode() in cmd
             and f"LOCAL_RANK={local_rank}".encode() in environ
         ):
             pids.append(int(d.name))
@@ -271,7 +272,7 @@ def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         if not killed and (folder / "checkpoint" / "step-00000010").exists():
-            for pid in _rank_pids(1):
+            for pid in _rank_pids(1, folder):
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         time.sleep(0.02)

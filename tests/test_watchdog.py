@@ -31,7 +31,7 @@ def test_a_stopped_rank_ends_the_job_with_its_name(tmp_path):
             started = started or (metrics.exists() and time.time())
             # Training for a few heartbeats (1.5 s apart), so that rank 1 has reported a step.
             if stopped_at is None and started and time.time() - started > 4:
-                (pid,) = _rank_pids(1)
+                (pid,) = _rank_pids(1, folder)
                 os.kill(pid, signal.SIGSTOP)
                 stopped_at = time.time()
             time.sleep(0.05)
@@ -39,7 +39,7 @@ def test_a_stopped_rank_ends_the_job_with_its_name(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _rank_pids(1):  # never leave a stopped process behind
+        for pid in _rank_pids(1, folder):  # never leave a stopped process behind
             os.kill(pid, signal.SIGKILL)
     assert stopped_at is not None, "the run ended before a rank could be stopped"
     ended_after = time.time() - stopped_at
