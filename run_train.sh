@@ -12,7 +12,7 @@
 # and failure report to <dump_folder>/logs/torchrun_node<NODE_RANK>.log. A failed job ends with the
 # first failing rank's one line and its exit code (torchpar/launch.py): 2 a mistake in the input or
 # the launch (nodes that never joined within comm.timeout_s too), 3 a divergence stop, 4 the
-# watchdog, 128 + N a stop on signal N (after a save).
+# watchdog, 128 + N a stop on signal N (after a save) or a rank killed by it, 1 anything else.
 # Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
 cd "$(dirname "$0")"
