@@ -10,8 +10,8 @@
 #   LOG_RANK      local ranks whose output the console shows (default 0)
 # Every rank's output also goes to <dump_folder>/logs/rank_<N>.log (job.rank_logs), torchrun's own log
 # and failure report to <dump_folder>/logs/torchrun_node<NODE_RANK>.log. A failed job ends with the
-# first failing rank's one line and its exit code (torchpar/launch.py): 2 a mistake in the input or
-# the launch (nodes that never joined within comm.timeout_s too), 3 a divergence stop, 4 the
+# first failing rank's one line and its exit code (torchpar/commands/launch.py): 2 a mistake in the
+# input or the launch (nodes that never joined within comm.timeout_s too), 3 a divergence stop, 4 the
 # watchdog, 128 + N a stop on signal N (after a save) or a rank killed by it, 1 anything else.
 # Further arguments are config overrides, e.g. --training.steps 50 --parallelism.tensor_parallel_degree 2
 set -euo pipefail
@@ -60,6 +60,6 @@ fi
 # traceback per rank.
 NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar train --check --config "$CONFIG_FILE" "$@" || exit $?
 # torchrun, with torchpar's reporting: one line and the failing rank's code, waits that say so.
-exec python -m torchpar.launch "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
+exec python -m torchpar.commands.launch "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m torchpar train --config "$CONFIG_FILE" "$@"

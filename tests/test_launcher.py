@@ -23,7 +23,7 @@ from test_bad_inputs import error_line
 from test_checkpoint_files import _rank_pids, folder_digest
 from test_train import env
 
-from torchpar.launch import Ended, first_failure, on_console
+from torchpar.commands.launch import Ended, first_failure, on_console
 
 # A start-up wait that ends soon: the waits end at comm.timeout_s (the watchdog must be below it).
 SHORT = ["--comm.timeout_s", "12", "--comm.watchdog_s", "0"]
@@ -106,6 +106,7 @@ def wait_for_steps(run: Run, folder: Path, steps: int, limit: float = 180) -> No
 # --- after launch: the first failing rank's line and code
 
 
+@pytest.mark.slow
 def test_a_divergence_stop_is_its_line_and_code_3(tmp_path):
     run = train_sh(tmp_path, "--optimizer.lr", "inf")
     assert run.wait() == 3
@@ -124,6 +125,7 @@ if os.environ.get("LOCAL_RANK") == "1" and "TORCHELASTIC_RUN_ID" in os.environ:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log_rank", ["0", "0,1"])
 def test_a_check_only_a_rank_makes_is_its_line(tmp_path, log_rank):
     """A ConfigError that rank 1 alone raises (rank 0 goes on to wait for it in the process group
@@ -137,6 +139,7 @@ def test_a_check_only_a_rank_makes_is_its_line(tmp_path, log_rank):
     assert run.elapsed < 120, run.elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["launcher", "rank 1"])
 def test_sigterm_stop_keeps_its_code(tmp_path, target):
     """SIGTERM (what SLURM sends before it kills a job) to the launcher, which torchrun passes on
@@ -155,6 +158,7 @@ def test_sigterm_stop_keeps_its_code(tmp_path, target):
     assert saved.name in line
 
 
+@pytest.mark.slow
 def test_the_watchdog_stop_is_its_line_and_code_4(tmp_path):
     """A rank that stops answering (SIGSTOP) is named by the watchdog of the rank that noticed."""
     folder = tmp_path / "run"
@@ -177,6 +181,7 @@ def test_the_watchdog_stop_is_its_line_and_code_4(tmp_path):
                     "rank 1 stopped answering")
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_without_a_word_is_named(tmp_path):
     """SIGKILL leaves no line of the rank's own: the launcher names the rank, how it ended and
     where its output is. (Rank 0's collective may fail with the peer gone and print its traceback
@@ -223,6 +228,7 @@ def pick(ended: list[Ended]) -> tuple[int, int]:
 # --- start-up waits: who is waited for, and an end at comm.timeout_s
 
 
+@pytest.mark.slow
 def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
     port = free_port()
     run = train_sh(tmp_path, *SHORT, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{port}")
@@ -237,6 +243,7 @@ def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
     assert files == ["logs/torchrun_node0.log", "torchpar.lock"], files
 
 
+@pytest.mark.slow
 def test_a_node_whose_first_node_never_answers_says_so_and_stops_at_the_timeout(tmp_path):
     """NODE_RANK 1 waits for the rendezvous on the first node (nothing listens at 127.0.0.2)."""
     port = free_port()
@@ -249,6 +256,7 @@ def test_a_node_whose_first_node_never_answers_says_so_and_stops_at_the_timeout(
     assert "TCPStore" not in run.stderr  # torch's own retries, with their C++ stack traces
 
 
+@pytest.mark.slow
 def test_a_stop_while_waiting_for_the_other_node_is_one_line(tmp_path):
     run = train_sh(tmp_path, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
     deadline = time.time() + 60
@@ -268,6 +276,7 @@ def srun_task(tmp_path, task: int, port: int) -> Run:
                MASTER_PORT=str(port))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", [0, 1])
 def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path, task):
     port = free_port()
@@ -285,6 +294,7 @@ def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_
 # --- launch variables that do not add up: one line before anything starts or waits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     ({"NGPU": "0"}, "NGPU=0: give the number of processes on this node, 1 or more"),
     ({"NGPU": "-2"}, "NGPU=-2: give the number of processes"),

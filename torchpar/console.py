@@ -62,8 +62,8 @@ class Reason:
     fails. Each line that starts with "torchpar: " and is printed to stderr by any module (an
     error, the stop on a signal, the watchdog's verdict right before it ends the process) is written
     there at once, with its time, as is every rank's error, shown or not, and at the end the exit
-    code. ``torchpar.launch`` shows the first failing rank's line from it; torchrun's own report
-    (``message``, ``timestamp``) shows it too."""
+    code. ``torchpar.commands.launch`` shows the first failing rank's line from it; torchrun's own
+    report (``message``, ``timestamp``) shows it too."""
 
     def __init__(self, stream, path: str):
         self.stream, self.path = stream, path

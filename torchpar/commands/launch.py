@@ -1,7 +1,7 @@
 """run_train.sh's torchrun: torchrun itself (its options, agent and rendezvous), reporting the way
 torchpar does.
 
-    python -m torchpar.launch [torchrun options] -m torchpar train --config FILE [overrides]
+    python -m torchpar.commands.launch [torchrun options] -m torchpar train --config FILE [overrides]
 
 - A failed job ends with one line and the first failing rank's exit code: that rank's own
   ``torchpar: ...`` line, read from the error file torchrun gives each rank (written by
