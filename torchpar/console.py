@@ -19,16 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from torchpar.errors import ConfigError
+from torchpar.errors import ConfigError, RankError
 
 
 def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
-
-
-class RankError(ConfigError):
-    """A start-up fault that may be this process's alone (its launch variables, peers that never
-    came): every rank says it, not rank 0 alone, which may not exist."""
 
 
 def warn(message: str) -> None:

@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torchpar.console import RankError, progress
-from torchpar.errors import ConfigError
+from torchpar.console import progress
+from torchpar.errors import ConfigError, RankError
 
 # Dense peak FLOP/s per device, no sparsity: (bf16/fp16 tensor cores, TF32 tensor cores, plain
 # fp32), from the vendors' datasheets (NVIDIA's product datasheets; AMD's MI300X data sheet). fp32

@@ -13,6 +13,11 @@ class ConfigError(ValueError):
     line without a traceback (exit code 2)."""
 
 
+class RankError(ConfigError):
+    """A start-up fault that may be this process's alone (its launch variables, peers that never
+    came): every rank says it, not rank 0 alone, which may not exist."""
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (divergence); the message is the one line to show."""
 
