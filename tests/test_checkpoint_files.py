@@ -130,7 +130,7 @@ def test_one_run_per_dump_folder(trained, tmp_path):
     held = RunLock(run_dir)  # as a live run's rank 0 holds it
     try:
         before = folder_digest(run_dir)
-        for extra in (["--check"], ["--training.steps", "7"]):
+        for extra in (["--check", "--training.steps", "7"], ["--training.steps", "7"]):
             r = train(tmp_path, run_dir, *extra)
             expect_error(r, f"job.dump_folder {run_dir} is in use by another run", f"pid {os.getpid()}")
         assert folder_digest(run_dir) == before

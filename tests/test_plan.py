@@ -315,7 +315,8 @@ def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
 
 def run_plan(*args):
     return subprocess.run(
-        [sys.executable, "-m", "torchpar.plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "torchpar", "plan", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300
     )
 
 

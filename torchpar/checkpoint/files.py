@@ -12,6 +12,7 @@ from pathlib import Path
 from torchpar.console import warn
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
+from torchpar.outputs import write_text
 
 MANIFEST = "torchpar.json"
 # Written into step-N.partial when a save starts: the manifest-to-be (everything but the files) and
@@ -104,9 +105,7 @@ def recoverable_saves(root: Path) -> dict[int, tuple[Path, dict]]:
 
 
 def _write_atomically(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def unexpected_folders(root: Path) -> list[Path]:
