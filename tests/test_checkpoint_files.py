@@ -255,31 +255,34 @@ def assert_same_weights(tmp_path, ref: Path, other: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_killed_rank_is_restarted_and_training_resumes(tmp_path):
-    """SIGKILL one rank after a checkpoint; torchrun restarts the group, which resumes from the
-    latest complete checkpoint and ends with the weights of an uninterrupted run."""
+def test_killed_rank_is_restarted_and_resumes_from_the_async_save_written_just_before(tmp_path):
+    """An asynchronous save is a checkpoint as soon as its files are written, not at the next save
+    point: SIGKILL one rank between two save points (after the async save of step 10 was written,
+    before step 20); torchrun restarts the group, which resumes from step 10 and ends with the
+    weights of an uninterrupted run. (Running the same command again after a kill takes the same
+    path: the restarted ranks' preflight.)"""
     steps = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
-             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "5",
-             "--checkpoint.async_mode", "async",
-             "--metrics.log_freq", "5"]
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "10",
+             "--checkpoint.async_mode", "async", "--metrics.log_freq", "1"]
     ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     folder = tmp_path / "killed"
     proc = subprocess.Popen(["./run_train.sh", *steps, "--job.dump_folder", str(folder)], cwd=ROOT,
                             env=env(tmp_path, NGPU="2", MAX_RESTARTS="1", LOG_RANK="0,1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = False
+    saved, at, committed = folder / "checkpoint" / "step-00000010", None, False
     deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline:
-        if not killed and (folder / "checkpoint" / "step-00000010").exists():
+    while proc.poll() is None and time.time() < deadline and at is None:
+        if saved.exists() or _last_step(folder) >= 19:
+            at, committed = _last_step(folder), (saved / "torchpar.json").exists()
             for pid in _rank_pids(1, folder):
                 os.kill(pid, signal.SIGKILL)
-                killed = True
         time.sleep(0.02)
     out, err = proc.communicate(timeout=300)
-    assert killed, "the run finished before a rank could be killed"
+    assert at is not None and at < 20, f"the run reached step {at} before a rank could be killed"
+    assert committed, f"step 10 was not committed by step {at}"
     assert proc.returncode == 0, (out + err)[-4000:]
-    assert "resumed from" in out
+    assert f"resumed from {saved} at step 10" in out, out[-3000:]
     assert_same_weights(tmp_path, tmp_path / "ref", folder)
 
 
@@ -315,6 +318,7 @@ def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert 5 <= step < 20 and f"step-{step:08d}" in stopped[0]
     assert "KeyboardInterrupt" not in err and err.count("torchpar: stopped by SIGTERM") == 1  # rank 0 says it
+    assert proc.returncode == 128 + signal.SIGTERM and "ChildFailedError" not in err, err[-3000:]
     assert sorted(d.name for d in (folder / "checkpoint").glob("step-*")) == [f"step-{step:08d}"]
     again = run(cmd, tmp_path, NGPU="2")
     assert again.returncode == 0 and f"resumed from {folder}/checkpoint/step-{step:08d}" in again.stdout, \
@@ -356,44 +360,9 @@ def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
     assert saved.name in err.strip().splitlines()[-1]
 
 
-ASYNC = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
-         "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--checkpoint.async_mode", "async",
-         "--metrics.log_freq", "1"]
-
-
 def _last_step(folder: Path) -> int:
     lines = (folder / "metrics.jsonl").read_text().splitlines() if (folder / "metrics.jsonl").exists() else []
     return max([json.loads(line).get("step", 0) for line in lines if line.endswith("}")] or [0])
-
-
-def test_async_save_is_committed_when_written_and_a_killed_run_resumes_from_it(tmp_path):
-    """An asynchronous save is a checkpoint as soon as its files are written, not at the next save
-    point: SIGKILL one rank between two save points (after the async save of step 10 was written,
-    before step 20), run the same command again, and it resumes from step 10 and ends with the
-    weights of an uninterrupted run."""
-    ref = run(["./run_train.sh", *ASYNC, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    folder = tmp_path / "killed"
-    cmd = ["./run_train.sh", *ASYNC, "--job.dump_folder", str(folder)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path, NGPU="2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    saved, at = folder / "checkpoint" / "step-00000010", None
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and at is None:
-        if saved.exists() or _last_step(folder) >= 19:
-            at = _last_step(folder)
-            for pid in _rank_pids(1, folder):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-    proc.communicate(timeout=300)
-    assert at is not None and at < 20, f"the run reached step {at} before it could be killed"
-    assert (saved / "torchpar.json").exists(), f"step 10 was not committed by step {at}"
-    assert proc.returncode != 0
-    again = run(cmd, tmp_path, NGPU="2")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {saved} at step 10" in again.stdout, again.stdout[-3000:]
-    assert "interrupted" not in again.stderr
-    assert_same_weights(tmp_path, tmp_path / "ref", folder)
 
 
 def test_a_save_interrupted_after_its_files_is_committed_at_the_next_start(tmp_path):

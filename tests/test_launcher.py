@@ -10,6 +10,7 @@ traceback reached the console, and a time bound."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -140,18 +141,15 @@ def test_a_check_only_a_rank_makes_is_its_line(tmp_path, log_rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["launcher", "rank 1"])
-def test_sigterm_stop_keeps_its_code(tmp_path, target):
-    """SIGTERM (what SLURM sends before it kills a job) to the launcher, which torchrun passes on
-    to every rank, or to one rank: a save after the same step on every rank, rank 0's line, 143."""
+def test_sigterm_stop_keeps_its_code(tmp_path):
+    """SIGTERM to one rank (SIGTERM to the launcher, which torchrun passes on to every rank, is
+    test_checkpoint_files' resume test): a save after the same step on every rank, rank 0's line,
+    143."""
     folder = tmp_path / "run"
     run = train_sh(tmp_path, *LONG, "--checkpoint.enable", "true", "--checkpoint.interval", "100000")
     wait_for_steps(run, folder, 3)
-    if target == "launcher":
-        run.proc.send_signal(signal.SIGTERM)  # run_train.sh is the launcher by now (exec)
-    else:
-        for pid in _rank_pids(1, folder):
-            os.kill(pid, signal.SIGTERM)
+    for pid in _rank_pids(1, folder):
+        os.kill(pid, signal.SIGTERM)
     assert run.wait() == 128 + signal.SIGTERM
     line = assert_one_line(run, 143, "torchpar: stopped by SIGTERM after step ", "saved checkpoint")
     (saved,) = (folder / "checkpoint").glob("step-*")
@@ -160,7 +158,9 @@ def test_sigterm_stop_keeps_its_code(tmp_path, target):
 
 @pytest.mark.slow
 def test_the_watchdog_stop_is_its_line_and_code_4(tmp_path):
-    """A rank that stops answering (SIGSTOP) is named by the watchdog of the rank that noticed."""
+    """A rank that stops answering (SIGSTOP) is named by the watchdog of the rank that noticed,
+    with the step of its last heartbeat, soon after comm.watchdog_s, and the flight recorder's
+    trace of the collectives is written."""
     folder = tmp_path / "run"
     run = train_sh(tmp_path, *LONG, "--comm.watchdog_s", "4")
     stopped = []
@@ -170,15 +170,22 @@ def test_the_watchdog_stop_is_its_line_and_code_4(tmp_path):
         for pid in _rank_pids(1, folder):
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
+        stopped_at = time.time()
         assert run.wait() == 4
+        ended_after = time.time() - stopped_at
     finally:
         for pid in stopped:  # never leave a stopped process behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert_one_line(run, 4, "torchpar: error: rank ", "watchdog (comm.watchdog_s = 4)",
-                    "rank 1 stopped answering")
+    line = assert_one_line(run, 4, "torchpar: error: rank ", "watchdog (comm.watchdog_s = 4)",
+                           "rank 1 stopped answering", "its last heartbeat was in step ", "flight_recorder")
+    # 4 s without a heartbeat, a beat's delay, and the launcher's teardown; torchrun alone would
+    # wait 30 s more for the stopped process.
+    assert ended_after < 20, (ended_after, line)
+    trace = pickle.loads((folder / "flight_recorder" / "rank0.pkl").read_bytes())
+    assert any(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
 
 
 @pytest.mark.slow
