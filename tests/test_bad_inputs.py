@@ -363,6 +363,10 @@ CASES = [
     Case("plot: damaged record", "plot {t}", "metrics.jsonl:2: not a JSON record",
          files={"metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n'}),
     Case("plan: picture suffix", "plan --model 8B --out {t}/m.gif", "--out", ".png or .svg"),
+    Case("selftest: unknown layout", "selftest --nproc 2 --only zero3,dp2_zer1", "--only 'dp2_zer1'",
+         "Did you mean 'dp2_zero1'"),
+    Case("selftest: layout beyond the processes", "selftest --nproc 1 --only dp2_zero1", "--only 'dp2_zero1'",
+         "at most 1 process(es)"),
     # --- outputs never replace what torchpar did not write (the user's files sit under {run}, so the
     # harness checks they are unchanged)
     Case("prepare-data: a folder of other files", "prepare-data --config {tiny} --out {run}/corpus", "--out",
