@@ -550,6 +550,27 @@ def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
     assert folder_bytes(out) == folder_bytes(whole)
 
 
+def test_an_interrupted_preparation_leaves_no_half_written_shard(tmp_path):
+    """Ctrl-C while a shard is being written: the pool terminates its workers, which cannot clean
+    up after themselves, so the run removes what they left half-written (here a worker's temporary
+    file appears just before the interrupt); a rerun finishes the same bytes."""
+    docs = [f"word{i} " * (i + 1) for i in range(20)]
+
+    class Interrupted(ListSource):
+        def __getitem__(self, i: int) -> str:
+            if i == 12:
+                (tmp_path / "cut" / "shard-00001.bin.tmp").write_bytes(b"half a shard")
+                raise KeyboardInterrupt
+            return super().__getitem__(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(Interrupted(docs), TOK, tmp_path / "cut", processes=1, docs_per_shard=8, quiet=True)
+    assert not list((tmp_path / "cut").glob("*.tmp"))
+    prepare(ListSource(docs), TOK, tmp_path / "cut", processes=1, docs_per_shard=8, quiet=True)
+    prepare(ListSource(docs), TOK, tmp_path / "whole", processes=1, docs_per_shard=8, quiet=True)
+    assert folder_bytes(tmp_path / "cut") == folder_bytes(tmp_path / "whole")
+
+
 def test_verify_prepared_checks_the_id_range_and_the_checksums(tmp_path):
     """Ids beyond the vocabulary are found from the manifest alone (cheap, every start), or by
     reading the shards (--check) when the manifest does not record them; a flipped byte fails its

@@ -197,6 +197,13 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _remove_partial_writes(folder: Path) -> None:
+    """Shard files whose write never finished (``replacing``'s temporary files): never read; a
+    rerun writes those shards again."""
+    for tmp in folder.glob("shard-*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def n_shards(n_documents: int, docs_per_shard: int) -> int:
     return max(1, -(-n_documents // docs_per_shard))
 
@@ -238,6 +245,9 @@ def prepare(source, tokenizer, folder: Path, processes: int, docs_per_shard: int
                           f"{rate:.2f}M tokens/s",
                           end="" if drawn else "\n", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
+        # The pool's exit terminated its workers (SIGTERM, no clean-up of their own): a shard
+        # being written when its worker died is left as a temporary file.
+        _remove_partial_writes(folder)
         if drawn:  # the message that follows starts on a line of its own
             print(file=sys.stderr, flush=True)
         raise
