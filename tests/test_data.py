@@ -504,7 +504,7 @@ def prepare_in_process(capfd, tmp_path, out, *more, corpus=None) -> tuple[int, s
 
 def test_prepare_data_never_writes_among_other_files(tmp_path, capfd):
     """A folder holding a user's manifest.json is refused before any work and left byte for byte as
-    it was (no shard written beside it); --overwrite writes there; a rerun into the corpus's own
+    it was (no shard written beside it); --overwrite writes there; running again into the corpus's own
     folder resumes without --overwrite."""
     out = tmp_path / "out"
     out.mkdir()
@@ -553,7 +553,7 @@ def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
 def test_an_interrupted_preparation_leaves_no_half_written_shard(tmp_path):
     """Ctrl-C while a shard is being written: the pool terminates its workers, which cannot clean
     up after themselves, so the run removes what they left half-written (here a worker's temporary
-    file appears just before the interrupt); a rerun finishes the same bytes."""
+    file appears just before the interrupt); the same command run again writes the same bytes."""
     docs = [f"word{i} " * (i + 1) for i in range(20)]
 
     class Interrupted(ListSource):

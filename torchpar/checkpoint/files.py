@@ -136,9 +136,10 @@ def file_crc32(path: Path) -> int:
 def read_manifest(path: Path) -> dict:
     """The manifest of the checkpoint ``path``, or of its save whose commit is still to be made
     (``find_resume`` chose it; rank 0's checkpointer commits it before any rank loads it)."""
-    pending = saved_folder(path)
-    if pending != path:
-        return pending_manifest(pending)
+    if not path.exists():  # (the pending save's pieces are read once, not checked and then read)
+        pending = pending_manifest(path.with_name(path.name + ".partial"))
+        if pending is not None:
+            return pending
     try:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
