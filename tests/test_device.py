@@ -57,6 +57,23 @@ def test_peak_override_and_auto_dtype(monkeypatch):
     assert peak is None and "not in torchpar's peak table" in why and "metrics.peak_tflops" in why
 
 
+def test_tf32_is_set_through_fp32_precision(monkeypatch):
+    """local_device sets TF32 with torch's fp32_precision settings (the allow_tf32 flags are
+    deprecated, and mixing the two raises); on a CPU build they can be set, so the GPU path runs."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    monkeypatch.setattr(dev, "device_type", lambda: "cuda")
+    monkeypatch.setattr(dev, "device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    try:
+        for tf32, precision in ((True, "tf32"), (False, "ieee"), (True, "tf32")):
+            assert dev.local_device(tf32) == torch.device("cuda", 0)
+            assert (matmul.fp32_precision, conv.fp32_precision) == (precision, precision)
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
+    assert (matmul.fp32_precision, conv.fp32_precision) == before
+
+
 def test_default_group_backends(monkeypatch):
     assert dev.backend() == dev.backend(cpu_tensors=True) == "gloo"
     monkeypatch.setattr(dev, "device_type", lambda: "cuda")

@@ -93,7 +93,10 @@ def local_device(tf32: bool = True) -> torch.device:
     if device_type() == "cuda":
         index = device_index()
         torch.cuda.set_device(index)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        # The fp32_precision settings, not allow_tf32: torch deprecates those, and reading them
+        # raises once anything has used the new ones.
+        precision = "tf32" if tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = precision
         return torch.device("cuda", index)
     keep_freed_host_memory()
     return torch.device("cpu")
