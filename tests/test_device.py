@@ -34,6 +34,9 @@ B = torch.bfloat16
         ("NVIDIA L40S", B, True, 362e12),
         ("NVIDIA B200", B, True, 2.25e15),
         ("NVIDIA GB200", B, True, 2.5e15),
+        ("NVIDIA GH200 480GB", B, True, 989e12),  # not the H200's row, though it holds "H200"
+        ("NVIDIA GH200 480GB", torch.float32, True, 494.7e12),
+        ("NVIDIA GH200 480GB", torch.float32, False, 67e12),
         ("AMD Instinct MI300X", B, True, 1307.4e12),  # ROCm reports as a cuda device
         ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7e12),  # fp32 matmuls run as TF32
         ("NVIDIA H100 80GB HBM3", torch.float32, False, 67e12),
@@ -52,9 +55,22 @@ def test_peak_override_and_auto_dtype(monkeypatch):
         "float32",
     )
     monkeypatch.setattr(dev, "device_type", lambda: "cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Foo 9000")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA GH200 480GB")
+    assert dev.peak_flops(B, 64) == (989e12, "datasheet bfloat16 peak of NVIDIA GH200 480GB")
+
+
+@pytest.mark.parametrize("name", ["NVIDIA Foo 9000", "NVIDIA GeForce RTX 4090", "NVIDIA XH200"])
+def test_a_gpu_the_peak_table_lacks_says_which_figure_to_give(monkeypatch, name):
+    """No MFU rather than a guess, and the warning the trainer prints names the device and the
+    setting, with the figure it wants (the compute dtype's dense peak)."""
+    monkeypatch.setattr(dev, "device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     peak, why = dev.peak_flops(B, 64)
-    assert peak is None and "not in torchpar's peak table" in why and "metrics.peak_tflops" in why
+    assert peak is None and why == (
+        f"{name} is not in torchpar's table of datasheet peaks, so no MFU is reported: set "
+        "metrics.peak_tflops to its dense bfloat16 peak in TFLOP/s")
+    assert "dense float32 (TF32) peak" in dev.peak_flops(torch.float32, 64, tf32=True)[1]
+    assert dev.peak_flops(torch.float32, 64, override_tflops=50.0) == (50e12, "metrics.peak_tflops")
 
 
 def test_tf32_is_set_through_fp32_precision(monkeypatch):

@@ -32,6 +32,7 @@ GPU_PEAKS = {
     "H100 NVL": (835e12, 417.5e12, 60e12),
     "H200": (989e12, 494.7e12, 67e12),  # SXM
     "H200 NVL": (835e12, 417.5e12, 60e12),
+    "GH200": (989e12, 494.7e12, 67e12),  # Grace Hopper's GPU: an H100 SXM's ("NVIDIA GH200 480GB")
     "H800": (989e12, 494.7e12, 67e12),  # SXM
     "H800 PCIe": (756e12, 378e12, 51e12),
     "H20": (148e12, 74e12, 44e12),
@@ -362,7 +363,8 @@ def peak_flops(dtype: torch.dtype, matmul_dim: int, tf32: bool = True,
         peak = gpu_peak(name, dtype, tf32)
         kind = str(dtype).removeprefix("torch.") + (" (TF32)" if dtype == torch.float32 and tf32 else "")
         if peak is None:
-            return None, f"{name} is not in torchpar's peak table: no MFU (set metrics.peak_tflops)"
+            return None, (f"{name} is not in torchpar's table of datasheet peaks, so no MFU is reported: set "
+                          f"metrics.peak_tflops to its dense {kind} peak in TFLOP/s")
         return peak, f"datasheet {kind} peak of {name}"
     m, k, n = 2048, matmul_dim, 4 * matmul_dim
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
