@@ -7,7 +7,8 @@ A model is single-device code. The parallel code and the planner know it only th
   ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len`` and ``tie_embeddings``),
   ``block_args(positions)`` (the extra positional inputs every block takes after the hidden
   states, for positions [b, s] or None = 0..s-1; a block's last input is what
-  :func:`attention` takes: the documents' spans or bias, or None = causal),
+  :func:`attention` takes: the documents' spans (packed for varlen attention on CUDA) or bias,
+  or None = causal),
   ``forward(x, documents=None)`` (with each token's document index [b, s],
   attention stays inside documents: :func:`document_layout`),
   ``tie_weights()`` and ``init_weights()`` (:class:`SeededInit`); its forward skips top-level
@@ -22,6 +23,7 @@ Nothing here imports the distributed package: the TP plan is a table of style na
 
 from __future__ import annotations
 
+import functools
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import fields, replace
@@ -29,6 +31,13 @@ from dataclasses import fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchpar.console import warn
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older torch: document masking keeps the per-document calls everywhere
+    varlen_attn = None
 
 # Tensor-parallel styles a plan may name (the words of the plan, not DTensor objects):
 #   embedding  rows (vocabulary or positions) sharded; replicated ids in, the residual stream out
@@ -49,8 +58,9 @@ def canonical_name(name: str) -> str:
 
 # One causal kernel call per document skips the attention across documents that a mask only hides.
 # On a CPU that wins at any count (8 x 512 tokens, 16 heads of 16: 3x faster than one masked call at
-# 15 documents a row, 1.5x at 137); on a GPU each call is a few launches, so past this many
-# documents per row on average one masked call over the whole window is made instead.
+# 15 documents a row, 1.5x at 137); on a GPU without varlen attention (see _varlen_serves) each call
+# is a few launches, so past this many documents per row on average one masked call over the whole
+# window is made instead.
 PER_DOCUMENT_MAX = 64
 
 
@@ -64,12 +74,78 @@ class DocumentSpans:
         self.cuts = cuts
 
 
+class PackedDocuments(DocumentSpans):
+    """The spans as varlen attention takes them: every document of every row one sequence of the
+    packed b*s tokens. ``cu_seqlens`` [n + 1] int32 on the device: where each sequence starts, then
+    b*s; ``max_len``: the longest. A compiled block reads both (a tensor input and an int), so it
+    compiles twice, the second time dynamic in the number of documents and the longest, then
+    takes new documents without tracing again."""
+
+    __slots__ = ("cu_seqlens", "max_len")
+
+    def __init__(self, cuts: tuple[tuple[int, ...], ...], cu_seqlens: torch.Tensor, max_len: int):
+        super().__init__(cuts)
+        self.cu_seqlens = cu_seqlens
+        self.max_len = max_len
+
+
+def varlen_layout(spans: DocumentSpans) -> tuple[torch.Tensor, int]:
+    """The sequences of :func:`pack`'s layout: cu_seqlens [n + 1] int32 on the host (row r's
+    document starting at c starts at r*s + c; then b*s) and the longest document."""
+    s = spans.cuts[0][-1]
+    starts = [r * s + c for r, cuts in enumerate(spans.cuts) for c in cuts[:-1]]
+    longest = max(e - a for cuts in spans.cuts for a, e in zip(cuts, cuts[1:]))
+    return torch.tensor([*starts, len(spans.cuts) * s], dtype=torch.int32), longest
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, hd] -> [b*s, h, hd], rows one after another. The projections' [b, s, h, hd]
+    transposed, as the models pass them, come back to it as a view: no copy."""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def unpack(x: torch.Tensor, b: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: [b*s, h, hd] -> [b, h, s, hd] (a view)."""
+    return x.unflatten(0, (b, -1)).transpose(1, 2)
+
+
+@functools.cache
+def _varlen_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """The one place that picks how attention stays inside documents: varlen attention on CUDA,
+    where it runs (one kernel for the whole batch, a custom op that compiles); else the per-document
+    calls, measured and tuned on CPUs, and said once where a GPU gets them."""
+    if device.type != "cuda":
+        return False
+    why = _varlen_fails(device, dtype)
+    if why is not None:
+        warn(f"document masking on {device} in {dtype}: varlen_attn {why}; attention runs one SDPA call "
+             f"per document instead (past {PER_DOCUMENT_MAX} a row: one call with a dense mask), with many "
+             f"small kernel launches and a graph break in every compiled block")
+    return why is None
+
+
+def _varlen_fails(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why varlen_attn cannot run on ``device`` in ``dtype`` (None: it runs). One tiny call with
+    grouped query heads answers for this torch, GPU and dtype: the flash kernel takes fp16 and bf16
+    only, on recent GPUs only, and older signatures lack window_size or enable_gqa."""
+    if varlen_attn is None:
+        return "is not in this torch"
+    q, kv = torch.zeros(2, 2, 8, dtype=dtype, device=device), torch.zeros(2, 1, 8, dtype=dtype, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    try:
+        varlen_attn(q, kv, kv, cu, cu, 2, 2, window_size=(-1, 0), enable_gqa=True)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        return f"fails: {(str(e).splitlines() or [type(e).__name__])[0]}"
+    return None
+
+
 def document_layout(documents: torch.Tensor, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, DocumentSpans | torch.Tensor]:
     """documents [b, s]: each token's document index, non-decreasing along a row (a packed window),
     best on the host (reading the spans from a device would wait for it). Returns each token's
     position inside its document [b, s] on ``device`` and what :func:`attention` takes to keep
-    attention inside documents: the spans, or with many short documents the additive bias
+    attention inside documents: on CUDA the spans packed for varlen attention
+    (:class:`PackedDocuments`); elsewhere the spans, or with many short documents the additive bias
     [b, 1, s, s] (0 = may attend, -inf = not) made once per forward in the compute dtype."""
     b, s = documents.shape
     idx = torch.arange(s, device=documents.device).expand(b, s)
@@ -78,13 +154,25 @@ def document_layout(documents: torch.Tensor, dtype: torch.dtype,
     starts = torch.where(starts_here, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [b, s]
     positions = (idx - starts).to(device, non_blocking=True)
     starts_here = starts_here.cpu()
+    if _varlen_serves(device, dtype):
+        spans = _spans(starts_here)
+        cu_seqlens, longest = varlen_layout(spans)
+        # Made here, in the eager forward, so a compiled block takes it as an input. non_blocking:
+        # a copy this small is staged at once, with no wait for the GPU's queue.
+        return positions, PackedDocuments(spans.cuts, cu_seqlens.to(device, non_blocking=True), longest)
     if int(starts_here.sum()) <= PER_DOCUMENT_MAX * b:
-        return positions, DocumentSpans(tuple((*row.nonzero().flatten().tolist(), s) for row in starts_here))
+        return positions, _spans(starts_here)
     documents = documents.to(device)
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     keep = (documents.unsqueeze(2) == documents.unsqueeze(1)) & causal  # [b, s, s]
     bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
     return positions, bias.unsqueeze(1)
+
+
+def _spans(starts_here: torch.Tensor) -> DocumentSpans:
+    """starts_here [b, s] bool on the host: where each document starts (column 0 always)."""
+    s = starts_here.shape[1]
+    return DocumentSpans(tuple((*row.nonzero().flatten().tolist(), s) for row in starts_here))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,6 +181,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
     :func:`document_layout` = causal inside each document."""
     gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, PackedDocuments):
+        return _varlen(q, k, v, mask, gqa)
     if isinstance(mask, DocumentSpans):
         return _per_document(q, k, v, mask, gqa)
     if gqa and mask is not None:
@@ -101,6 +191,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
+            gqa: bool) -> torch.Tensor:
+    # One kernel over every document of the batch, none across two; window (-1, 0) = causal.
+    out = varlen_attn(pack(q), pack(k), pack(v), docs.cu_seqlens, docs.cu_seqlens, docs.max_len,
+                      docs.max_len, window_size=(-1, 0), enable_gqa=gqa)  # [b*s, h, hd]
+    return unpack(out, q.shape[0])  # [b, h, s, hd]
 
 
 @torch.compiler.disable  # new spans every batch: run eagerly between a compiled block's graphs
@@ -143,23 +241,32 @@ class SeededInit(nn.Module):
         return torch.randn(shape, generator=gen, device=device).mul_(std)
 
     @torch.no_grad()
-    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
-                     values: dict[str, torch.Tensor] | None = None) -> None:
-        """Fill every parameter and rebuild the buffers.
+    def initial_values(self, seed: int, local_part=None, device: torch.device | None = None,
+                       values: dict[str, torch.Tensor] | None = None):
+        """(parameter, destination, value) for each parameter in turn, each value made only when
+        its turn comes (so a caller can place it and drop it before the next exists).
 
         ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
         piece of a sharded parameter this process holds; by default the whole tensor.
         ``values`` (by canonical name: full tensors, or lazy weights with ``read(index)`` that read
-        only the part asked for) replaces the random init.
+        only the part asked for) replaces the random init. ``device``: where values are made
+        (default: each parameter's own).
         """
         for name, p in self.named_parameters():
             name = canonical_name(name)
             full = (values[name] if values is not None
-                    else self.initial_value(name, tuple(p.shape), seed, buffer_device or p.device))
+                    else self.initial_value(name, tuple(p.shape), seed, device or p.device))
             if local_part is not None:
                 dst, src = local_part(p, full)
             else:
                 dst, src = p, full.read() if hasattr(full, "read") else full
+            yield p, dst, src
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,
+                     values: dict[str, torch.Tensor] | None = None) -> None:
+        """Fill every parameter (see :meth:`initial_values`) and rebuild the buffers."""
+        for _, dst, src in self.initial_values(seed, local_part, buffer_device, values):
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         self.reset_buffers(buffer_device)
 
