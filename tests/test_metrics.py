@@ -208,3 +208,72 @@ def test_measured_pipeline_bubble_beside_the_predicted_one():
         assert r["pp_bubble_measured_costs"] == pytest.approx(1 / 9)
         assert 0 < r["pp_time_F_s"] < r["pp_time_B_s"]
         assert 1 / 9 - 0.03 < r["pp_bubble"] <= r["pp_bubble_max"] < 0.5, r
+
+
+class FakeGpu:
+    """A device clock the test advances, events that complete at its time, and counts of the
+    waits: the CUDA path of the step breakdown on a CPU."""
+
+    def __init__(self):
+        self.now, self.events, self.event_waits, self.device_waits = 0.0, 0, 0, 0
+
+    def run(self, seconds: float) -> None:
+        self.now += seconds
+
+    def record(self):
+        self.events += 1
+        return FakeEvent(self)
+
+    def synchronize(self) -> None:
+        self.device_waits += 1
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGpu):
+        self.gpu, self.at = gpu, gpu.now
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as torch.cuda.Event's
+
+    def synchronize(self) -> None:
+        self.gpu.event_waits += 1
+
+
+def test_on_a_gpu_the_breakdown_waits_once_at_the_end_of_a_timed_step():
+    """Phases and pipeline actions are CUDA events (here fakes on a clock the test advances), read
+    after the step: no device-wide synchronization and no wait at any border, one wait per timed
+    step; untimed steps record nothing. Actions get wall-clock times counted back from the last
+    event; on the CPU the timer is the host's clock."""
+    from torchpar.breakdown import DeviceEvents, HostClock, StepBreakdown
+
+    gpu = FakeGpu()
+    breakdown = StepBreakdown(None, gpu.synchronize, timer=DeviceEvents(gpu.record, clock=lambda: 1000.0))
+    with breakdown.step(timed=True, count_bytes=False):
+        for _ in range(2):  # two accumulation microbatches: their phases add up
+            with breakdown.phase("data"):
+                gpu.run(0.5)
+            with breakdown.phase("forward_backward"):
+                with breakdown.action("F"):
+                    gpu.run(1.0)
+                with breakdown.action("B"):
+                    gpu.run(2.0)
+        gpu.run(0.25)  # between phases: in none
+        with breakdown.phase("reduce_clip"):
+            gpu.run(0.75)
+        with breakdown.phase("optimizer"):
+            gpu.run(1.0)
+        assert (gpu.event_waits, gpu.device_waits, gpu.events) == (0, 0, 20)  # a start and an end per span
+    assert (gpu.event_waits, gpu.device_waits, gpu.events) == (1, 0, 21)  # the last event, waited for
+    record = breakdown.record()
+    assert {k: record[k] for k in record if k.startswith("time_")} == pytest.approx(
+        {"time_data_s": 1.0, "time_forward_backward_s": 6.0, "time_reduce_clip_s": 0.75, "time_optimizer_s": 1.0})
+    assert record["data_share"] == pytest.approx(1.0 / 8.75)
+    # The device's clock ends at 9.0 s, the host reads 1000.0 then: the first forward ran 0.5-1.5 s.
+    assert breakdown.actions[0] == ("F", pytest.approx(991.5), pytest.approx(992.5))
+    assert [kind for kind, *_ in breakdown.actions] == ["F", "B", "F", "B"]
+
+    with breakdown.step(timed=False, count_bytes=False):
+        with breakdown.phase("data"):
+            gpu.run(1.0)
+    assert (gpu.event_waits, gpu.device_waits, gpu.events) == (1, 0, 21) and breakdown.record() == {}
+    assert isinstance(StepBreakdown(None, lambda: None).timer, HostClock)  # this machine: a CPU

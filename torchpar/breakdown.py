@@ -3,16 +3,22 @@ backward, gradient reduction and clipping, the optimizer step), under a pipeline
 bubble beside the predicted one, and, if asked, the bytes each mesh dimension communicates.
 
 The measured bubble times every compute action of the schedule (forward, backward, weight
-gradient; between device synchronizations) on every pipeline rank: a rank's bubble is the time it
-computed nothing over the step's makespan (the first action on any rank to the last), as the
-planner's cost model defines it, and ``pp_bubble`` is the mean over the pipeline ranks. Ranks'
-clocks are the wall clock (one clock on one machine; NTP's across nodes).
+gradient) on every pipeline rank: a rank's bubble is the time it computed nothing over the step's
+makespan (the first action on any rank to the last), as the planner's cost model defines it, and
+``pp_bubble`` is the mean over the pipeline ranks. Ranks' clocks are the wall clock (one clock on
+one machine; NTP's across nodes).
 
-A phase's time is wall time between device synchronizations at its borders, so on a GPU it is
-the phase's own work and not its launch; those synchronizations happen on logged steps only, and
-every other step runs untouched. The bytes come from the communication ledger (a dispatch mode:
-it slows the steps it counts, hence ``metrics.log_communication`` is off by default); the
-planner's prediction of them is logged at step 1.
+The borders of phases and actions are marked without stopping the step. On a GPU each border is a
+CUDA event on the current stream, so a phase's time is the device's: from the stream reaching the
+phase (its earlier work done) to the end of the phase's own work, time the device waited for the
+host to queue it included, the host's launching ahead while the device was busy not. The events
+are read once, after the step, and that one wait stands where the host waits for a logged step's
+figures anyway; the overlap of host and device is kept. On the CPU the work is done when its code
+returns, and the wall clock marks the borders. Every other step runs untouched.
+
+The bytes come from the communication ledger (a dispatch mode: it slows the steps it counts, hence
+``metrics.log_communication`` is off by default); the planner's prediction of them is logged at
+step 1.
 """
 
 from __future__ import annotations
@@ -23,19 +29,61 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+from torchpar import device as dev
 from torchpar.parallel.ledger import CommLedger
 
 PHASES = ("data", "forward_backward", "reduce_clip", "optimizer")
 
 
+class HostClock:
+    """The CPU's timer: a phase's work is done when its code returns, so the wall clock at its
+    borders times it."""
+
+    def mark(self) -> float:
+        return time.time()
+
+    def seconds(self, marks: list) -> list[float]:
+        return list(marks)
+
+
+class DeviceEvents:
+    """A GPU's timer: the host runs ahead of the device, so each border is an event ``record()``
+    puts on the current stream, and the events are read once, after the step (one wait). Their
+    wall-clock times, which the bubble compares between ranks, count back from a last event,
+    completed at ``clock()`` once waited for."""
+
+    def __init__(self, record, clock=time.time):
+        self.record, self.clock = record, clock
+
+    def mark(self):
+        return self.record()
+
+    def seconds(self, marks: list) -> list[float]:
+        if not marks:
+            return []
+        end = self.record()
+        end.synchronize()
+        now = self.clock()
+        return [now - mark.elapsed_time(end) / 1e3 for mark in marks]  # (elapsed_time: ms)
+
+
+def step_timer():
+    """This machine's timer: CUDA events on GPUs, the host's clock on the CPU."""
+    return DeviceEvents(dev.record_timing_event) if dev.device_type() == "cuda" else HostClock()
+
+
 class StepBreakdown:
-    def __init__(self, mesh, synchronize, pipeline=None):
+    def __init__(self, mesh, synchronize, pipeline=None, timer=None):
+        """``synchronize``: the device's, for the communication ledger, which waits for each
+        collective; ``timer``: marks the phases' borders (default :func:`step_timer`)."""
         self.mesh, self.synchronize, self.pipeline = mesh, synchronize, pipeline
+        self.timer = timer or step_timer()
         self.on = False
         self.times: dict[str, float] = defaultdict(float)
         self.sent: dict[str, float] | None = None
         self.comm_seconds: dict[str, float] = {}  # time inside collectives per mesh dim (counted steps)
         self.actions: list[tuple[str, float, float]] = []  # this rank's pipeline actions: (kind, start, end)
+        self.spans: list[tuple[str, bool, object, object]] = []  # (name, is a phase, start mark, end mark)
         if pipeline is not None:
             pipeline.time_actions(self.action)
             self.predicted_bubble = pipeline.predicted_bubble()  # the schedule's, fixed for the run
@@ -43,36 +91,44 @@ class StepBreakdown:
     @contextlib.contextmanager
     def step(self, timed: bool, count_bytes: bool):
         """Around one whole step: ``timed`` = time its phases; ``count_bytes`` = count its traffic."""
-        self.on, self.times, self.sent, self.actions = timed, defaultdict(float), None, []
-        if not count_bytes:
+        self.on, self.times, self.sent, self.actions, self.spans = timed, defaultdict(float), None, [], []
+        if count_bytes:
+            with CommLedger(self.mesh, self.synchronize) as ledger:
+                yield
+            self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)
+        else:
             yield
-            return
-        with CommLedger(self.mesh, self.synchronize) as ledger:
-            yield
-        self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)
+        self._read_spans()
 
     @contextlib.contextmanager
-    def _span(self, record):
-        """On timed steps, run the block between device synchronizations and hand its start and
-        end (the wall clock, comparable between the ranks of a machine) to ``record``."""
+    def _span(self, name: str, phase: bool):
+        """On timed steps, mark the block's start and end (read at the step's end)."""
         if not self.on:
             yield
             return
-        self.synchronize()
-        t0 = time.time()
+        start = self.timer.mark()
         try:
             yield
         finally:
-            self.synchronize()
-            record(t0, time.time())
+            self.spans.append((name, phase, start, self.timer.mark()))
+
+    def _read_spans(self) -> None:
+        """The step's marks, read at once, as phase times and timed actions."""
+        marks = self.timer.seconds([mark for *_, start, end in self.spans for mark in (start, end)])
+        for (name, phase, _, _), t0, t1 in zip(self.spans, marks[0::2], marks[1::2]):
+            if phase:
+                self.times[name] += t1 - t0
+            else:
+                self.actions.append((name, t0, t1))
+        self.spans = []
 
     def phase(self, name: str):
         """One phase of the step (see PHASES)."""
-        return self._span(lambda t0, t1: self.times.__setitem__(name, self.times[name] + t1 - t0))
+        return self._span(name, True)
 
     def action(self, kind: str):
         """One compute action of the pipeline schedule: F, B, I, W, or L (the loss)."""
-        return self._span(lambda t0, t1: self.actions.append((kind, t0, t1)))
+        return self._span(kind, False)
 
     def _bubble(self) -> dict:
         """The measured bubble of this rank's pipeline (a collective over the pp ranks)."""

@@ -314,6 +314,14 @@ def record_event():
     return event
 
 
+def record_timing_event():
+    """A CUDA event that keeps its time, recorded on the current stream after the work queued so
+    far: the step breakdown's borders, read later without stopping the host at each one."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def record_memory_history(enabled: bool) -> bool:
     """Start (or stop) recording CUDA allocations for memory snapshots; False without CUDA."""
     if device_type() != "cuda":
