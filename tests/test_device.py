@@ -280,6 +280,51 @@ def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
         assert row["status"] == "PASS" and row["max_dloss"] <= 1e-5 and row["tokens_per_sec"] > 0, row
 
 
+def fake_result(loss: float = 1.0) -> dict:
+    """What a layout's run returns, as much of it as a table row reads."""
+    return {"losses": [loss], "logged": [{"loss": loss, "tokens_per_sec": 100.0, "mfu": None,
+                                           "mem_peak_rss_gib": 0.5}]}
+
+
+def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, capsys):
+    """A rank that raises in one layout ends its group of processes (here a fake group): that
+    layout's row is ERROR with the rank's one-line error, the layouts after it train in a new
+    group, and the command exits 1. A group that fails after its last layout marks that one."""
+    from torchpar import selftest
+    from torchpar.commands.selftest import main
+
+    calls = []
+
+    def fake_group(world, layouts, base):
+        calls.append((world, list(layouts)))
+        done = {}
+        for name in layouts:
+            if name == "dp2_zero1":
+                return done, RuntimeError(
+                    "process 1 terminated with exit code 1\n--- rank 1 ---\nTraceback (most recent call last):\n"
+                    "  File \"x.py\", line 1, in <module>\nValueError: dp2_zero1 broke on purpose\n--- rank 0 ---\n")
+            done[name] = fake_result()
+        return done, None
+
+    monkeypatch.setattr(selftest, "run_group", fake_group)
+    assert main(["--nproc", "2", "--only", "dp2_zero0,dp2_zero1,dp2_zero2"]) == 1
+    assert calls == [(1, ["one_device"]), (2, ["dp2_zero0", "dp2_zero1", "dp2_zero2"]), (2, ["dp2_zero2"])]
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split(None, 3)[3] for line in out.splitlines()
+            if line.split() and line.split()[0] in ("one_device", "dp2_zero0", "dp2_zero1", "dp2_zero2")}
+    assert rows["dp2_zero1"] == "ERROR: ValueError: dp2_zero1 broke on purpose", out
+    assert all(rows[n].endswith("PASS") for n in ("one_device", "dp2_zero0", "dp2_zero2")), out
+    assert "selftest: 3 of 4 passed; failed: dp2_zero1 (float32)" in out
+
+    def fails_at_the_end(world, layouts, base):
+        return {name: fake_result() for name in layouts}, RuntimeError("a rank died")
+
+    monkeypatch.setattr(selftest, "run_group", fails_at_the_end)
+    assert selftest._run(2, {"a": [], "b": []}, selftest.BASE) == {
+        "a": fake_result(), "b": "after training, at the group's end: a rank died (no Python error: a signal "
+                                 "or a native abort)"}
+
+
 @pytest.mark.slow
 def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
     """Two torchrun agents as two nodes of 2 ranks (run_train.sh with NNODES=2, a c10d rendezvous on

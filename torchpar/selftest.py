@@ -6,8 +6,9 @@ Trains the debug model for a few steps (``assets/selftest.toml``) in a table of 
 ``--nproc`` devices (ZeRO stages, TP with sequence and loss parallelism, HSDP, pipeline
 schedules, 3-D), each in its own group of processes started here, and compares every step's loss
 with a one-device run of the same precision. It prints layout, max |Δloss|, tokens/s, MFU, peak
-memory and PASS/FAIL, and exits 1 if any layout fails. The test suite runs its layout tables
-through the same functions (:func:`run_layouts`, :func:`spawn_ranks`).
+memory and PASS/FAIL, and exits 1 if any layout fails. A layout whose run fails (a rank raises or
+dies) is an ERROR row with that rank's one-line error, and the other layouts still run. The test
+suite runs its layout tables through the same functions (:func:`run_layouts`, :func:`spawn_ranks`).
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def full_parameters(parts) -> dict[str, torch.Tensor]:
             for part in parts for name, p in part.named_parameters()}
 
 
-def _worker(rank: int, world: int, out: str, layouts: dict, base: str) -> None:
+def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str) -> None:
+    """Train ``layouts`` one after the other; after each one that every rank finished, rank 0
+    writes the results so far to ``keep``/results.pt, so a rank's death leaves them behind."""
 
     seen: list[tuple[int, int, list[int]]] = []  # (loader id, dp rank, window CRCs)
     plain_iter = PackedWindows.__iter__
@@ -127,21 +130,20 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str) -> None:
 
     PackedWindows.__iter__ = recording_iter
     results = {}
-    try:
-        for name, overrides in layouts.items():
-            cfg = load_config(base, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
-            seen.clear()
-            trainer = Trainer(cfg, on_first_step=predict_for_trainer)
-            losses = trainer.train()
-            trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]
-            gathered = [None] * world
-            dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
-            if rank == 0:
-                results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
-            dist.barrier()
-    finally:
+    for name, overrides in layouts.items():
+        cfg = load_config(base, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
+        seen.clear()
+        trainer = Trainer(cfg, on_first_step=predict_for_trainer)
+        losses = trainer.train()
+        trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
         if rank == 0:
-            torch.save(results, f"{out}/results.pt")
+            results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
+        dist.barrier()  # every rank finished this layout
+        if rank == 0:  # (whole or not at all: a rank killed mid-write leaves the last results)
+            torch.save(results, f"{keep}/results.tmp")
+            os.replace(f"{keep}/results.tmp", f"{keep}/results.pt")
 
 
 def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
@@ -161,12 +163,29 @@ def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
 
 def run_layouts(world: int, layouts: dict[str, list[str]], base: str | Path = BASE) -> dict:
     """Train each of ``layouts`` ({name: config overrides on ``base``}) in one group of ``world``
-    processes; rank 0's result per layout (see :func:`_merge`)."""
-    out = spawn_ranks(_worker, world, layouts, str(base))
+    processes; rank 0's result per layout (see :func:`_merge`). A rank that dies fails the call
+    (RuntimeError, with the ranks' last lines)."""
+    results, error = run_group(world, layouts, base)
+    if error is not None:
+        raise error
+    return results
+
+
+def run_group(world: int, layouts: dict[str, list[str]], base: str | Path = BASE
+              ) -> tuple[dict, RuntimeError | None]:
+    """:func:`run_layouts` that keeps going: (the results of the layouts every rank finished, in
+    order, and None), or (those before the one a rank died in, and that RuntimeError)."""
+    keep = tempfile.mkdtemp(prefix="torchpar_results_")
     try:
-        return torch.load(f"{out}/results.pt", weights_only=False)
+        try:
+            out, error = spawn_ranks(_worker, world, layouts, str(base), keep), None
+            shutil.rmtree(out, ignore_errors=True)  # every layout's run folder: metrics, checkpoints
+        except RuntimeError as e:
+            error = e
+        path = Path(keep, "results.pt")
+        return (torch.load(path, weights_only=False) if path.exists() else {}), error
     finally:
-        shutil.rmtree(out, ignore_errors=True)  # every layout's run folder: metrics, checkpoints
+        shutil.rmtree(keep, ignore_errors=True)
 
 
 def _log_tails(out: str, world: int, failed: int) -> str:
@@ -208,29 +227,43 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
     for dtype in dtypes:
         tol = TOLERANCE[dev.device_type(), dtype]
         common = ["--training.mixed_precision_param", dtype, "--training.tf32", "false"]
-        ref, error = _run(1, {"one_device": REFERENCE + common}, base)
-        if error:  # nothing to compare with: every layout of this dtype says so
-            rows += [_error_row(n, w, dtype, f"no one-device run: {error}")
+        ref = _run(1, {"one_device": REFERENCE + common}, base)["one_device"]
+        if isinstance(ref, str):  # nothing to compare with: every layout of this dtype says so
+            rows += [_error_row(n, w, dtype, f"no one-device run: {ref}")
                      for w, n, _ in [(1, "one_device", None), *table]]
             continue
-        ref = ref["one_device"]
         rows.append(_row("one_device", 1, dtype, ref, ref, tol))
         for world in sorted({w for w, _, _ in table}):
             layouts = {n: o + common for w, n, o in table if w == world}
-            results, error = _run(world, layouts, base)
-            rows += [_error_row(n, world, dtype, error) if error
-                     else _row(n, world, dtype, results[n], ref, tol) for n in layouts]
+            for name, result in _run(world, layouts, base).items():
+                rows.append(_error_row(name, world, dtype, result) if isinstance(result, str)
+                            else _row(name, world, dtype, result, ref, tol))
     return rows
 
 
-def _run(world: int, layouts: dict, base) -> tuple[dict | None, str | None]:
-    """(results, None), or (None, the failed rank's exception line) when a rank died: then that
-    group's layouts fail and the others still run."""
-    try:
-        return run_layouts(world, layouts, base), None
-    except RuntimeError as e:
-        lines = [line for line in str(e).splitlines() if re.match(r"[\w.]+(Error|Exception)\b", line)]
-        return None, lines[-1][:200] if lines else "a rank died (no Python error: a signal or a native abort)"
+def _run(world: int, layouts: dict, base) -> dict[str, dict | str]:
+    """Each layout's result, or the one-line reason it has none. The layouts of a world train in
+    one group of processes; a rank that dies ends the group, so the layout it died in gets that
+    error and the layouts after it train in a new group."""
+    outcome, pending = {}, dict(layouts)
+    while pending:
+        results, error = run_group(world, pending, base)
+        outcome.update(results)
+        pending = {n: o for n, o in pending.items() if n not in results}
+        if error is None:
+            break
+        if pending:
+            outcome[next(iter(pending))] = _reason(error)
+            pending.pop(next(iter(pending)))
+        else:  # every layout done, the group failed after them: the last one's row says so
+            outcome[next(reversed(results))] = f"after training, at the group's end: {_reason(error)}"
+    return {n: outcome[n] for n in layouts}
+
+
+def _reason(error: RuntimeError) -> str:
+    """The failed rank's exception line, at most 200 characters."""
+    lines = [line for line in str(error).splitlines() if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return lines[-1][:200] if lines else "a rank died (no Python error: a signal or a native abort)"
 
 
 def _error_row(name: str, world: int, dtype: str, error: str) -> dict:
