@@ -4,6 +4,7 @@ device-side init, SDPA's grouped-query attention, and ``torchpar selftest`` itse
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -323,6 +324,60 @@ def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, 
     assert selftest._run(2, {"a": [], "b": []}, selftest.BASE) == {
         "a": fake_result(), "b": "after training, at the group's end: a rank died (no Python error: a signal "
                                  "or a native abort)"}
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Records each call and the variables gpu_check.sh sets; run_train.sh asks torchpar.device first.
+echo "$* | NCCL_DEBUG=${NCCL_DEBUG:-} PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-}" >> "$FAKE_LOG"
+case "$*" in
+  "-m torchpar.device") echo "2 cuda" ;;
+  *"torchpar selftest"*) exit 3 ;;
+  *"zero_stage 3"*) sleep 30 ;;
+esac
+"""
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+if [ "$1" = -L ]; then printf 'GPU 0: NVIDIA H200 (UUID: GPU-0)\nGPU 1: NVIDIA H200 (UUID: GPU-1)\n'
+else echo "NVIDIA H200, 143771 MiB, 570.86.15"; fi
+"""
+
+
+def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
+    """benchmarks/gpu_check.sh with a fake python and nvidia-smi on PATH (2 GPUs): the stages in
+    order (env, one-GPU smoke step, two-GPU torchrun smoke step, selftest, the 1B runs), NCCL_DEBUG
+    only in the first distributed stage, Python's fault handler on everywhere, a stage past its
+    limit stopped by SIGABRT (exit 124), and one summary line at the end; exit 1."""
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", FAKE_NVIDIA_SMI)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "out"
+    r = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+                            "STAGE_S": "2", "SMOKE_S": "20"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    calls = [line.split(" | ") for line in log.read_text().splitlines()]
+    stages = [
+        ("-c import torch", ""),
+        ("-m torchpar train --config torchpar/assets/selftest.toml --training.steps 3", ""),
+        ("-m torchpar.device", "INFO"),
+        ("-m torchpar train --check", "INFO"),
+        ("-m torchpar.commands.launch --standalone --nproc-per-node 2", "INFO"),
+        ("-m torchpar selftest --json", ""),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        ("- " + str(out), ""),
+    ]
+    assert len(calls) == len(stages), calls
+    for (args, env), (start, nccl) in zip(calls, stages):
+        assert args.startswith(start) and env == f"NCCL_DEBUG={nccl} PYTHONFAULTHANDLER=1", (args, env)
+    summary = r.stdout.splitlines()[-1]
+    assert re.fullmatch(r"gpu_check: env ok \d+s \| smoke_1gpu ok \d+s \| smoke_2gpu ok \d+s \| selftest exit 3 "
+                        r"\d+s \| 1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s", summary), summary
+    assert "NVIDIA H200, 143771 MiB" in (out / "env.log").read_text()
+    assert (out / "tmp" / "selftest").is_dir()  # a failed self-test keeps its ranks' logs
 
 
 @pytest.mark.slow
