@@ -41,12 +41,17 @@ LAYOUTS = {  # name: (world, overrides)
     "dp2_tp2": (4, [LB, "4", *TP2, Z, "3"]),
     "pp2_tp2": (4, [*PP2, *TP2, Z, "0"]),
     "pp2_dp2": (4, [*PP2, LB, "4", Z, "3"]),
+    # ZeRO 0-2 save each rank's share of its owned pieces (replicas split them) and load them in place
+    "dp2_zero0": (2, [LB, "4", Z, "0"]),
+    "hsdp_zero2": (4, [LB, "2", Z, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "dp2_tp2_zero1": (4, [LB, "4", *TP2, Z, "1"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("dp2_zero2_bf16", "dp2_zero2_bf16")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
-           ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1")]
+           ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
+           ("dp2_tp2_zero1", "dp2_zero1")]
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +124,14 @@ def test_async_snapshot_is_host_memory_with_the_dtensor_layout(tmp_path):
     """The async save's snapshot: host tensors (never a second copy on the mesh's device), each
     DTensor with its mesh, placements and global shape, independent of the live state, and a DCP
     save/load round trip of it restores the values — also for parameters that are views into one
-    flat buffer, as the ZeRO 0-2 engine's are."""
+    flat buffer, as the ZeRO 0-2 engine's are. A second save copies into the same host buffers
+    (allocated once per run), with the new values."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from torchpar.checkpoint.checkpointer import host_snapshot
+    from torchpar.checkpoint.checkpointer import HostStaging
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -134,7 +140,16 @@ def test_async_snapshot_is_host_memory_with_the_dtensor_layout(tmp_path):
         view = DTensor.from_local(flat[4:16].view(3, 4), mesh, [Shard(0)], run_check=False)
         state = {"model": {"w": view, "b": DTensor.from_local(flat[:4], mesh, [Replicate()])},
                  "step": 7, "rows": [torch.ones(2)]}
-        snap = host_snapshot(state)
+        staging = HostStaging(pin=False)
+        first = staging.stage(state)
+        held = staging.nbytes()
+        assert held == (12 + 4 + 2) * 4
+        flat.add_(1000)
+        snap = staging.stage(state)  # the same buffers, this save's values
+        assert staging.nbytes() == held
+        assert snap["model"]["w"].to_local().data_ptr() == first["model"]["w"].to_local().data_ptr()
+        flat.sub_(1000)
+        snap = staging.stage(state)
         w = snap["model"]["w"]
         assert isinstance(w, DTensor) and w.to_local().device.type == "cpu"
         assert (w.device_mesh, w.placements, w.shape, w.stride()) == (mesh, view.placements, view.shape,

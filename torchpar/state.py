@@ -35,6 +35,10 @@ class ModelState:
     def state_dict(self) -> dict:
         return self.state.model_state_dict()
 
+    def load_template(self) -> dict:
+        """What a resume loads into (a save may write only part of what this rank holds)."""
+        return self.state.model_load_template()
+
     def load_state_dict(self, sd: dict) -> None:
         self.state.load_model_state_dict(sd)
 
@@ -47,6 +51,9 @@ class OptimizerState:
 
     def state_dict(self) -> dict:
         return self.state.optimizer_state_dict()
+
+    def load_template(self) -> dict:
+        return self.state.optimizer_load_template()
 
     def load_state_dict(self, sd: dict) -> None:
         self.state.load_optimizer_state_dict(sd)

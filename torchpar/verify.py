@@ -6,13 +6,25 @@ import it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from pathlib import Path
+
 import torch
 
+from torchpar import device as dev
+from torchpar.checkpoint.checkpointer import Checkpointer, HostStaging
+from torchpar.checkpoint.files import complete_checkpoints, read_manifest
 from torchpar.loss import cross_entropy_sum
-from torchpar.parallel import _local_part, compute_context, parallelize
+from torchpar.optim import build_optimizer, ensure_state
+from torchpar.parallel import _local_part, compute_context, materialize, parallelize
+from torchpar.parallel.flat import bucket_elements
+from torchpar.parallel.zero import nbytes
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import LiveStorages, held_bytes, tagged
 from torchpar.plan.estimate import rank_memory
+from torchpar.plan.layout import transient_bytes
+from torchpar.state import ModelState, OptimizerState
 from torchpar.train import Trainer
 
 
@@ -74,3 +86,64 @@ def step_peak_check(cfg) -> dict:
     finally:
         trainer.close()
     return {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
+
+
+def zero_transients_check(cfg, folder: Path) -> dict:
+    """ZeRO 0-2 outside the step, on this rank, every storage followed: the most bytes alive while
+    the engine is built; the most bytes a synchronous checkpoint save adds to the state; the host
+    copies an async save makes; and the most bytes a resume into a freshly built engine adds (its
+    optimizer state included) — beside the planner's start-up and checkpoint peaks. The resumed
+    engine's weights and optimizer state must equal the saved ones bitwise."""
+    trainer = Trainer(cfg)  # the process group, the mesh and the layout
+    try:
+        lay = trainer.layout
+
+        def build(tracker=None):
+            parts = parallelize(trainer.model_family, trainer.args, lay)  # on the meta device
+            with tracker or contextlib.nullcontext():
+                return parts, materialize(parts, lay, trainer.device, cfg.training.seed,
+                                          lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()))
+
+        tracker = LiveStorages(peak=True)
+        parts, saved = build(tracker)
+        startup = tracker.peak - sum(nbytes(b) for part in parts for b in part.buffers())
+        ensure_state(saved.optimizer)
+        state = saved.state_bytes()
+        gen = torch.Generator().manual_seed(1)  # the same on every rank: replicas stay identical
+        with torch.no_grad():  # values a fresh engine does not start from
+            for m in saved.weights():
+                m.add_(torch.randn(m.shape, generator=gen))
+                for v in saved.optimizer.state[m].values():
+                    if v.dim():  # (not the step, which every piece shares)
+                        v.add_(torch.rand(v.shape, generator=gen))
+        saved.publish_params(one_at_a_time=True)
+        stateful = {"model": ModelState(saved), "optimizer": OptimizerState(saved)}
+        ckpt_cfg = dataclasses.replace(cfg.checkpoint, enable=True, async_mode="off")
+        saver = Checkpointer(ckpt_cfg, folder, stateful, {}, None, None)
+        with LiveStorages(peak=True) as tracker:
+            saver.maybe_save(1, force=True)
+        save = tracker.peak
+        saver.close()
+        staging = HostStaging(pin=False)
+        staging.stage({name: part.state_dict() for name, part in stateful.items()})
+        fresh = build()[1]
+        path = complete_checkpoints(folder)[1]
+        loader = Checkpointer(ckpt_cfg, folder, {"model": ModelState(fresh),
+                                                 "optimizer": OptimizerState(fresh)},
+                              {}, path, read_manifest(path))
+        with LiveStorages(peak=True) as tracker:
+            loader.load()
+        resume = tracker.peak
+        loader.close()
+        same = torch.equal(saved.flat, fresh.flat)
+        same &= all(torch.equal(a, b) for a, b in zip(saved.weights(), fresh.weights()))
+        same &= all(torch.equal(a, b) for m, n in zip(saved.weights(), fresh.weights())
+                    for a, b in zip(saved.optimizer.state[m].values(),
+                                    fresh.optimizer.state[n].values()))
+        predicted = transient_bytes(trainer.model_family, trainer.args, lay, lay.pp_rank)
+    finally:
+        trainer.close()
+    return {"startup_bytes": startup, "save_added_bytes": save, "staged_bytes": staging.nbytes(),
+            "resume_added_bytes": resume, "state_bytes": state, "equal_after_resume": same,
+            "predicted": predicted, "elements": saved.total, "dp": lay.dp,
+            "shard_elements": saved.shard_starts[-1], "bucket_bytes": 4 * bucket_elements(lay)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import shutil
 import time
@@ -9,7 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from torchpar import device as dev
 from torchpar.checkpoint.files import (
@@ -35,7 +39,9 @@ class Checkpointer:
     ``manifest``: what to record beside the tensors (model, tokenizer, layout, config); each save
     adds the step, the time and every file's size and CRC32. ``resume_from``: a checkpoint
     validated in preflight, restored by :meth:`load`, and ``resume_manifest`` its manifest as
-    preflight read it (so a resume reads it once).
+    preflight read it (so a resume reads it once). A part whose save writes only a share of what it
+    holds (ranks with identical copies split the writing) says what a resume loads into with
+    ``load_template()``; a value may be a list of chunks of its own (see :func:`chunked`).
     """
 
     def __init__(self, cfg, root: Path, parts: dict, manifest: dict, resume_from: Path | None,
@@ -49,6 +55,7 @@ class Checkpointer:
         self.pending = None  # (future, step) of an async save: written and committed by its thread
         self.async_group = None
         self.executor = None
+        self.staging = HostStaging(pin=dev.device_type() == "cuda")
         if cfg.enable and cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
             self.async_group = dist.new_group(backend="gloo")
@@ -118,19 +125,24 @@ class Checkpointer:
             # A snapshot in host memory that keeps every DTensor's layout, with no second copy on the
             # device; DCP's ordinary save writes it from a thread on its own process group while
             # training goes on.
-            snapshot = host_snapshot(state, pin=dev.device_type() == "cuda")
-            dev.synchronize()  # the copies are complete before training changes the weights
-            future = self._writer().submit(self._save, snapshot, partial, step, self.async_group)
+            snapshot = self.staging.stage(state)
+            # The copies are queued on the training stream, so training cannot change the weights
+            # before they are made; the writer waits for them alone, not for the whole device.
+            copied = dev.record_event()
+            future = self._writer().submit(self._save, snapshot, partial, step, self.async_group, copied)
             self.pending = (future, step)
         else:
             self._save(state, partial, step)
 
-    def _save(self, state: dict, partial: Path, step: int, group=None) -> None:
+    def _save(self, state: dict, partial: Path, step: int, group=None, copied=None) -> None:
         """Write ``state`` into ``partial`` with DCP and commit it; on every rank the same outcome
-        (a failed write on any rank is :class:`SaveFailed` everywhere, and nothing is committed)."""
+        (a failed write on any rank is :class:`SaveFailed` everywhere, and nothing is committed).
+        ``copied``: the device event after which ``state`` (host copies) is complete."""
         started = time.perf_counter()
+        if copied is not None:
+            copied.synchronize()
         try:
-            self.dcp.save(state, checkpoint_id=str(partial), process_group=group)
+            self.dcp.save(state, checkpoint_id=str(partial), process_group=group, planner=ChunkedSavePlanner())
             problem = None
         except (Exception, CheckpointException) as e:  # (a BaseException) the same on every rank
             problem = _reason(e)
@@ -236,7 +248,8 @@ class Checkpointer:
             return None
         self._verify_checksums(path)
         parts = {name: part for name, part in self.parts.items() if name not in skip}
-        state = {name: part.state_dict() for name, part in parts.items()}  # DCP loads into these in place
+        # DCP loads into these in place.
+        state = {name: getattr(part, "load_template", part.state_dict)() for name, part in parts.items()}
         metadata = self.dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for name, part in parts.items():
             if getattr(part, "per_rank", False):  # keys of ranks the saving layout did not have
@@ -244,7 +257,7 @@ class Checkpointer:
         _check_tensors(path, state, metadata)
         started = time.perf_counter()
         try:
-            self.dcp.load(state, checkpoint_id=str(path))
+            self.dcp.load(state, checkpoint_id=str(path), planner=ChunkedLoadPlanner())
         except (Exception, CheckpointException) as e:  # DCP raises the same exception on every rank
             check = "" if self.cfg.verify_checksums else "; checkpoint.verify_checksums = true names the file"
             raise ConfigError(f"checkpoint {path} is damaged: reading it failed ({_reason(e)}){check}; "
@@ -264,7 +277,7 @@ def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
         if isinstance(obj, dict):
             for k, v in obj.items():
                 yield from walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(obj, torch.Tensor):
+        elif isinstance(obj, torch.Tensor) or chunked(obj):
             yield prefix, obj
 
     for key, value in walk("", state):
@@ -280,25 +293,88 @@ def _check_tensors(path: Path, state: dict, metadata: dict) -> None:
             )
 
 
-def host_snapshot(obj, pin: bool = False):
-    """A copy of a state dict whose tensors live in host memory (page-locked when ``pin``: the copy
-    from a GPU then runs at full bandwidth, asynchronously; the caller synchronizes). A DTensor
-    stays a DTensor of the same mesh, placements and global shape, its local piece on the host —
-    DTensor.from_local would move it back to the mesh's device, a second copy of the training
-    state there. torch 2.13's own helpers for this (DCP's async stager, _create_cpu_state_dict)
-    deep-copy DTensors and fail on the ZeRO engine's parameters, views into one flat buffer
-    ("Attempted to call copy_() on an invalid python storage")."""
-    from torch.distributed.tensor import DTensor
+def chunked(obj) -> bool:
+    """Whether ``obj`` is a value made of chunks of its own, not a tensor: it gives DCP its chunks
+    (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__`` as DTensor
+    does), its global ``shape`` and ``map(fn)``: the same chunks over ``fn(tensor)``."""
+    return not isinstance(obj, torch.Tensor) and hasattr(obj, "__get_tensor_shard__")
 
-    if isinstance(obj, DTensor):
-        return DTensor(host_snapshot(obj._local_tensor, pin), obj._spec, requires_grad=False)
-    if isinstance(obj, torch.Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin).copy_(obj.detach(), non_blocking=pin)
-    if isinstance(obj, dict):
-        return {k: host_snapshot(v, pin) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_snapshot(v, pin) for v in obj)
-    return obj
+
+def _lookup(state_dict: dict, index):
+    obj = state_dict.get(index.fqn)
+    return obj.__get_tensor_shard__(index) if chunked(obj) else None
+
+
+class ChunkedSavePlanner(DefaultSavePlanner):
+    """DCP's planner, which also finds the chunks of a :func:`chunked` value (its own looks chunks
+    up in tensors only)."""
+
+    def lookup_object(self, index):
+        found = _lookup(self.state_dict, index)
+        return super().lookup_object(index) if found is None else found
+
+
+class ChunkedLoadPlanner(DefaultLoadPlanner):
+    """The load side of :class:`ChunkedSavePlanner`: DCP reads into the chunks in place."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's set-up makes meta tensors real and, in passing, replaces every value it does not
+        # know with None: the chunked ones are put back, nested and flattened.
+        kept = {}
+
+        def keep(path: tuple, obj) -> None:
+            if chunked(obj):
+                kept[path] = obj
+            elif isinstance(obj, dict):
+                for k, v in obj.items():
+                    keep((*path, k), v)
+
+        keep((), state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for path, obj in kept.items():
+            functools.reduce(dict.__getitem__, path[:-1], state_dict)[path[-1]] = obj
+        for fqn, path in getattr(self, "mappings", {}).items():
+            if tuple(path) in kept:
+                self.state_dict[fqn] = kept[tuple(path)]
+
+    def lookup_tensor(self, index):
+        found = _lookup(self.state_dict, index)
+        return super().lookup_tensor(index) if found is None else found
+
+
+class HostStaging:
+    """Host copies of a state dict for async saves, made into buffers allocated at the first save
+    and reused by every later one: torch's page-locked memory cache never returns a block to the
+    system, so a fresh pinned copy per save would grow the process. A DTensor stays a DTensor of
+    the same mesh, placements and global shape with its local piece on the host (DTensor.from_local
+    would move it back to the mesh's device: a second copy there); a :func:`chunked` value keeps
+    its chunks. torch 2.13's own stager deep-copies DTensors and fails on the flat ZeRO engine's
+    views into one buffer ("Attempted to call copy_() on an invalid python storage")."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin  # page-locked: the copy from a GPU runs at full bandwidth, asynchronously
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, obj, key: tuple = ()):
+        """``obj`` with every tensor copied to its host buffer (the copies are queued, not waited for)."""
+        if isinstance(obj, DTensor):
+            return DTensor(self.stage(obj._local_tensor, key), obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self.buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
+            return buf.copy_(obj.detach(), non_blocking=self.pin)
+        if chunked(obj):
+            n = itertools.count()
+            return obj.map(lambda t: self.stage(t, (*key, next(n))))
+        if isinstance(obj, dict):
+            return {k: self.stage(v, (*key, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.stage(v, (*key, i)) for i, v in enumerate(obj))
+        return obj
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
 def _reason(e: BaseException) -> str:

@@ -261,6 +261,7 @@ class SeededInit(nn.Module):
             else:
                 dst, src = p, full.read() if hasattr(full, "read") else full
             yield p, dst, src
+            del full, dst, src  # before the next value is made
 
     @torch.no_grad()
     def init_weights(self, seed: int, local_part=None, buffer_device: torch.device | None = None,

@@ -21,7 +21,7 @@ from torchpar.parallel.layout import Layout
 from torchpar.parallel.pipeline import Pipeline, split_model
 from torchpar.parallel.recompute import apply_recompute
 from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
-from torchpar.parallel.zero import ZeroState, unique_params
+from torchpar.parallel.zero import ZeroState, local_box, unique_params
 
 
 def _local_part(p: torch.Tensor, full):
@@ -30,9 +30,7 @@ def _local_part(p: torch.Tensor, full):
     if hasattr(full, "read"):
         if not isinstance(p, DTensor):
             return p, full.read()
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        shape, offset = local_box(p)
         return p.to_local(), full.read(tuple(slice(o, o + n) for o, n in zip(offset, shape)))
     if isinstance(p, DTensor):
         # src_data_rank=None: every rank cuts its own piece from its own copy, no communication.
@@ -86,15 +84,32 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
 
 def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, seed: int, build_optimizer,
                 initial_weights: dict[str, torch.Tensor] | None = None) -> ZeroState:
-    """Allocate and initialize the parallelized parts on ``device``; the ZeRO engine over them."""
+    """Allocate and initialize the parallelized parts on ``device``; the ZeRO engine over them.
+    Under ZeRO 0-2 the parameters are never allocated on their own: the engine makes its buffer
+    and fills it one parameter's initial value at a time."""
+    for part in parts:
+        part.tie_weights()  # to_empty and sharding make new parameter objects for plain tensors
+    if layout.zero_stage < 3:
+        for part in parts:
+            _buffers_to_empty(part, device)
+        state = FlatZero(parts, layout, build_optimizer, lambda part: (
+            (p, src) for p, _, src in part.initial_values(seed, _local_part, device, initial_weights)), device)
+        for part in parts:
+            part.reset_buffers(device)
+        return state
     for part in parts:
         part.to_empty(device="cpu" if layout.cpu_offload else device)
-        part.tie_weights()  # to_empty makes new parameter objects for plain tensors
+        part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
-    if layout.zero_stage == 3:
-        return FSDPState(parts, build_optimizer(unique_params(parts)), layout.tp,
-                         layout.reduce_every_microstep)
-    return FlatZero(parts, layout, build_optimizer)
+    return FSDPState(parts, build_optimizer(unique_params(parts)), layout.tp, layout.reduce_every_microstep)
+
+
+def _buffers_to_empty(module: nn.Module, device: torch.device) -> None:
+    """Every buffer allocated on ``device`` (left for ``reset_buffers``); parameters untouched."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = torch.empty_like(b, device=device)
 
 
 def build_parallel_model(model, args, layout: Layout, device: torch.device, seed: int, build_optimizer,

@@ -55,13 +55,17 @@ def bucket_elements(layout) -> int:
 class FlatZero(FlatCheckpoints):
     """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
 
-    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer):
+    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer, initial_values,
+                 device: torch.device):
+        """``model_parts``: parameters not yet allocated (on the meta device); ``initial_values(part)``
+        yields (parameter, this rank's fp32 value of it) for each parameter of ``part``, one made at
+        a time: each goes into the buffer (and the master) and is dropped, so start-up never holds
+        more than the engine's own buffers and one parameter's initial value."""
         self.stage, self.layout, self.parts = layout.zero_stage, layout, model_parts
         params = zero.unique_params(model_parts)
         self.names = zero.param_names(model_parts)
-        values = [local(p).detach() for p in params]
-        if {v.dtype for v in values} != {torch.float32}:
-            raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {({v.dtype for v in values})}")
+        if {p.dtype for p in params} != {torch.float32}:
+            raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {({p.dtype for p in params})}")
         self.compute_dtype = getattr(torch, layout.param_dtype)
         self.grad_dtype = getattr(torch, layout.reduce_dtype)
         self.shards = n = flat_shards(layout)
@@ -70,7 +74,8 @@ class FlatZero(FlatCheckpoints):
         # garbage collector runs, and a held group would outlive destroy_process_group.
         self.meshes = {dim: mesh[dim] for dim in ("dp", "dp_shard", "dp_replicate")}
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
-        self.total = sum(v.numel() for v in values)
+        sizes = [local(p).numel() for p in params]
+        self.total = sum(sizes)
         padded = math.ceil(self.total / n) * n
         size = bucket_elements(layout)
         self.bounds = [*range(0, padded, size), padded]  # bucket k = [bounds[k], bounds[k + 1])
@@ -78,27 +83,29 @@ class FlatZero(FlatCheckpoints):
         self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)
                       for lo, hi in self.buckets]
         self.shard_starts = [0, *itertools.accumulate(b - a for a, b in self.owned)]  # in the shard
-        self.segments: list[tuple[int, int, int]] = []  # (start, end, tp copies) per parameter
-        full = torch.zeros(padded, dtype=torch.float32, device=values[0].device)
-        offset = 0
-        for p, v in zip(params, values):
-            full[offset: offset + v.numel()].copy_(v.reshape(-1))
-            self.segments.append((offset, offset + v.numel(), zero.replicas(p, layout.tp)))
-            offset += v.numel()
-        self.separate_master = self.compute_dtype != torch.float32
-        self.flat = full.to(self.compute_dtype)  # what forward and backward read (``full`` in fp32)
-        if self.separate_master:
-            self.master = torch.cat([full[a:b] for a, b in self.owned])  # the owned pieces, in order
-            cuts = self.shard_starts
-            self.masters = [self.master[a:b] for a, b in zip(cuts, cuts[1:])]
-        else:
-            self.masters = [self.flat[a:b] for a, b in self.owned]
-        self.params = self._alias(params)
-        self.index_of = {id(p): i for i, p in enumerate(self.params)}  # parameter -> its position
-        self.optimizer = build_optimizer(self.masters)
+        ends = list(itertools.accumulate(sizes))
+        # (start, end, tp copies) per parameter
+        self.segments = [(e - s, e, zero.replicas(p, layout.tp)) for p, s, e in zip(params, sizes, ends)]
         cut = self.bounds  # the buckets each parameter touches:
         self.buckets_of = [list(range(bisect.bisect_right(cut, s) - 1, bisect.bisect_left(cut, e)))
                            for s, e, _ in self.segments]
+        self.separate_master = self.compute_dtype != torch.float32
+        self.flat = torch.empty(padded, dtype=self.compute_dtype, device=device)  # what forward reads
+        self.flat[self.total:].zero_()
+        if self.separate_master:
+            self.master = torch.empty(self.shard_starts[-1], dtype=torch.float32, device=device)
+            starts = self.shard_starts
+            self.masters = [self.master[a:b] for a, b in zip(starts, starts[1:])]  # the owned pieces
+        else:
+            self.masters = [self.flat[a:b] for a, b in self.owned]
+        index = {id(p): i for i, p in enumerate(params)}
+        for part in model_parts:
+            for p, value in initial_values(part):
+                self._fill(index[id(p)], value.reshape(-1))
+                del value  # before the next one is made
+        self.params = self._alias(params)
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}  # parameter -> its position
+        self.optimizer = build_optimizer(self.masters)
         members = Counter(k for ks in self.buckets_of for k in ks)
         self.members = [members[k] for k in range(len(self.buckets))]  # parameters each bucket waits for
         self.expected = layout.n_microbatches if layout.pp > 1 else 1  # hook calls per step
@@ -110,6 +117,17 @@ class FlatZero(FlatCheckpoints):
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: engine()._on_grad(i))
         self._hook_gathers(engine)
+
+    def _fill(self, i: int, value: torch.Tensor) -> None:
+        """Parameter ``i``'s initial fp32 values (flat) into the buffer and the owned master pieces."""
+        start, end, _ = self.segments[i]
+        self.flat[start:end].copy_(value)
+        if self.separate_master:
+            for k in self.buckets_of[i]:
+                (lo, hi), master = self.owned[k], self.masters[k]
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    master[a - lo: b - lo].copy_(value[a - start: b - start])
 
     def _alias(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """New parameters over the buffer (in the compute dtype), put in place of the old ones in
@@ -274,6 +292,12 @@ class FlatZero(FlatCheckpoints):
     def step(self) -> None:
         self.wait_params()  # (a gather nobody waited for still writes this rank's piece too)
         self.optimizer.step()
+        self.publish_params()
+
+    def publish_params(self, one_at_a_time: bool = False) -> None:
+        """The compute-dtype parameters from the owned fp32 pieces: copied (stage 0), or gathered
+        bucket by bucket, asynchronously (forward waits for each module's own buckets) — or, with
+        ``one_at_a_time``, each finished before the next starts (a resume holds one bucket's copy)."""
         if self.shards == 1:
             if self.separate_master:
                 self.flat.copy_(self.master)  # stage 0 owns every bucket, in order
@@ -286,6 +310,8 @@ class FlatZero(FlatCheckpoints):
             out = self.flat.new_empty(0).set_(self.flat.untyped_storage(), lo, (hi - lo,))
             work = dist.all_gather_into_tensor(out, src, group=self._group("dp_shard"), async_op=True)
             self.gathers[k] = (work, src, out)
+            if one_at_a_time:
+                self.wait_params([k])
 
     def wait_params(self, buckets=None) -> None:
         """Wait for the parameter gathers of ``buckets`` (all of them by default)."""

@@ -1,77 +1,183 @@
-"""The flat ZeRO 0-2 engine's checkpoints: per-parameter tensors laid out like the parameters, for
-the model (its fp32 master, under every name a tied weight has) and Adam's moments alike, in the
-format FSDP2's state dicts use, so that any layout loads what any other saved. A rank's owned
-pieces are gathered over dp_shard for this (a transient whole copy: the price of that format)."""
+"""The flat ZeRO 0-2 engine's checkpoints, without a whole copy of anything.
+
+A checkpoint holds per-parameter tensors laid out like the parameters — the model's fp32 weights
+(the master, under every name a tied weight has) and the optimizer's state — in the format FSDP2's
+state dicts use, so that any layout loads what any other saved. A rank's values of a parameter are
+its share of the flat buffer's owned pieces: contiguous runs of the parameter's flattened values,
+which DCP takes as a few boxes each (part of a row, whole rows, part of a row). Each rank saves and
+loads exactly those, in place: nothing is gathered, and a save or a resume holds no more than the
+steady state. Ranks holding the same piece (every dp rank at stage 0, the dp_replicate ranks above
+it) each save a different part of it, so the bytes a save copies to the host do not grow with them.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from torchpar.models.common import canonical_name
 from torchpar.optim import ensure_state
 from torchpar.parallel import zero
-from torchpar.parallel.zero import local
+
+
+def boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, tuple, tuple]]:
+    """Flat elements [a, b) of a row-major tensor of ``shape`` as boxes (first element, offsets,
+    sizes): each box is contiguous in memory, and at most two per dimension are needed."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [(a, (a,) if shape else (), (b - a,) if shape else ())]
+    row = math.prod(shape[1:])
+    first, last = -(-a // row), b // row  # the whole rows are [first, last)
+    if first > last:  # inside one row
+        r = a // row
+        return [(r * row + e, (r, *o), (1, *s)) for e, o, s in boxes(shape[1:], a - r * row, b - r * row)]
+    out = []
+    if a < first * row:  # the end of the row before the whole ones
+        r = first - 1
+        out += [(r * row + e, (r, *o), (1, *s)) for e, o, s in boxes(shape[1:], a - r * row, row)]
+    if first < last:
+        out.append((first * row, (first, *[0] * (len(shape) - 1)), (last - first, *shape[1:])))
+    if b > last * row:  # the start of the row after them
+        out += [(last * row + e, (last, *o), (1, *s)) for e, o, s in boxes(shape[1:], 0, b - last * row)]
+    return out
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) over a storage of exactly its bytes that shares its memory: DCP's file
+    writer copies every tensor whose storage is larger (a view) and keeps all of a file's copies
+    until the file is written — a whole copy of the rank's share."""
+    start = t.storage_offset() * t.element_size()
+    alias = t.untyped_storage()[start: start + t.numel() * t.element_size()]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, 0, t.shape)
+
+
+class FlatPiece:
+    """One parameter's values on this rank, as DCP chunks over views of the engine's tensors (DCP
+    saves from them and loads into them through the ``__create_*__`` protocol DTensor uses)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, chunks: list[tuple[tuple, torch.Tensor]]):
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self.chunks = chunks  # (global offsets, tensor of the chunk's sizes)
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def map(self, fn) -> FlatPiece:
+        """The same chunks, each tensor replaced by ``fn(tensor)`` (a host copy, for an async save)."""
+        return FlatPiece(self.shape, self.dtype, [(o, fn(t)) for o, t in self.chunks])
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return next(t for o, t in self.chunks if tuple(o) == tuple(index.offset))
 
 
 class FlatCheckpoints:
     """What :class:`~torchpar.parallel.flat.FlatZero` saves and loads (a mixin over its buffers)."""
 
-    def _whole(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The flat fp32 values of which this rank holds ``pieces`` (one per bucket)."""
-        if self.shards == 1:
-            return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        out = torch.empty(self.bounds[-1], dtype=pieces[0].dtype, device=pieces[0].device)
-        for (lo, hi), piece in zip(self.buckets, pieces):
-            dist.all_gather_into_tensor(out[lo:hi], piece.contiguous(), group=self._group("dp_shard"))
+    def _ranges(self, saving: bool) -> list[tuple[int, int, int]]:
+        """(bucket, start, end) in the flat buffer: this rank's owned pieces — for a save, only its
+        share of them among the ranks holding the same pieces."""
+        copies, mine = 1, 0
+        if saving:
+            dim = "dp" if self.shards == 1 else "dp_replicate"
+            copies, mine = self.meshes[dim].size(), self.meshes[dim].get_local_rank()
+        out = []
+        for k, (lo, hi) in enumerate(self.owned):
+            cut = lo + (hi - lo) * mine // copies, lo + (hi - lo) * (mine + 1) // copies
+            if cut[0] < cut[1]:
+                out.append((k, *cut))
         return out
 
-    def _per_param(self, flat: torch.Tensor, prefix: str = "", suffix: str = "", names=None) -> dict:
-        """Values cut from ``flat`` per parameter, under ``names`` ((name, index) pairs; default:
-        each parameter's first name)."""
-        out = {}
-        for name, i in names or zip(self.names, range(len(self.params))):
+    def _pieces(self, pieces: list[torch.Tensor], saving: bool) -> list[FlatPiece]:
+        """Every parameter's values in ``pieces`` (one tensor per owned bucket piece, fp32, laid
+        out like :attr:`owned`), as :class:`FlatPiece` s in parameter order."""
+        ranges = self._ranges(saving)
+        out = []
+        for i, p in enumerate(self.params):
             start, end, _ = self.segments[i]
-            out[f"{prefix}{name}{suffix}"] = zero.shaped_like(self.params[i], flat[start:end])
+            shape, offset = zero.local_box(p)
+            chunks = []
+            for k, lo, hi in ranges:
+                a, b = max(start, lo), min(end, hi)
+                base = self.owned[k][0]
+                for first, o, sizes in boxes(shape, a - start, b - start):
+                    at = start + first - base
+                    view = pieces[k][at: at + math.prod(sizes)].view(sizes)
+                    chunks.append((tuple(x + y for x, y in zip(o, offset)), own_storage(view) if saving else view))
+            out.append(FlatPiece(p.shape, pieces[0].dtype, chunks))
         return out
 
-    def _load_pieces(self, values: dict, pieces: list[torch.Tensor], key=lambda n: n) -> None:
-        flat = torch.zeros(self.bounds[-1], dtype=torch.float32, device=self.flat.device)
-        for name, (start, end, _) in zip(self.names, self.segments):
-            flat[start:end].copy_(local(values[key(name)]).reshape(-1))
-        for (a, b), piece in zip(self.owned, pieces):
-            piece.copy_(flat[a:b])
+    def _all_names(self) -> list[tuple[str, int]]:
+        """(canonical name, parameter index) for every name of every parameter (tied ones: two)."""
+        return [(canonical_name(n), self.index_of[id(p)])
+                for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)]
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
+    def model_state_dict(self) -> dict:
         self.wait_params()
-        sd = zero.parts_state_dict(self.parts)
-        if self.separate_master:  # the fp32 master under every name (tied weights have two)
-            names = [(canonical_name(n), self.index_of[id(p)])
-                     for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)]
-            sd.update(self._per_param(self._whole(self.masters), names=names))
+        sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in self._param_keys()}
+        pieces = self._pieces(self.masters, saving=True)
+        sd.update({name: pieces[i] for name, i in self._all_names()})
         return sd
 
-    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.wait_params()
-        zero.load_parts_state_dict(self.parts, sd)
-        if self.separate_master:
-            self._load_pieces(sd, self.masters)
+    def _param_keys(self) -> set[str]:
+        return {name for name, _ in self._all_names()}
 
-    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+    def load_model_state_dict(self, sd: dict) -> None:
+        """The master pieces are loaded in place (by DCP, into :meth:`model_state_dict`'s template);
+        the compute-dtype parameters are made from them, bucket by bucket."""
+        self.wait_params()
+        rest = {k: v for k, v in sd.items() if k not in self._param_keys()}
+        if rest:
+            zero.load_parts_state_dict(self.parts, rest)
+        self.publish_params(one_at_a_time=True)
+
+    def model_load_template(self) -> dict:
+        """What a resume loads into: every owned piece (all of it: the whole piece is needed)."""
+        self.wait_params()
+        sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in self._param_keys()}
+        pieces = self._pieces(self.masters, saving=False)
+        sd.update({name: pieces[i] for name, i in self._all_names()})
+        return sd
+
+    def _state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The optimizer's per-element state, by key, as one tensor per owned piece."""
         ensure_state(self.optimizer)
         states = [self.optimizer.state[m] for m in self.masters]
+        return {key: [s[key] for s in states] for key, v in states[0].items() if v.dim() > 0}
+
+    def _optimizer_dict(self, saving: bool) -> dict:
         out = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            out.update(self._per_param(self._whole([s[key] for s in states]), "state.", f".{key}"))
+        for key, tensors in self._state_tensors().items():
+            pieces = self._pieces(tensors, saving)
+            out.update({f"state.{name}.{key}": pieces[i] for i, name in enumerate(self.names)})
+        scalars = {k: v for k, v in self.optimizer.state[self.masters[0]].items() if v.dim() == 0}
         for name in self.names:
-            out[f"state.{name}.step"] = states[0]["step"]
+            out.update({f"state.{name}.{k}": v for k, v in scalars.items()})
         return out
 
-    def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
-        ensure_state(self.optimizer)
-        states = [self.optimizer.state[m] for m in self.masters]
-        for key in ("exp_avg", "exp_avg_sq"):
-            self._load_pieces(loaded, [s[key] for s in states], lambda n, key=key: f"state.{n}.{key}")
-        for s in states:
-            s["step"].copy_(loaded[f"state.{self.names[0]}.step"])
+    def optimizer_state_dict(self) -> dict:
+        return self._optimizer_dict(saving=True)
 
+    def optimizer_load_template(self) -> dict:
+        return self._optimizer_dict(saving=False)
+
+    def load_optimizer_state_dict(self, loaded: dict) -> None:
+        """The per-element state was loaded in place; the scalars (the step) are copied to every piece."""
+        states = [self.optimizer.state[m] for m in self.masters]
+        for key, v in states[0].items():
+            if v.dim() == 0:
+                for s in states:
+                    s[key].copy_(loaded[f"state.{self.names[0]}.{key}"])

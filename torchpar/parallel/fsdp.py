@@ -82,6 +82,8 @@ class FSDPState:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return parts_state_dict(self.model_parts)  # FSDP2 keeps fp32 shards: they are the master
 
+    model_load_template = model_state_dict  # each rank saves what it loads: its shards
+
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         load_parts_state_dict(self.model_parts, sd)
 
@@ -101,6 +103,8 @@ class FSDPState:
         sd = get_optimizer_state_dict(merged_view(self.model_parts), self.optimizer, options=self._options())
         # Hyperparameters come from the config and the lr from the scheduler, not the checkpoint.
         return {k: v for k, v in sd.items() if k.startswith("state.")}
+
+    optimizer_load_template = optimizer_state_dict
 
     def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict

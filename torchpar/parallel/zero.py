@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchpar.models.common import canonical_name
 
@@ -72,16 +73,29 @@ class ZeroState(Protocol):
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's fp32 weights by canonical name, laid out like the parameters."""
 
+    def model_load_template(self) -> dict:
+        """What a resume loads into, in place (a save may write a share of what a rank holds)."""
+
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None: ...
 
     def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
         """Adam's state per parameter name (``state.<name>.exp_avg`` ...), laid out like the parameter."""
+
+    def optimizer_load_template(self) -> dict: ...
 
     def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None: ...
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of this rank's piece of ``t`` (all of it, unless a DTensor)."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(t.shape), (0,) * t.dim()
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
-from torchpar.plan.layout import Cluster, state_bytes
+from torchpar.plan.layout import Cluster, state_bytes, transient_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
@@ -221,7 +221,10 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
     # Offload moves the state into the node's CPU memory, which its ranks share.
     memory["host_bytes_per_node"] = memory["cpu_bytes"] * min(lay.world, cluster.gpus_per_node)
-    fits = (memory["total_bytes"] <= headroom * cluster.memory
+    # Outside the step: ZeRO 0-2's start-up and checkpoint peaks, which must fit too.
+    memory.update(max((transient_bytes(model, args, lay, r) for r in range(lay.pp)),
+                      key=lambda t: t["checkpoint_peak"]))
+    fits = (max(memory["total_bytes"], memory["startup_peak"], memory["checkpoint_peak"]) <= headroom * cluster.memory
             and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
     return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu, fits)
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.parallel.layout import Layout, chunk, rank_params, resolve_layout
+from torchpar.parallel.flat import bucket_elements
+from torchpar.parallel.layout import Layout, chunk, rank_params, resolve_layout, split_of
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,26 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     master = 4 * shard if lay.param_dtype != "float32" else 0
     return {"param_bytes": lay.param_dtype_bytes * total, "grad_bytes": grads,
             "optim_bytes": 8 * shard + master}
+
+
+def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
+    """ZeRO 0-2's peaks outside the step, on the rank at ``pp_rank``: ``startup_peak`` — the
+    engine's buffer and fp32 master while they are filled, one parameter's initial fp32 value at
+    a time (the largest, and under TP the local piece cut from it); ``checkpoint_peak`` — a save
+    or resume: the steady state and one bucket in fp32 (each rank saves and loads its owned pieces
+    in place, chunk by chunk). Zero under ZeRO-3 (FSDP2 already keeps only shards)."""
+    if lay.zero_stage == 3:
+        return {"startup_peak": 0, "checkpoint_peak": 0}
+    state = state_bytes(model, args, lay, {"pp": pp_rank})
+    master = 4 * math.ceil(sum(r * c for r, c in rank_params(model, args, lay, pp_rank))
+                           / (lay.dp_shard if lay.zero_stage in (1, 2) else 1))
+    master = master if lay.param_dtype != "float32" else 0
+    split = split_of(model, args, lay)
+    largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
+                  for s in lay.stage_ids(pp_rank)
+                  for _, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]))
+    return {"startup_peak": state["param_bytes"] + master + 4 * largest,
+            "checkpoint_peak": sum(state.values()) + 4 * bucket_elements(lay)}
 
 
 def deepspeed_bytes(n_params: int, zero_stage: int, dp: int) -> dict[str, float]:
