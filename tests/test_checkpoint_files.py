@@ -430,3 +430,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
     assert again.returncode == 0, again.stderr[-3000:]
     assert "ignoring incomplete checkpoint" in again.stderr and "at step 2" in again.stdout
     assert not (folder / "checkpoint" / "step-00000004.partial").exists()
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5), (1, 9), (6, 1)])
+def test_flat_ranges_become_contiguous_boxes_that_cover_them_once(shape):
+    """A contiguous run of a tensor's flattened values, as the ZeRO 0-2 engine saves it: boxes
+    (DCP chunks) whose elements are exactly that run, each contiguous in memory, at most two per
+    dimension; for every run of every tensor shape."""
+    import math
+
+    from torchpar.parallel.flat_state import boxes
+
+    values = torch.arange(math.prod(shape)).view(shape)
+    n = values.numel()
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            found = boxes(shape, a, b)
+            assert len(found) <= 2 * len(shape)
+            covered = []
+            for first, offsets, sizes in found:
+                box = values[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                flat = box.reshape(-1).tolist()
+                assert flat == list(range(first, first + len(flat))), (shape, a, b, offsets, sizes)
+                covered += flat
+            assert covered == list(range(a, b)), (shape, a, b, found)

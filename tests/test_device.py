@@ -5,12 +5,15 @@ device-side init, SDPA's grouped-query attention, and ``torchpar selftest`` itse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import zlib
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import ROOT, TINY, free_port
 
 from torchpar import device as dev
@@ -551,3 +554,35 @@ def test_an_srun_task_with_its_one_gpu_uses_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # not one GPU per task
     with pytest.raises(ConfigError, match="LOCAL_RANK 3 but this node has 2 visible GPU"):
         dev.device_index()
+
+
+def test_gloo_binds_the_interface_that_reaches_rank0():
+    """gloo (every CPU group, the checkpointer's group on GPUs) binds the interface by which this
+    host reaches MASTER_ADDR, not the address its host name resolves to (127.0.1.1 on many
+    clusters: unreachable from other nodes)."""
+    names = {name for _, name in socket.if_nameindex()}
+    assert dev.gloo_interface("127.0.0.1") == "lo"
+    assert dev.gloo_interface("localhost") == "lo"
+    assert dev.gloo_interface("no-such-host.invalid") is None
+    outward = dev.gloo_interface("10.255.255.1")  # by the default route, where there is one
+    assert outward is None or (outward in names and outward != "lo")
+
+
+def test_one_process_group_has_the_timeout_and_the_interface(monkeypatch):
+    """Without torchrun the one-rank group is made with comm.timeout_s (and on a GPU its device,
+    so nccl connects at once, inside the start-up phase that says so), and gloo is told its
+    interface before any group exists."""
+    made = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.update(kw, backend=backend))
+    monkeypatch.setattr(dev.atexit, "register", lambda fn: None)
+    for name in ("RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert dev.init_distributed(timeout_s=77) == (0, 1)
+    assert made["timeout"] == timedelta(seconds=77) and made["device_id"] is None and made["world_size"] == 1
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice is kept
+    dev.init_distributed(timeout_s=77)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"

@@ -277,3 +277,26 @@ def test_on_a_gpu_the_breakdown_waits_once_at_the_end_of_a_timed_step():
             gpu.run(1.0)
     assert (gpu.event_waits, gpu.device_waits, gpu.events) == (1, 0, 21) and breakdown.record() == {}
     assert isinstance(StepBreakdown(None, lambda: None).timer, HostClock)  # this machine: a CPU
+
+
+def test_a_run_stopped_in_a_phase_names_it(capsys):
+    """Ctrl-C or an unforeseen fault during a start-up phase names the innermost phase (on every
+    rank, whether its progress lines are shown or not)."""
+    from torchpar.console import progress, run_command
+
+    def interrupted(argv):
+        with progress("joining the process group of 8 rank(s)", shown=False):
+            with progress("building, parallelizing and initializing the model", shown=False):
+                raise KeyboardInterrupt
+
+    assert run_command(interrupted, []) == 130
+    assert ("torchpar: error: interrupted while building, parallelizing and initializing the model"
+            in capsys.readouterr().err)
+
+    def faulty(argv):
+        with progress("loading the checkpoint x", shown=False):
+            raise RuntimeError("a fault")
+
+    with pytest.raises(RuntimeError) as raised:
+        run_command(faulty, [])
+    assert raised.value.__notes__ == ["torchpar: raised while loading the checkpoint x"]

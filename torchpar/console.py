@@ -173,9 +173,14 @@ def _run(main, argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         error("the output pipe was closed before everything was written; the output is cut short")
         return 141  # 128 + SIGPIPE, what a shell tool killed by the closed pipe reports
-    except KeyboardInterrupt:
-        error("interrupted")
+    except KeyboardInterrupt as e:
+        phase = getattr(e, "torchpar_phase", "")
+        error("interrupted" + (f" while {phase}" if phase else ""))
         return 130
+    except Exception as e:  # a fault no check foresaw: its traceback says in which phase it came
+        if hasattr(e, "torchpar_phase"):
+            e.add_note(f"torchpar: raised while {e.torchpar_phase}")
+        raise
     except OSError as e:  # a disk or file fault that no check could foresee
         where = f"{e.filename}: " if e.filename else ""
         error(f"{where}{e.strerror or e}", every_rank=True)
@@ -189,9 +194,20 @@ def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: floa
     a long start-up, save or evaluation is visibly alive, and a stall names the phase it is in.
     ``line(seconds)``: the note in other words; ``until()``: true once the wait is over, though the
     block goes on (checked before each note)."""
-    if not shown:
-        yield
-        return
+    try:
+        if not shown:
+            yield
+            return
+        with _watched(what, after_s, every_s, line, until):
+            yield
+    except BaseException as e:  # the innermost phase names where a run stopped (see _run)
+        if what and not hasattr(e, "torchpar_phase"):
+            e.torchpar_phase = what
+        raise
+
+
+@contextlib.contextmanager
+def _watched(what: str, after_s: float, every_s: float, line, until):
     done, started = threading.Event(), time.perf_counter()
     line = line or (lambda seconds: f"torchpar: {what}: still going after {seconds:.0f} s")
 

@@ -6,11 +6,13 @@ nccl with CUDA, gloo on CPU. Nothing else in torchpar calls ``torch.cuda``.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import os
 import re
 import resource
 import socket
+import struct
 import time
 from datetime import timedelta
 
@@ -236,10 +238,15 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         atexit.register(shutdown_distributed)
         device = local_device(tf32)
+        interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         if "RANK" in os.environ:
             join_process_group(backend(cpu_tensors), timeout_s, device)
-        else:
-            dist.init_process_group(backend(cpu_tensors), store=dist.HashStore(), rank=0, world_size=1)
+        else:  # the same group options as many ranks: nccl connects now, not in a later barrier
+            dist.init_process_group(backend(cpu_tensors), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -273,6 +280,28 @@ def join_process_group(name: str, timeout_s: int, device: torch.device) -> None:
                 f"{summary}): start all {world} processes (under srun: every task of the step) with the same "
                 f"MASTER_ADDR and MASTER_PORT, or raise comm.timeout_s ({timeout_s} s) if some start "
                 "slowly") from None
+
+
+def gloo_interface(master: str) -> str | None:
+    """The network interface by which this host reaches ``master`` (rank 0's address), for every
+    gloo group (the checkpointer's; the whole job's on CPU). Left alone, gloo binds the address
+    its host name resolves to, which on many clusters is 127.0.1.1 (no other node reaches it) and
+    on an offline host a lookup that can hang. None when no route or interface is found."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # a datagram socket only picks its route: nothing is sent
+            address = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    found = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+                except OSError:
+                    continue  # an interface without an IPv4 address
+                if found == address:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def wait_for_listener(host: str, port: int, timeout_s: float) -> None:

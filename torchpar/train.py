@@ -97,8 +97,9 @@ class Trainer:
     def _restore(self, resume, resume_manifest) -> None:
         """The checkpointer, and the resume preflight found (or the new timeline it starts)."""
         cfg = self.cfg
-        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
-                                         self.manifest(), resume, resume_manifest)
+        with progress("setting up the checkpoint folder (every rank meets there first)", self.rank == 0):
+            self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
+                                             self.manifest(), resume, resume_manifest)
         if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
             self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
                              **self.checkpointer.branch})
