@@ -39,7 +39,14 @@ def _record(rank, world, out, overrides):
         events.append(["reduce_gradients"])
         reduce(self)
 
+    wait = flat.FlatZero.wait_params
+
+    def recording_wait(self, buckets=None):
+        events.append(["wait", None if buckets is None else list(buckets)])
+        wait(self, buckets)
+
     flat.FlatZero._launch, flat.FlatZero.reduce_gradients = recording_launch, recording_reduce
+    flat.FlatZero.wait_params = recording_wait
     cfg = load_config(TINY, [*overrides, "--job.dump_folder", f"{out}/run", "--training.steps", "2"])
     trainer = Trainer(cfg)
     for part in trainer.model.parts:
@@ -136,3 +143,17 @@ def test_stage2_never_holds_the_whole_gradient():
             print(f"stage 2 gradient peak {peak2:,} bytes (planner {predicted:,.0f}); whole {whole:,}; "
                   f"stage 1 {peak1:,}")
             assert 0.8 * predicted <= peak2 <= predicted
+
+
+def test_compiled_blocks_wait_for_their_own_gathers():
+    """ZeRO-1 with compiled blocks: each forward waits for the parameter gathers block by block
+    (a hook outside each block's graph), not for all of them before the first block — so the
+    gathers of later blocks overlap the compute of earlier ones, as without compile."""
+    for r in record(2, [Z, "1", LB, "4", "--parallelism.bucket_mb", "0.25", "--training.compile", "true"]):
+        step2 = _steps(r["events"])[1]
+        waits = [e[1] for e in step2 if e[0] == "wait"]
+        assert waits[0] is None, waits  # the previous step's optimizer step waits for all
+        waits = waits[1:]  # then this step's forward: module by module, block by block
+        assert None not in waits and len(waits) >= 8, waits
+        assert all(len(w) < r["buckets"] // 2 for w in waits), waits
+        assert sorted({k for w in waits for k in w}) == list(range(r["buckets"])), waits

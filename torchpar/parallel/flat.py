@@ -148,20 +148,26 @@ class FlatZero(FlatCheckpoints):
 
     def _hook_gathers(self, engine) -> None:
         """Before its forward, a module waits for the gathers of the buckets holding its own
-        parameters. Compiled blocks cannot wait inside their graph: then each part waits for all."""
+        parameters; a compiled block (``Module.compile``) waits for all of its parameters' buckets,
+        from a hook dynamo leaves out of the graph, so later blocks' gathers still overlap."""
         if self.shards == 1:
             return
-        if self.layout.compile:
-            for part in self.parts:
-                part.register_forward_pre_hook(lambda *_: engine().wait_params())
-            return
         index = self.index_of
+
+        def buckets(params) -> list[int]:
+            return sorted({k for p in params if id(p) in index for k in self.buckets_of[index[id(p)]]})
+
+        compiled = [m for part in self.parts for m in part.modules()
+                    if getattr(m, "_compiled_call_impl", None) is not None]
+        inside = {id(sub) for m in compiled for sub in m.modules()}
+        for m in compiled:
+            wait = torch.compiler.disable(lambda *_, mine=buckets(m.parameters()): engine().wait_params(mine))
+            m.register_forward_pre_hook(wait)
         for part in self.parts:
             for module in part.modules():
-                mine = {k for p in module.parameters(recurse=False) if id(p) in index
-                        for k in self.buckets_of[index[id(p)]]}
-                if mine:
-                    module.register_forward_pre_hook(lambda *_, mine=sorted(mine): engine().wait_params(mine))
+                mine = buckets(module.parameters(recurse=False))
+                if mine and id(module) not in inside:
+                    module.register_forward_pre_hook(lambda *_, mine=mine: engine().wait_params(mine))
 
     def _group(self, dim: str):  # (looked up at each use: see __init__)
         return self.meshes[dim].get_group()
