@@ -229,3 +229,14 @@ def test_compiled_block_on_a_gpu_equals_eager():
             results.append((out.detach().float(), h.grad.float()))
         for a, e in zip(*results):
             assert torch.allclose(a, e, rtol=2e-2, atol=2e-2 * e.abs().max()), cut
+
+
+def test_selective_recomputation_keeps_the_varlen_kernels_output():
+    """The varlen op is among the ops whose outputs selective recomputation keeps, like SDPA's
+    kernels: backward must not run attention again."""
+    import torch
+
+    from torchpar.parallel.recompute import kept_ops
+
+    assert torch.ops.torch_attn._varlen_attn.default in kept_ops()
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in kept_ops()
