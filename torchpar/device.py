@@ -231,6 +231,8 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
     while the interpreter is whole: a gloo worker thread still holding a tensor when the interpreter
     is torn down aborts the process ("terminate called without an active exception").
     """
+    global _GROUP_TIMEOUT
+    _GROUP_TIMEOUT = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         adopt_slurm_environment()
         # The flight recorder keeps the last collectives of every group (any backend), for the
@@ -280,6 +282,29 @@ def join_process_group(name: str, timeout_s: int, device: torch.device) -> None:
                 f"{summary}): start all {world} processes (under srun: every task of the step) with the same "
                 f"MASTER_ADDR and MASTER_PORT, or raise comm.timeout_s ({timeout_s} s) if some start "
                 "slowly") from None
+
+
+_GROUP_TIMEOUT = timedelta(seconds=600)  # comm.timeout_s, once init_distributed has run
+
+
+def group_timeout() -> timedelta:
+    """comm.timeout_s, for every group made after the default one: c10d would give a new group its
+    own default (30 minutes on gloo, 10 on nccl) instead of the configured timeout."""
+    return _GROUP_TIMEOUT
+
+
+def mesh_group_options(cpu_tensors: bool = False) -> tuple | None:
+    """(backend, options with comm.timeout_s) for every mesh dimension's group; None under a mixed
+    backend (CPU offload: one options object cannot serve gloo and nccl), where c10d's default holds."""
+    name = backend(cpu_tensors)
+    if name == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = group_timeout()
+    return name, options
 
 
 def gloo_interface(master: str) -> str | None:

@@ -58,7 +58,7 @@ class Checkpointer:
         self.staging = HostStaging(pin=dev.device_type() == "cuda")
         if cfg.enable and cfg.async_mode == "async":
             # The background writer's collectives need their own group (gloo works for any device).
-            self.async_group = dist.new_group(backend="gloo")
+            self.async_group = dist.new_group(backend="gloo", timeout=dev.group_timeout())
         self.loaded = ""  # how much a resume read, how fast
         self.branch: dict | None = None  # where a resume from an older step moved the newer checkpoints
         if cfg.enable:
