@@ -305,8 +305,9 @@ def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, 
         for name in layouts:
             if name == "dp2_zero1":
                 return done, RuntimeError(
-                    "process 1 terminated with exit code 1\n--- rank 1 ---\nTraceback (most recent call last):\n"
-                    "  File \"x.py\", line 1, in <module>\nValueError: dp2_zero1 broke on purpose\n--- rank 0 ---\n")
+                    "process 1 terminated with exit code 1\n--- rank 1 ---\n"
+                    "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                    "ValueError: dp2_zero1 broke on purpose\n--- rank 0 ---\n")
             done[name] = fake_result()
         return done, None
 
@@ -377,8 +378,9 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     for (args, env), (start, nccl) in zip(calls, stages):
         assert args.startswith(start) and env == f"NCCL_DEBUG={nccl} PYTHONFAULTHANDLER=1", (args, env)
     summary = r.stdout.splitlines()[-1]
-    assert re.fullmatch(r"gpu_check: env ok \d+s \| smoke_1gpu ok \d+s \| smoke_2gpu ok \d+s \| selftest exit 3 "
-                        r"\d+s \| 1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s", summary), summary
+    assert re.fullmatch(r"gpu_check: env ok \d+s \| smoke_1gpu ok \d+s \| smoke_2gpu ok \d+s \| "
+                        r"selftest exit 3 \d+s \| 1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s",
+                        summary), summary
     assert "NVIDIA H200, 143771 MiB" in (out / "env.log").read_text()
     assert (out / "tmp" / "selftest").is_dir()  # a failed self-test keeps its ranks' logs
 

@@ -266,7 +266,8 @@ def test_on_a_gpu_the_breakdown_waits_once_at_the_end_of_a_timed_step():
     assert (gpu.event_waits, gpu.device_waits, gpu.events) == (1, 0, 21)  # the last event, waited for
     record = breakdown.record()
     assert {k: record[k] for k in record if k.startswith("time_")} == pytest.approx(
-        {"time_data_s": 1.0, "time_forward_backward_s": 6.0, "time_reduce_clip_s": 0.75, "time_optimizer_s": 1.0})
+        {"time_data_s": 1.0, "time_forward_backward_s": 6.0, "time_reduce_clip_s": 0.75,
+         "time_optimizer_s": 1.0})
     assert record["data_share"] == pytest.approx(1.0 / 8.75)
     # The device's clock ends at 9.0 s, the host reads 1000.0 then: the first forward ran 0.5-1.5 s.
     assert breakdown.actions[0] == ("F", pytest.approx(991.5), pytest.approx(992.5))

@@ -19,8 +19,8 @@ from torchpar.loss import cross_entropy_sum
 from torchpar.optim import build_optimizer, ensure_state
 from torchpar.parallel import _local_part, compute_context, materialize, parallelize
 from torchpar.parallel.flat import bucket_elements
-from torchpar.parallel.zero import nbytes
 from torchpar.parallel.recompute import recomputed
+from torchpar.parallel.zero import nbytes
 from torchpar.plan.activations import LiveStorages, held_bytes, tagged
 from torchpar.plan.estimate import rank_memory
 from torchpar.plan.layout import transient_bytes
@@ -100,9 +100,11 @@ def zero_transients_check(cfg, folder: Path) -> dict:
 
         def build(tracker=None):
             parts = parallelize(trainer.model_family, trainer.args, lay)  # on the meta device
+            def optimizer(params):
+                return build_optimizer(params, cfg.optimizer, dev.device_type())
+
             with tracker or contextlib.nullcontext():
-                return parts, materialize(parts, lay, trainer.device, cfg.training.seed,
-                                          lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()))
+                return parts, materialize(parts, lay, trainer.device, cfg.training.seed, optimizer)
 
         tracker = LiveStorages(peak=True)
         parts, saved = build(tracker)

@@ -142,7 +142,8 @@ class Checkpointer:
         if copied is not None:
             copied.synchronize()
         try:
-            self.dcp.save(state, checkpoint_id=str(partial), process_group=group, planner=ChunkedSavePlanner())
+            self.dcp.save(state, checkpoint_id=str(partial), process_group=group,
+                          planner=ChunkedSavePlanner())
             problem = None
         except (Exception, CheckpointException) as e:  # (a BaseException) the same on every rank
             problem = _reason(e)

@@ -92,8 +92,10 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
     if layout.zero_stage < 3:
         for part in parts:
             _buffers_to_empty(part, device)
-        state = FlatZero(parts, layout, build_optimizer, lambda part: (
-            (p, src) for p, _, src in part.initial_values(seed, _local_part, device, initial_weights)), device)
+        def initial_values(part):
+            return ((p, src) for p, _, src in part.initial_values(seed, _local_part, device, initial_weights))
+
+        state = FlatZero(parts, layout, build_optimizer, initial_values, device)
         for part in parts:
             part.reset_buffers(device)
         return state

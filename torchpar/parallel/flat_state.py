@@ -116,7 +116,8 @@ class FlatCheckpoints:
                 for first, o, sizes in boxes(shape, a - start, b - start):
                     at = start + first - base
                     view = pieces[k][at: at + math.prod(sizes)].view(sizes)
-                    chunks.append((tuple(x + y for x, y in zip(o, offset)), own_storage(view) if saving else view))
+                    at_global = tuple(x + y for x, y in zip(o, offset))
+                    chunks.append((at_global, own_storage(view) if saving else view))
             out.append(FlatPiece(p.shape, pieces[0].dtype, chunks))
         return out
 

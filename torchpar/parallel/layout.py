@@ -119,7 +119,8 @@ class Layout:
         from torch.distributed.device_mesh import init_device_mesh
 
         override = {dim: group_options for dim in MESH_DIMS} if group_options else None
-        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS, backend_override=override)
+        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS,
+                                backend_override=override)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh = mesh
         return mesh

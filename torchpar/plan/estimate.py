@@ -224,7 +224,8 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     # Outside the step: ZeRO 0-2's start-up and checkpoint peaks, which must fit too.
     memory.update(max((transient_bytes(model, args, lay, r) for r in range(lay.pp)),
                       key=lambda t: t["checkpoint_peak"]))
-    fits = (max(memory["total_bytes"], memory["startup_peak"], memory["checkpoint_peak"]) <= headroom * cluster.memory
+    device_peak = max(memory["total_bytes"], memory["startup_peak"], memory["checkpoint_peak"])
+    fits = (device_peak <= headroom * cluster.memory
             and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
     return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu, fits)
 

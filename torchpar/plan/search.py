@@ -166,8 +166,8 @@ def _breakdown(best: Plan) -> list[str]:
         + (f"; host memory per node {_gb(m['host_bytes_per_node'])}" if m["host_bytes_per_node"] else ""),
     ]
     if m["checkpoint_peak"]:
-        lines.append(f"  outside the step: start-up peak {_gb(m['startup_peak'])}, checkpoint save/resume peak "
-                     f"{_gb(m['checkpoint_peak'])} (the state and one bucket)")
+        lines.append(f"  outside the step: start-up peak {_gb(m['startup_peak'])}, checkpoint save/resume "
+                     f"peak {_gb(m['checkpoint_peak'])} (the state and one bucket)")
     if best.bubble:
         lines.append(f"  pipeline bubble {100 * best.bubble:.1f}% of the step ({best.layout['schedule']})")
     for dim, c in best.communication.items():
