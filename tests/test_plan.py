@@ -329,7 +329,8 @@ def test_plan_command_json_and_exact_config():
                       "mfu", "fits"}
     assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
     assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
-            "unsharded_grad_bytes", "cpu_bytes", "total_bytes", "host_bytes_per_node"} == set(p["memory"])
+            "unsharded_grad_bytes", "cpu_bytes", "total_bytes", "host_bytes_per_node", "startup_peak",
+            "checkpoint_peak"} == set(p["memory"])
     assert p["memory"]["param_bytes"] == 10494464 // 2  # the debug model's fp32 bytes, halved by ZeRO-3
     r = run_plan("--model", "bogus")
     assert r.returncode == 2 and "torchpar: error: --model 'bogus' is not a llama3 flavour" in r.stderr

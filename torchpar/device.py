@@ -288,23 +288,12 @@ _GROUP_TIMEOUT = timedelta(seconds=600)  # comm.timeout_s, once init_distributed
 
 
 def group_timeout() -> timedelta:
-    """comm.timeout_s, for every group made after the default one: c10d would give a new group its
-    own default (30 minutes on gloo, 10 on nccl) instead of the configured timeout."""
+    """comm.timeout_s, for a group made after the default one (c10d would give it its own default:
+    30 minutes on gloo, 10 on nccl). The mesh's groups keep c10d's default: init_device_mesh's
+    per-dimension options make new groups for every mesh, and DTensor then mixes in the groups of
+    an earlier, equal mesh of the same process (the self-test's layouts); a collective that hangs
+    there is ended sooner by the watchdog (comm.watchdog_s) anyway."""
     return _GROUP_TIMEOUT
-
-
-def mesh_group_options(cpu_tensors: bool = False) -> tuple | None:
-    """(backend, options with comm.timeout_s) for every mesh dimension's group; None under a mixed
-    backend (CPU offload: one options object cannot serve gloo and nccl), where c10d's default holds."""
-    name = backend(cpu_tensors)
-    if name == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif name == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = group_timeout()
-    return name, options
 
 
 def gloo_interface(master: str) -> str | None:

@@ -55,7 +55,7 @@ class Trainer:
         with progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0):
             self.rank, world = dev.init_distributed(cfg.comm.timeout_s, lay.cpu_offload, tr.tf32)
             self.device = dev.local_device(tr.tf32)
-            lay.build_mesh(dev.device_type(), dev.mesh_group_options(lay.cpu_offload))
+            lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
         with progress("building, parallelizing and initializing the model", rank == 0):
             self.model = build_parallel_model(

@@ -113,14 +113,11 @@ class Layout:
 
     # -- the mesh (trainer only)
 
-    def build_mesh(self, device_type: str, group_options: tuple | None = None):
-        """The one DeviceMesh, plus the flattened ``dp`` view (replicate x shard); each dimension's
-        group made with ``group_options`` ((backend, c10d options), e.g. the configured timeout)."""
+    def build_mesh(self, device_type: str):
+        """The one DeviceMesh, plus the flattened ``dp`` view (replicate x shard)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        override = {dim: group_options for dim in MESH_DIMS} if group_options else None
-        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS,
-                                backend_override=override)
+        mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh = mesh
         return mesh
