@@ -147,6 +147,8 @@ CASES = [
     Case("negative lr", CHECK + " --optimizer.lr -1", "optimizer.lr must be >= 0"),
     Case("beta2 of 1", CHECK + " --optimizer.beta2 1", "optimizer.beta2 must be in [0, 1)"),
     Case("eps of 0", CHECK + " --optimizer.eps 0", "optimizer.eps"),
+    Case("a negative z-loss", CHECK + " --loss.z_loss -0.1", "loss.z_loss must be in [0, 1)"),
+    Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss must be in [0, 1)"),
     Case("min_lr_ratio", CHECK + " --lr_scheduler.min_lr_ratio 2", "lr_scheduler.min_lr_ratio"),
     Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
     Case("negative max_norm", CHECK + " --training.max_norm -1", "training.max_norm"),

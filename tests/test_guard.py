@@ -17,12 +17,13 @@ POISON = """
 import sys
 import torchpar.train as t
 from torchpar.commands.train import main
-plain, calls = t.cross_entropy_sum, [0]
-def poisoned(logits, targets):
+plain, calls = t.training_loss, [0]
+def poisoned(logits, targets, z_loss=0.0):
     calls[0] += 1
-    loss = plain(logits, targets)
-    return loss * float("nan") if calls[0] == 3 else loss
-t.cross_entropy_sum = poisoned
+    loss, ce, z = plain(logits, targets, z_loss)
+    nan = float("nan") if calls[0] == 3 else 1.0
+    return loss * nan, ce * nan, z
+t.training_loss = poisoned
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -34,7 +34,8 @@ class DivergenceGuard:
         self.pending: deque[tuple[int, torch.Tensor, object]] = deque()
 
     def record(self, step: int, figures: torch.Tensor) -> torch.Tensor:
-        """Keep ``figures`` (global loss, gradient norm, stop flag; on the device) to read later,
+        """Keep ``figures`` (global loss, gradient norm, stop flag, then the auxiliary loss terms;
+        on the device) to read later,
         started on their way to the host now; returns 1.0 where the step must not be applied."""
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
         self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
@@ -42,14 +43,15 @@ class DivergenceGuard:
 
     def settle(self, upto: int) -> list[tuple[int, float, float, bool, str | None]]:
         """The recorded figures of the steps up to ``upto``, read now (waiting for those steps
-        only), each as (step, loss, gradient norm, stop flag, why it was not applied or None)."""
+        only), each as (step, loss, gradient norm, stop flag, auxiliary terms, why it was not
+        applied or None)."""
         out = []
         while self.pending and self.pending[0][0] <= upto:
             step, host, event = self.pending.popleft()
             if event is not None:
                 event.synchronize()
-            loss, grad_norm, stopping = host.tolist()
-            out.append((step, loss, grad_norm, stopping > 0, self.problem(loss, grad_norm)))
+            loss, grad_norm, stopping, *terms = host.tolist()
+            out.append((step, loss, grad_norm, stopping > 0, terms, self.problem(loss, grad_norm)))
         return out
 
     def problem(self, loss: float, grad_norm: float) -> str | None:

@@ -1,9 +1,124 @@
-"""The training loss, shared by the plain step and the pipeline's last stage."""
+"""The training loss: the summed token cross-entropy, and auxiliary terms beside it.
+
+Everything here is a sum over the tokens of one forward (a microbatch), like the cross-entropy:
+the trainer multiplies each by the same ``scale`` (data-parallel degree over the step's global
+tokens), so any term is averaged right under accumulation, data parallelism and pipelining.
+
+Two ways to add a term:
+
+- on the logits, in :func:`training_loss` (the z-loss is the worked example: a coefficient in the
+  ``[loss]`` config section, computed where the cross-entropy is, on the head's stage);
+- anywhere in the model, with :func:`add_auxiliary_loss` on a tensor that continues toward the
+  loss (a router's balance loss on its block's output): the term's gradient joins backward where
+  that tensor's does, so a term made on any pipeline stage needs nothing from the last stage. Its
+  name must be one the model's adapter declares (``auxiliary_terms``), so every rank logs the same
+  figures.
+
+Each term's value is summed for the metrics (``loss/<name>``, per token over the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
+
+Z_LOSS = "z_loss"
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy; works on vocab-sharded DTensor logits under loss_parallel."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+
+
+def training_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple:
+    """(what backward runs from, the cross-entropy alone, the z term or None) for one forward's
+    logits [b, s, v]: the summed cross-entropy plus ``z_loss`` x the sum over tokens of
+    logsumexp(logits)², which keeps the softmax's normalizer near 1 (PaLM's z-loss, 1e-4 there).
+    The caller records the z term (:func:`record_term`) for each forward that counts."""
+    ce = cross_entropy_sum(logits, targets)
+    if not z_loss:
+        return ce, ce, None
+    lse = torch.logsumexp(logits.float(), dim=-1)  # [b, s] (under loss parallel: over the sharded vocab)
+    z = z_loss * lse.square().sum()
+    return ce + z, ce, z
+
+
+class AuxiliaryTerms:
+    """One training step's auxiliary terms on this rank: the names every rank logs, in order, the
+    scale backward gives them, and each one's summed value."""
+
+    def __init__(self, names: tuple[str, ...], scale: float):
+        self.names, self.scale = names, scale
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        if name not in self.names:
+            raise ValueError(f"auxiliary loss {name!r} is not declared: the model adapter's auxiliary_terms "
+                             f"(and the [loss] section) give {list(self.names)}")
+        value = value.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # (a replicated DTensor)
+        self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def values(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """Each declared term's sum on this rank (zero where it made none), in declared order."""
+        return [self.sums.get(name, torch.zeros_like(like)).to(like) for name in self.names]
+
+
+_active: AuxiliaryTerms | None = None  # the step running now (the training thread's)
+
+
+@contextlib.contextmanager
+def auxiliary_terms(names: tuple[str, ...], scale: float):
+    """The step's :class:`AuxiliaryTerms` while its forwards and backwards run."""
+    global _active
+    _active = terms = AuxiliaryTerms(names, scale)
+    try:
+        yield terms
+    finally:
+        _active = None
+
+
+def uncounted(fn):
+    """``fn`` run as a forward that is no part of the step (a pipeline's shape inference, a real
+    forward torch runs once before the first step): its terms are neither counted nor attached."""
+    def run(*args, **kwargs):
+        global _active
+        saved, _active = _active, None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _active = saved
+    return run
+
+
+def record_term(name: str, value: torch.Tensor) -> None:
+    """Count ``value`` (already part of the loss backward runs from) in the step's figures; not
+    while backward recomputes a forward (activation checkpointing), which would count it twice."""
+    if _active is not None and torch._C._current_graph_task_id() == -1:
+        _active.add(name, value)
+
+
+class _Attached(torch.autograd.Function):
+    """``x`` unchanged forward; backward also gives the attached term the gradient ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, term, scale):
+        ctx.term, ctx.scale = (term.shape, term.dtype, term.device), scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.term
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def add_auxiliary_loss(x: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+    """``x``, with ``value`` (a scalar: the term summed over this forward's tokens, its coefficient
+    applied) joined to the loss through it. Outside a training step (evaluation, generation) the
+    term is dropped and ``x`` returned as it is."""
+    if _active is None or not torch.is_grad_enabled():
+        return x
+    record_term(name, value)
+    return _Attached.apply(x, value, _active.scale)

@@ -200,7 +200,7 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
               "mfu": None if trainer.peak_flops is None
               else trainer.flops_per_token * tps / (trainer.peak_flops * lay.world),
               "tokens_seen": trainer.train_state.tokens_seen,
-              **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
+              **trainer.settled_terms, **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
     if len(trainer.source_names) > 1:  # a mixture: tokens read from each source so far (global)
         seen = trainer.dataloader.position()["source_tokens"]
         record.update({f"tokens_seen/{name}": n for name, n in zip(trainer.source_names, seen)})

@@ -20,7 +20,7 @@ from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, skipped_where, weights_finite
-from torchpar.loss import cross_entropy_sum
+from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import build_lr_scheduler, build_optimizer
 from torchpar.parallel import build_parallel_model, compute_context
@@ -75,6 +75,7 @@ class Trainer:
         self.signals, self.stop_requested = StopSignals(), False
         self.losses: list[float] = []  # every step's global loss, as the host reads them
         self.settled = (float("nan"), float("nan"))  # (loss, grad norm) of the last step read
+        self.settled_terms: dict[str, float] = {}  # its auxiliary loss terms, per token
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
         # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
         pipeline = self.model.pipeline
@@ -87,6 +88,10 @@ class Trainer:
         if self.peak_flops is None:
             warn(self.peak_source)
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
+        # The auxiliary loss terms every rank logs, in one order (the same on every rank).
+        self.loss_terms = (Z_LOSS,) * (cfg.loss.z_loss > 0) + pre.model.auxiliary_terms(self.args)
+        if self.model.pipeline is not None:
+            self.model.pipeline.z_loss = cfg.loss.z_loss
         self._restore(pre.resume, pre.resume_manifest)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
@@ -144,8 +149,29 @@ class Trainer:
         # Gradients of the globally normalized loss: the dp average taken by the reduction
         # undoes the factor dp here.
         scale = self.layout.dp / self.global_tokens
-        loss_sum = torch.zeros((), device=self.device)
         phase = self.breakdown.phase  # times the phases of logged steps
+        with auxiliary_terms(self.loss_terms, scale) as terms:
+            loss_sum = self._forward_backward(batches, scale, phase)
+        with phase("reduce_clip"):
+            state.reduce_gradients()
+            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
+            loss, stopping, *term_sums = self.global_figures(loss_sum, terms.values(loss_sum))
+            # (with CPU offload the norm of host gradients is on the host)
+            figures = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping,
+                                   *(t / self.global_tokens for t in term_sums)])
+            skip = self.guard.record(step, figures)
+        # The steps before this one are read now: waiting for them leaves this one's work queued.
+        # A guard that decides on the host reads this step too, before its update.
+        on_device = self.guard.on_device
+        if step not in self._settle(step - 1 if on_device else step):
+            with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
+                state.step()
+        self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
+
+    def _forward_backward(self, batches, scale: float, phase) -> torch.Tensor:
+        """Every micro-step's forward and backward (or the pipeline's schedule step); returns this
+        rank's summed token cross-entropy."""
+        state, loss_sum = self.model.state, torch.zeros((), device=self.device)
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             with phase("data"):
@@ -165,31 +191,23 @@ class Trainer:
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
                     kwargs = self.forward_kwargs(host[:, :-1])  # (the logits must not outlive the loss)
-                    loss = cross_entropy_sum(self.model.parts[0](inputs, **kwargs), targets)
+                    logits = self.model.parts[0](inputs, **kwargs)
+                    loss, ce, z = training_loss(logits, targets, self.cfg.loss.z_loss)
+                    del logits
+                    if z is not None:
+                        record_term(Z_LOSS, z)
                     (loss * scale).backward()
-                    loss_sum += full_value(loss.detach())
-        with phase("reduce_clip"):
-            state.reduce_gradients()
-            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
-            loss, stopping = self.global_figures(loss_sum)
-            # (with CPU offload the norm of host gradients is on the host)
-            figures = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping])
-            skip = self.guard.record(step, figures)
-        # The steps before this one are read now: waiting for them leaves this one's work queued.
-        # A guard that decides on the host reads this step too, before its update.
-        on_device = self.guard.on_device
-        if step not in self._settle(step - 1 if on_device else step):
-            with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
-                state.step()
-        self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
+                    loss_sum += full_value(ce.detach())
+        return loss_sum
 
     def _settle(self, upto: int) -> set[int]:
         """Read the figures of the steps up to ``upto``: their losses, stop signals and
         divergence (stop here, or count the skip). Returns the steps not applied."""
         rejected = set()
-        for step, loss, grad_norm, stopping, problem in self.guard.settle(upto):
+        for step, loss, grad_norm, stopping, terms, problem in self.guard.settle(upto):
             self.losses.append(loss)
             self.settled = (loss, grad_norm)
+            self.settled_terms = {f"loss/{name}": value for name, value in zip(self.loss_terms, terms)}
             self.stop_requested |= stopping
             if problem is not None:
                 self._diverged(step, problem)
@@ -232,13 +250,16 @@ class Trainer:
         with progress(f"saving the checkpoint of step {step}", self.rank == 0):
             self.checkpointer.maybe_save(step, force=final, tokens_seen=self.train_state.tokens_seen)
 
-    def global_figures(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """One all-reduce over the world, left on the device: each dp rank's loss counted once, and
-        beside it whether any rank received a stop signal (so that all stop at the same step)."""
-        both = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
-                            torch.full_like(loss_sum, float(self.signals.received > 0))])
-        dist.all_reduce(both)
-        return both
+    def global_figures(self, loss_sum: torch.Tensor, term_sums: list[torch.Tensor] = ()) -> torch.Tensor:
+        """One all-reduce over the world, left on the device: each dp rank's loss counted once,
+        whether any rank received a stop signal (so that all stop at the same step), and each
+        auxiliary term's sum (counted on the first TP rank of each stage: the others hold copies)."""
+        tp0 = self.layout.coordinate("tp") == 0
+        figures = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
+                               torch.full_like(loss_sum, float(self.signals.received > 0)),
+                               *(t if tp0 else torch.zeros_like(t) for t in term_sums)])
+        dist.all_reduce(figures)
+        return figures
 
     def global_sum(self, loss_sum: torch.Tensor) -> float:
         """:meth:`global_figures` read at once (evaluation): the global loss; notes a stop signal."""

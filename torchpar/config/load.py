@@ -191,6 +191,8 @@ def validate(cfg: JobConfig) -> None:
                            ("weight_decay", o.weight_decay >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
+    if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
+        raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)
 
 

@@ -155,6 +155,13 @@ class Optimizer:
 
 
 @dataclass
+class Loss:
+    z_loss: float = opt(
+        0.0, "Coefficient of the z-loss, added to the cross-entropy: z_loss x logsumexp(logits)^2 per "
+        "token, which keeps the softmax normalizer near 1 (PaLM: 1e-4); logged as loss/z_loss. 0 = off.")
+
+
+@dataclass
 class LRScheduler:
     warmup_steps: int = opt(30, "Linear warmup steps from ~0 to the peak lr.")
     decay_type: str = opt("cosine", "Decay after warmup.", ("cosine", "linear", "constant"))
@@ -301,6 +308,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    loss: Loss = field(default_factory=Loss)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)

@@ -289,6 +289,11 @@ class ModelAdapter(ABC):
     # when the family has no HF mapping (then export/import in HF format is refused).
     hf_architecture: str | None = None
 
+    def auxiliary_terms(self, args) -> tuple[str, ...]:
+        """Names of the auxiliary losses the model adds with ``torchpar.loss.add_auxiliary_loss``
+        (a mixture of experts' balance loss): every rank logs these, in this order. None by default."""
+        return ()
+
     # -- args and building
 
     def args(self, flavor: str, n_layers: int = 0, **shape):
