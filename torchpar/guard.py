@@ -35,13 +35,13 @@ class DivergenceGuard:
 
     def record(self, step: int, figures: torch.Tensor) -> torch.Tensor:
         """Keep ``figures`` (global loss, gradient norm, stop flag, then the auxiliary loss terms;
-        on the device) to read later,
-        started on their way to the host now; returns 1.0 where the step must not be applied."""
+        on the device) to read later, started on their way to the host now; returns 1.0 where the
+        step must not be applied."""
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
         self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
         return (~torch.isfinite(figures[:2]).all()).float()
 
-    def settle(self, upto: int) -> list[tuple[int, float, float, bool, str | None]]:
+    def settle(self, upto: int) -> list[tuple[int, float, float, bool, list[float], str | None]]:
         """The recorded figures of the steps up to ``upto``, read now (waiting for those steps
         only), each as (step, loss, gradient norm, stop flag, auxiliary terms, why it was not
         applied or None)."""

@@ -92,10 +92,8 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
     if layout.zero_stage < 3:
         for part in parts:
             _buffers_to_empty(part, device)
-        def initial_values(part):
-            return ((p, src) for p, _, src in part.initial_values(seed, _local_part, device, initial_weights))
-
-        state = FlatZero(parts, layout, build_optimizer, initial_values, device)
+        state = FlatZero(parts, layout, build_optimizer, device,
+                         lambda part: part.initial_values(seed, _local_part, device, initial_weights))
         for part in parts:
             part.reset_buffers(device)
         return state

@@ -55,12 +55,13 @@ def bucket_elements(layout) -> int:
 class FlatZero(FlatCheckpoints):
     """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
 
-    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer, initial_values,
-                 device: torch.device):
+    def __init__(self, model_parts: list[nn.Module], layout, build_optimizer, device: torch.device,
+                 initial_values):
         """``model_parts``: parameters not yet allocated (on the meta device); ``initial_values(part)``
-        yields (parameter, this rank's fp32 value of it) for each parameter of ``part``, one made at
-        a time: each goes into the buffer (and the master) and is dropped, so start-up never holds
-        more than the engine's own buffers and one parameter's initial value."""
+        yields (parameter, its destination, this rank's fp32 value of it) for each parameter of
+        ``part`` (``SeededInit.initial_values``), one made at a time: each goes into the buffer (and
+        the master) and is dropped, so start-up never holds more than the engine's own buffers and
+        one parameter's initial value."""
         self.stage, self.layout, self.parts = layout.zero_stage, layout, model_parts
         params = zero.unique_params(model_parts)
         self.names = zero.param_names(model_parts)
@@ -100,7 +101,7 @@ class FlatZero(FlatCheckpoints):
             self.masters = [self.flat[a:b] for a, b in self.owned]
         index = {id(p): i for i, p in enumerate(params)}
         for part in model_parts:
-            for p, value in initial_values(part):
+            for p, _, value in initial_values(part):
                 self._fill(index[id(p)], value.reshape(-1))
                 del value  # before the next one is made
         self.params = self._alias(params)

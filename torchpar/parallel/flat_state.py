@@ -126,32 +126,32 @@ class FlatCheckpoints:
         return [(canonical_name(n), self.index_of[id(p)])
                 for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)]
 
-    def model_state_dict(self) -> dict:
+    def _model_dict(self, saving: bool) -> dict:
+        """The fp32 master under every parameter name, beside the parts' other entries."""
         self.wait_params()
-        sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in self._param_keys()}
-        pieces = self._pieces(self.masters, saving=True)
-        sd.update({name: pieces[i] for name, i in self._all_names()})
+        names = self._all_names()
+        keys = {name for name, _ in names}
+        sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in keys}
+        pieces = self._pieces(self.masters, saving)
+        sd.update({name: pieces[i] for name, i in names})
         return sd
 
-    def _param_keys(self) -> set[str]:
-        return {name for name, _ in self._all_names()}
-
-    def load_model_state_dict(self, sd: dict) -> None:
-        """The master pieces are loaded in place (by DCP, into :meth:`model_state_dict`'s template);
-        the compute-dtype parameters are made from them, bucket by bucket."""
-        self.wait_params()
-        rest = {k: v for k, v in sd.items() if k not in self._param_keys()}
-        if rest:
-            zero.load_parts_state_dict(self.parts, rest)
-        self.publish_params(one_at_a_time=True)
+    def model_state_dict(self) -> dict:
+        return self._model_dict(saving=True)
 
     def model_load_template(self) -> dict:
         """What a resume loads into: every owned piece (all of it: the whole piece is needed)."""
+        return self._model_dict(saving=False)
+
+    def load_model_state_dict(self, sd: dict) -> None:
+        """The master pieces are loaded in place (by DCP, into :meth:`model_load_template`); the
+        compute-dtype parameters are made from them, bucket by bucket."""
         self.wait_params()
-        sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in self._param_keys()}
-        pieces = self._pieces(self.masters, saving=False)
-        sd.update({name: pieces[i] for name, i in self._all_names()})
-        return sd
+        keys = {name for name, _ in self._all_names()}
+        rest = {k: v for k, v in sd.items() if k not in keys}
+        if rest:
+            zero.load_parts_state_dict(self.parts, rest)
+        self.publish_params(one_at_a_time=True)
 
     def _state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The optimizer's per-element state, by key, as one tensor per owned piece."""

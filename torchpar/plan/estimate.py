@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
-from torchpar.parallel.flat import IN_FLIGHT
+from torchpar.parallel.flat import IN_FLIGHT, flat_shards
 from torchpar.parallel.layout import Layout, rank_params, split_of
 from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
@@ -292,7 +292,7 @@ def _reduce_bytes(lay: Layout) -> int:
 
 def _flat_elements(lay: Layout, local: list[tuple[int, int]]) -> int:
     """The flat ZeRO 0-2 buffer: the rank's parameters padded to a multiple of the shards."""
-    shards = lay.dp_shard if lay.zero_stage in (1, 2) else 1
+    shards = flat_shards(lay)
     return math.ceil(sum(a * b for a, b in local) / shards) * shards
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.parallel.flat import bucket_elements
+from torchpar.parallel.flat import bucket_elements, flat_shards
 from torchpar.parallel.layout import Layout, chunk, rank_params, resolve_layout, split_of
 
 
@@ -63,7 +63,7 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     # owned N-th (2) in the reduction dtype — in bf16 replaced by the fp32 copy the optimizer takes;
     # Adam's moments and, when the compute copy is not fp32, the fp32 master, of the owned N-th.
     total = sum(r * c for r, c in local)
-    shards = lay.dp_shard if lay.zero_stage in (1, 2) else 1
+    shards = flat_shards(lay)
     shard = math.ceil(total / shards)
     held = shard if lay.zero_stage == 2 else shard * shards
     grads = 4 * held if lay.reduce_dtype == "float32" else 4 * shard
@@ -81,9 +81,8 @@ def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int
     if lay.zero_stage == 3:
         return {"startup_peak": 0, "checkpoint_peak": 0}
     state = state_bytes(model, args, lay, {"pp": pp_rank})
-    master = 4 * math.ceil(sum(r * c for r, c in rank_params(model, args, lay, pp_rank))
-                           / (lay.dp_shard if lay.zero_stage in (1, 2) else 1))
-    master = master if lay.param_dtype != "float32" else 0
+    shard = math.ceil(sum(r * c for r, c in rank_params(model, args, lay, pp_rank)) / flat_shards(lay))
+    master = state["optim_bytes"] - 8 * shard  # (what state_bytes adds beside Adam's moments)
     split = split_of(model, args, lay)
     largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
                   for s in lay.stage_ids(pp_rank)
