@@ -30,3 +30,8 @@ def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | N
     assert [s for s, _ in run["val_losses"]] == [s for s, _ in ref["val_losses"]], "evaluated at other steps"
     for (step, a), (_, b) in zip(run["val_losses"], ref["val_losses"]):
         assert abs(a - b) <= tol, f"held-out loss at step {step} differs: {a} vs {b}"
+
+
+def bytes_of(run: dict, key: str) -> list[int]:
+    """Each rank's ``key`` (param / grad / optim) bytes at step 1 of a layout's run."""
+    return run["step1"][f"{key}_bytes_per_rank"]

@@ -148,6 +148,19 @@ CASES = [
     Case("beta2 of 1", CHECK + " --optimizer.beta2 1", "optimizer.beta2 must be in [0, 1)"),
     Case("eps of 0", CHECK + " --optimizer.eps 0", "optimizer.eps"),
     Case("a negative z-loss", CHECK + " --loss.z_loss -0.1", "loss.z_loss must be in [0, 1)"),
+    Case("an unknown optimizer", CHECK + " --optimizer.name adamv", "optimizer.name = 'adamv' is not one of",
+         "Did you mean 'adamw'"),
+    Case("an optimizer argument it does not take", CHECK + " --optimizer.name muon --optimizer.kwargs "
+         "betas=1",
+         "optimizer.kwargs.betas: set it through [optimizer] itself"),
+    Case("a misspelt optimizer argument", CHECK + " --optimizer.name torch.optim.SGD --optimizer.kwargs "
+         "momentun=0.9", "unexpected keyword argument 'momentun'"),
+    Case("a negative lr multiplier", CHECK + " --optimizer.head_lr_mult -1",
+         "optimizer.head_lr_mult must be >= 0"),
+    Case("kwargs that are not key=value", CHECK + " --optimizer.kwargs momentum", "is not key=value"),
+    Case("a whole-matrix optimizer under ZeRO-3", CHECK + " --optimizer.name adafactor "
+         "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keep as "
+         "DTensor shards"),
     Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss must be in [0, 1)"),
     Case("min_lr_ratio", CHECK + " --lr_scheduler.min_lr_ratio 2", "lr_scheduler.min_lr_ratio"),
     Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
@@ -267,6 +280,8 @@ CASES = [
              b"\0" * 64 + (run / STEP / "__0_0.distcp").read_bytes()[64:])),
     Case("nothing left to train", CKPT + " --training.steps 6", "training.steps = 6", "is at step 6",
          "raise training.steps above 6", run=True),
+    Case("another optimizer than the checkpoint's", CHECK_RUN + " --optimizer.name muon",
+         "optimizer.name = 'muon', but the checkpoint", "trained with 'adamw'", run=True),
     Case("fewer steps than the checkpoint, --check", CHECK_RUN + " --training.steps 4", "training.steps = 4",
          "is at step 6", run=True),
     Case("checkpoint of another shape", CKPT + " --model.n_layers 4", "another shape",

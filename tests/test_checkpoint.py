@@ -19,6 +19,7 @@ LB = "--training.local_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 STEPS = ["--training.steps", "6"]
+MUON = ["--optimizer.name", "muon"]
 
 
 def save(folder, *layout):
@@ -45,13 +46,21 @@ LAYOUTS = {  # name: (world, overrides)
     "dp2_zero0": (2, [LB, "4", Z, "0"]),
     "hsdp_zero2": (4, [LB, "2", Z, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
     "dp2_tp2_zero1": (4, [LB, "4", *TP2, Z, "1"]),
+    # Optimizers other than AdamW: Muon's momentum (whole parameters owned under ZeRO 1, DTensor
+    # shards under ZeRO-3 x TP) beside AdamW's moments; Adafactor's row and column factors.
+    "muon_single": (1, [*MUON, Z, "0"]),
+    "muon_dp2_zero1": (2, [*MUON, LB, "4", Z, "1"]),
+    "muon_dp2_tp2": (4, [*MUON, LB, "4", *TP2, Z, "3"]),
+    "adafactor_dp2_zero2": (2, ["--optimizer.name", "adafactor", LB, "4", Z, "2"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
-         ("dp2_zero2_bf16", "dp2_zero2_bf16")]
+         ("dp2_zero2_bf16", "dp2_zero2_bf16"), ("muon_dp2_zero1", "muon_dp2_zero1"),
+         ("adafactor_dp2_zero2", "adafactor_dp2_zero2")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
-           ("dp2_tp2_zero1", "dp2_zero1")]
+           ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),
+           ("muon_dp2_tp2", "muon_single")]
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ def test_zero3_offload_bf16_adamw_cosine(tmp_path):
                                                                                         "1B")
     assert (t.local_batch_size, t.global_batch_size, t.steps, t.max_norm) == (2, 16, 1000, 0.5)  # "auto" = 2
     assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay) == (2e-4, 0.9, 0.98, 1e-6, 0.05)
+    assert o.decay_all  # (DeepSpeed decays every parameter its optimizer is given)
     assert (s.decay_type, s.warmup_steps, s.min_lr_ratio, cfg.metrics.log_freq) == ("cosine", 50, 0.05, 25)
 
 

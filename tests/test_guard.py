@@ -59,6 +59,32 @@ def test_nan_batch_is_skipped_and_training_goes_on(tmp_path):
     assert finite_checkpoint(tmp_path / "run" / "checkpoint" / "step-00000005")
 
 
+def saved_tensors(folder) -> dict:
+    """A checkpoint's model and optimizer tensors by key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, folder.parent / "whole.pt")
+    sd = torch.load(folder.parent / "whole.pt", weights_only=False)
+    (folder.parent / "whole.pt").unlink()
+    return {f"{part}.{k}": v for part in ("model", "optimizer") for k, v in sd[part].items()
+            if torch.is_tensor(v)}
+
+
+def test_an_optimizer_without_a_fused_kernel_is_guarded_on_the_host(tmp_path):
+    """Muon (with AdamW for the rest) has no found_inf input: the host reads each step's figures
+    before its update and skips it there, leaving weights and both optimizers' state untouched
+    (the checkpoint after the skipped step 3 equals the one after step 2, bitwise)."""
+    r = poisoned_run(tmp_path, tmp_path / "run", "--training.on_divergence", "skip",
+                     "--optimizer.name", "muon", "--training.steps", "3")
+    assert r.returncode == 0 and "step 3 skipped: non-finite loss nan" in r.stderr, r.stderr
+    root = tmp_path / "run" / "checkpoint"
+    before, after = saved_tensors(root / "step-00000002"), saved_tensors(root / "step-00000003")
+    assert any(k.endswith("momentum_buffer") for k in before) and any(k.endswith("exp_avg") for k in before)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before
+                                                                   if not torch.equal(before[k], after[k])]
+
+
 def test_infinite_learning_rate_never_saves_its_weights(tmp_path):
     """The first update with lr = inf makes the weights non-finite while its loss and gradient
     norm were finite: the save after it refuses, so no checkpoint exists."""

@@ -8,7 +8,7 @@ step 1.
 
 import pytest
 import torch
-from harness import ROOT, assert_matches, run_layouts
+from harness import ROOT, assert_matches, bytes_of, run_layouts
 
 from torchpar.parallel.pipeline import SCHEDULES
 
@@ -218,10 +218,6 @@ def test_bf16_compute_trains_close_to_fp32(world2, refs, name):
     bf16, fp32 = world2[name]["losses"], ref_for(name, refs)["losses"]
     assert bf16[-1] < bf16[0] - 0.5  # it learns
     assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05  # stated tolerance for bf16 compute
-
-
-def bytes_of(run, key):
-    return run["step1"][f"{key}_bytes_per_rank"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

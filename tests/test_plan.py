@@ -96,7 +96,7 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     try:
         layout, family, args = layout_from_config(cfg, world)
         layout.build_mesh("cpu")
-        model = build_shapes_only(family, args, layout, lambda p: build_optimizer(p, cfg.optimizer, "cpu"))
+        model = build_shapes_only(family, args, layout, lambda p: build_optimizer(p, cfg.optimizer, family))
         first = set(family.first_stage)
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in model.parts:

@@ -107,7 +107,8 @@ def test_print_config_and_help(tmp_path):
     r = run(["torchpar", "train", "--help"], tmp_path)
     assert (
         r.returncode == 0
-        and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay." in r.stdout
+        and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay, of matrices" in r.stdout
+        and "--optimizer.kwargs (dict, default {}): Further keyword arguments" in r.stdout
     )
     r = run([sys.executable, "-m", "torchpar", "train", "--training.stepz", "3"], tmp_path)
     assert r.returncode == 2 and "Did you mean 'steps'" in r.stderr and "Traceback" not in r.stderr

@@ -1,25 +1,351 @@
-"""Optimizer and learning-rate schedule, each built from its own config section."""
+"""Optimizers and the learning-rate schedule: the parts a fork swaps, each built from its section.
+
+An optimizer is a :class:`Kind` in :data:`OPTIMIZERS` (or any ``torch.optim`` class by dotted name):
+how to build it over parameter groups, whether it needs each parameter whole (Muon's
+orthogonalization, Adafactor's row and column factors) or can take slices of the ZeRO buckets,
+and how many bytes of state it keeps per parameter (what the planner counts). Parameters are put
+in groups by role (:func:`param_role`) through one table, :data:`PARAM_GROUPS`.
+
+To add an optimizer: write a ``torch.optim.Optimizer`` (or name one by its dotted path) and add a
+``Kind`` beside the three below; every engine, the checkpoints and the guard take it from there.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchpar.errors import ConfigError, did_you_mean
+
+# ---------------------------------------------------------------------------- parameter groups
+
+# Roles of a parameter, by its shape and which top-level module holds it (the model adapter's
+# first_stage / last_stage: embeddings and the output head).
+ROLES = ("matrix", "head", "embedding", "vector")
+
+# The parameter groups, one row per role: whether weight decay applies (unless [optimizer]
+# decay_all), which [optimizer] field multiplies its learning rate, and whether Muon takes it
+# (the rest go to Muon's AdamW). A fork edits this table.
+PARAM_GROUPS = {
+    "matrix": {"decay": True, "lr_mult": None, "muon": True},  # 2-D hidden weights
+    "head": {"decay": True, "lr_mult": "head_lr_mult", "muon": False},  # the output projection
+    "embedding": {"decay": False, "lr_mult": "embedding_lr_mult", "muon": False},
+    "vector": {"decay": False, "lr_mult": None, "muon": False},  # norm gains, biases
+}
 
 
-def build_optimizer(params, cfg, device_type: str) -> torch.optim.Optimizer:
-    """AdamW over ``params``; ``cfg`` is the [optimizer] section."""
+def param_role(name: str, ndim: int, model) -> str:
+    """``name``'s row of :data:`PARAM_GROUPS` (``model``: the family's adapter)."""
+    top = name.split(".")[0]
+    if top in model.first_stage:
+        return "embedding"
+    if ndim < 2:
+        return "vector"
+    return "head" if top in model.last_stage else "matrix"
+
+
+def param_groups(items, cfg, model) -> dict[str, list[torch.Tensor]]:
+    """The tensors of ``items`` — (canonical name, the model's parameter, the tensor the optimizer
+    updates: the parameter itself or the engine's piece of it) — by role."""
+    out: dict[str, list[torch.Tensor]] = {role: [] for role in ROLES}
+    for name, param, tensor in items:
+        out[param_role(name, param.dim(), model)].append(tensor)
+    return out
+
+
+def _group(role: str, tensors: list[torch.Tensor], cfg, lr: float) -> dict:
+    row = PARAM_GROUPS[role]
+    mult = getattr(cfg, row["lr_mult"]) if row["lr_mult"] else 1.0
+    decay = cfg.weight_decay if row["decay"] or cfg.decay_all else 0.0
+    return {"params": tensors, "lr": lr * mult, "weight_decay": decay, "role": role}
+
+
+# ---------------------------------------------------------------------------- Muon
+
+
+def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The orthogonalized matrix U V^T of ``g`` = U S V^T, approximately, by ``steps`` iterations of
+    the quintic X <- a X + (b A + c A^2) X, A = X X^T (Muon's), in ``dtype``, on the wide side."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix learning rate: x sqrt(max(1, rows / cols)) ('original', the default) or
+    0.2 sqrt(max(rows, cols)) ('match_rms_adamw': an update of AdamW's RMS)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1.0, rows / cols)) if adjust_lr_fn in (None, "original") else lr
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon, whose matrices may also be sharded (DTensors, under TP or ZeRO-3): the momentum
+    stays sharded like the parameter; the update is gathered whole in the Newton-Schulz dtype
+    (nothing is lost: that is the precision it runs in), orthogonalized on each rank holding a shard,
+    and each keeps its own part. ``ns_dtype``: the iteration's dtype — torch's bfloat16 on GPUs; by
+    default float32 on the CPU, where bf16 matmuls are slow, and where a last-bit difference of a
+    gradient between two layouts would flip bf16 roundings that the iteration amplifies. With
+    ``ns_dtype = "bfloat16"`` it steps exactly like ``torch.optim.Muon`` (a test pins it)."""
+
+    def __init__(self, params, ns_dtype: str | None = None, **kwargs):
+        if ns_dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(f"ns_dtype must be 'bfloat16' or 'float32' (or unset), got {ns_dtype!r}")
+        super().__init__(params, **kwargs)
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            momentum, lr = group["momentum"], group["lr"]
+            for p, grad, buf in zip(params, grads, bufs):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = self._orthogonalized(update, p, group)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+    @staticmethod
+    def _orthogonalized(update: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
+        dtype = group["ns_dtype"] or ("bfloat16" if update.device.type == "cuda" else "float32")
+        args = group["ns_coefficients"], group["ns_steps"], group["eps"], getattr(torch, dtype)
+        if not isinstance(update, DTensor):
+            return newton_schulz(update, *args)
+        whole = update.to(args[-1]).full_tensor()
+        mesh = p.device_mesh
+        replicated = DTensor.from_local(newton_schulz(whole, *args), mesh, [Replicate()] * mesh.ndim,
+                                        run_check=False)
+        return replicated.redistribute(mesh, p.placements)  # (keeps this rank's part: no communication)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the hidden matrices, AdamW for every other parameter: one optimizer (one state,
+    one list of groups, one state dict) over the two torch optimizers, which share them."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], muon_kwargs: dict,
+                 adamw_kwargs: dict):
+        self.parts = []
+        if muon_groups:
+            self.parts.append(Muon(muon_groups, **muon_kwargs))
+        if adamw_groups:
+            self.parts.append(torch.optim.AdamW(adamw_groups, **adamw_kwargs))
+        super().__init__([g for o in self.parts for g in o.param_groups], {})
+        self._link()
+
+    def _link(self) -> None:
+        """The parts update this optimizer's groups and state (load_state_dict replaces both)."""
+        at = 0
+        for o in self.parts:
+            o.param_groups, at = self.param_groups[at: at + len(o.param_groups)], at + len(o.param_groups)
+            o.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for o in self.parts:
+            o.step()
+
+
+# ---------------------------------------------------------------------------- the registry
+
+
+def _implementation(cls, cfg) -> dict:
+    """``fused``/``foreach`` for classes that take them ([optimizer] implementation)."""
+    sig = inspect.signature(cls).parameters
     impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused"  # torch has it for CUDA and CPU alike
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=impl == "fused", foreach=impl == "foreach",
-    )
+    if impl == "auto":  # (torch's other fused kernels have no DTensor rule: no ZeRO-3, no TP)
+        impl = "fused" if cls in (torch.optim.AdamW, torch.optim.Adam) else "foreach"
+    out = {}
+    if "fused" in sig:
+        out["fused"] = impl == "fused"
+    if "foreach" in sig:
+        out["foreach"] = impl == "foreach"
+    return out
+
+
+def _adam_arguments(cls, cfg) -> dict:
+    """[optimizer] beta1, beta2 and eps, for classes that take Adam's ``betas`` and ``eps``."""
+    sig = inspect.signature(cls).parameters
+    out = {"betas": (cfg.beta1, cfg.beta2)} if "betas" in sig else {}
+    if "eps" in sig and isinstance(sig["eps"].default, float):
+        out["eps"] = cfg.eps
+    return out | _implementation(cls, cfg)
+
+
+def _build_single(cls):
+    def build(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
+        kwargs = _adam_arguments(cls, cfg) | _kwargs(cfg)
+        return cls(_present([_group(r, t, cfg, cfg.lr) for r, t in groups.items()]), **kwargs)
+    return build
+
+
+def _build_muon(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
+    muon = [_group(r, t, cfg, cfg.muon_lr) for r, t in groups.items() if t and PARAM_GROUPS[r]["muon"]]
+    rest = [_group(r, t, cfg, cfg.lr) for r, t in groups.items() if not PARAM_GROUPS[r]["muon"]]
+    rest = [g for g in rest if g["params"]] or ([] if muon else rest[:1])
+    return MuonWithAdamW(muon, rest, _kwargs(cfg), _adam_arguments(torch.optim.AdamW, cfg))
+
+
+def _present(groups: list[dict]) -> list[dict]:
+    """The groups that have parameters (DCP's optimizer state dict cannot key an empty one); a rank
+    of the flat engine that owns none keeps one empty group (torch refuses an optimizer without)."""
+    return [g for g in groups if g["params"]] or groups[:1]
+
+
+def _kwargs(cfg) -> dict:
+    # TOML has no tuples: a list argument (Muon's ns_coefficients, Adam's betas) becomes one
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.kwargs.items()}
+
+
+def _adam_state(shape: tuple[int, ...], role: str) -> int:
+    return 8 * math.prod(shape)  # exp_avg and exp_avg_sq
+
+
+def _muon_state(shape: tuple[int, ...], role: str) -> int:
+    return 4 * math.prod(shape) if PARAM_GROUPS[role]["muon"] else _adam_state(shape, role)
+
+
+def _adafactor_state(shape: tuple[int, ...], role: str) -> int:
+    if len(shape) < 2:
+        return 4 * math.prod(shape)  # (a vector keeps its whole second moment)
+    return 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])  # row and column factors
+
+
+def _muon_flops(shape: tuple[int, ...], role: str) -> int:
+    """Newton-Schulz on an m x n matrix (m <= n), per iteration: X X^T (2 m^2 n), the quintic's
+    A + A A (2 m^3) and its product with X (2 m^2 n); torch's default runs 5."""
+    if not PARAM_GROUPS[role]["muon"] or len(shape) != 2:
+        return 0
+    m, n = sorted(shape)
+    return 5 * (4 * m * m * n + 2 * m ** 3)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the engines, the checkpointer and the planner ask of an optimizer."""
+
+    build: Callable  # (tensors by role, [optimizer]) -> torch.optim.Optimizer
+    whole_params: bool  # its update of a parameter needs the whole parameter (not bucket slices)
+    gathers_shards: bool  # it gathers a sharded (TP / ZeRO-3) matrix itself (Muon)
+    state_bytes: Callable[[tuple, str], int] | None  # fp32 state of one parameter (shape, role)
+    # matmul FLOPs of the update of one whole parameter (shape, role); element-wise work is not counted
+    update_flops: Callable[[tuple, str], int] = lambda shape, role: 0
+
+
+OPTIMIZERS = {
+    "adamw": Kind(_build_single(torch.optim.AdamW), False, False, _adam_state),
+    "muon": Kind(_build_muon, True, True, _muon_state, _muon_flops),
+    "adafactor": Kind(_build_single(torch.optim.Adafactor), True, False, _adafactor_state),
+}
+
+# torch.optim classes whose update of each element reads only that element's gradient and state:
+# they may take slices of the ZeRO buckets; any other dotted class gets whole parameters.
+ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta",
+               "ASGD", "Rprop"}
+
+
+def optimizer_kind(cfg) -> Kind:
+    """The :class:`Kind` that [optimizer] ``name`` names: a registered one, or a torch.optim class by
+    dotted path (``torch.optim.SGD``); its state bytes measured on a small tensor."""
+    name = cfg.name.lower()
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name]
+    if "." not in cfg.name:
+        raise ConfigError(f"optimizer.name = {cfg.name!r} is not one of {sorted(OPTIMIZERS)} nor a dotted "
+                          f"class path like 'torch.optim.SGD'.{did_you_mean(name, list(OPTIMIZERS))}")
+    module, _, attr = cfg.name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"optimizer.name = {cfg.name!r} cannot be imported ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer.name = {cfg.name!r} is not a torch.optim.Optimizer subclass")
+    elementwise = cls.__module__.startswith("torch.optim") and attr in ELEMENTWISE
+    return Kind(_build_single(cls), not elementwise, False, None)
+
+
+def build_optimizer(items, cfg, model) -> torch.optim.Optimizer:
+    """The optimizer [optimizer] ``cfg`` names, over ``items`` (see :func:`param_groups`) in groups
+    by role; ``model``: the family's adapter."""
+    return optimizer_kind(cfg).build(param_groups(items, cfg, model), cfg)
+
+
+def state_bytes(cfg, shape: tuple[int, ...], role: str) -> int:
+    """Bytes of optimizer state one parameter (or its local shard) of ``shape`` keeps under [optimizer]
+    ``cfg`` (None: AdamW): declared,
+    or for a dotted class measured once on a small tensor and scaled by the elements (element-wise
+    state is what such classes keep)."""
+    kind = kind_of(cfg)
+    if kind.state_bytes is not None:
+        return kind.state_bytes(tuple(shape), role)
+    return round(_measured_per_element(cfg, len(shape) >= 2) * math.prod(shape))
+
+
+def kind_of(cfg) -> Kind:
+    """[optimizer] ``cfg``'s :class:`Kind` (None: AdamW)."""
+    return OPTIMIZERS["adamw"] if cfg is None else optimizer_kind(cfg)
+
+
+_MEASURED: dict = {}
+
+
+def _measured_per_element(cfg, matrix: bool) -> float:
+    key = (cfg.name, tuple(sorted(cfg.kwargs.items())), matrix)
+    if key not in _MEASURED:
+        p = torch.nn.Parameter(torch.zeros((8, 8) if matrix else (8,)))
+        opt = optimizer_kind(cfg).build({"matrix" if matrix else "vector": [p]}, cfg)
+        ensure_state(opt)
+        _MEASURED[key] = sum(v.numel() * v.element_size() for v in opt.state[p].values()
+                             if torch.is_tensor(v) and v.dim() > 0) / p.numel()
+    return _MEASURED[key]
+
+
+def check_optimizer(cfg) -> None:
+    """[optimizer] checked by building it over one small matrix and one vector and taking a step:
+    an unknown name, an unknown or bad keyword argument is one line here, not an error on every
+    rank at start-up."""
+    kind = optimizer_kind(cfg)
+    for key, value in cfg.kwargs.items():
+        if key in ("params", "lr", "weight_decay", "betas", "fused", "foreach"):
+            raise ConfigError(f"optimizer.kwargs.{key}: set it through [optimizer] itself (lr, muon_lr, "
+                              "weight_decay, beta1/beta2, implementation), not kwargs")
+    matrix, vector = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    try:
+        opt = kind.build({"matrix": [matrix], "vector": [vector]}, cfg)
+        ensure_state(opt)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"[optimizer] name = {cfg.name!r} with kwargs {cfg.kwargs}: {e}") from None
 
 
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's lazily made state now (a checkpoint is loaded into it before any step):
+    """Create an optimizer's lazily made state now (a checkpoint is loaded into it before any step):
     one step with zero gradients and lr 0, which leaves the parameters exactly as they are."""
     if optimizer.state:
         return
@@ -33,6 +359,9 @@ def ensure_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
         for p in g["params"]:
             p.grad = None
+
+
+# ---------------------------------------------------------------------------- learning rate
 
 
 def lr_factor(step: int, cfg, total_steps: int) -> float:
@@ -51,12 +380,16 @@ def lr_factor(step: int, cfg, total_steps: int) -> float:
 
 
 class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose restore also puts the restored lr into the optimizer (LambdaLR's own
-    ``load_state_dict`` leaves the optimizer at its initial lr until the next step)."""
+    """LambdaLR whose restore takes the position in the schedule only: each group's peak lr comes
+    from the config (a checkpoint may have other groups: those of an older torchpar), and the
+    restored lr is put into the optimizer at once (LambdaLR's own restore leaves the optimizer at
+    its initial lr until the next step)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+        self.last_epoch = state_dict["last_epoch"]
+        self._step_count = state_dict.get("_step_count", self.last_epoch + 1)
+        self._last_lr = [base * f(self.last_epoch) for f, base in zip(self.lr_lambdas, self.base_lrs)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
 
 

@@ -26,6 +26,7 @@ from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
 from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
+from torchpar.optim import check_optimizer
 from torchpar.parallel.layout import Layout, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import load_weights
@@ -71,8 +72,9 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} has "
             f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
+    check_optimizer(cfg.optimizer)
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
-                            compute_dtype(cfg.training.mixed_precision_param))
+                            compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer)
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:
@@ -120,6 +122,15 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
         raise ConfigError(f"training.steps = {cfg.training.steps}, but the checkpoint {path} is at step "
                           f"{step}, so there is nothing left to train; raise training.steps above {step} to "
                           "go on, or choose a new job.dump_folder to start over")
+    try:
+        saved = tomllib.loads(manifest.get("config", "")).get("optimizer", {}).get("name")
+    except tomllib.TOMLDecodeError:
+        saved = None
+    if saved is not None and saved.lower() != cfg.optimizer.name.lower():
+        raise ConfigError(f"optimizer.name = {cfg.optimizer.name!r}, but the checkpoint {path} was trained "
+                          f"with {saved!r}, whose state the new optimizer cannot take; resume with "
+                          f"optimizer.name = {saved!r}, or start the new optimizer from its weights: "
+                          "checkpoint.initial_load_path = that folder, in a new job.dump_folder")
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -60,7 +60,7 @@ class Trainer:
         with progress("building, parallelizing and initializing the model", rank == 0):
             self.model = build_parallel_model(
                 pre.model, self.args, lay, self.device, tr.seed,
-                lambda params: build_optimizer(params, cfg.optimizer, dev.device_type()), pre.weights)
+                lambda items: build_optimizer(items, cfg.optimizer, pre.model), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,

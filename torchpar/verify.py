@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from torchpar import device as dev
 from torchpar.checkpoint.checkpointer import Checkpointer, HostStaging
 from torchpar.checkpoint.files import complete_checkpoints, read_manifest
 from torchpar.loss import cross_entropy_sum
@@ -88,6 +87,10 @@ def step_peak_check(cfg) -> dict:
     return {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
 
 
+def _optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for g in optimizer.param_groups for t in g["params"]]
+
+
 def zero_transients_check(cfg, folder: Path) -> dict:
     """ZeRO 0-2 outside the step, on this rank, every storage followed: the most bytes alive while
     the engine is built; the most bytes a synchronous checkpoint save adds to the state; the host
@@ -101,7 +104,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         def build(tracker=None):
             parts = parallelize(trainer.model_family, trainer.args, lay)  # on the meta device
             def optimizer(params):
-                return build_optimizer(params, cfg.optimizer, dev.device_type())
+                return build_optimizer(params, cfg.optimizer, trainer.model_family)
 
             with tracker or contextlib.nullcontext():
                 return parts, materialize(parts, lay, trainer.device, cfg.training.seed, optimizer)
@@ -115,8 +118,9 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         with torch.no_grad():  # values a fresh engine does not start from
             for m in saved.weights():
                 m.add_(torch.randn(m.shape, generator=gen))
-                for v in saved.optimizer.state[m].values():
-                    if v.dim():  # (not the step, which every piece shares)
+            for t in _optimized(saved.optimizer):
+                for v in saved.optimizer.state[t].values():
+                    if v.dim():  # (not the step, which every piece of a parameter shares)
                         v.add_(torch.rand(v.shape, generator=gen))
         saved.publish_params(one_at_a_time=True)
         stateful = {"model": ModelState(saved), "optimizer": OptimizerState(saved)}
@@ -139,9 +143,9 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         loader.close()
         same = torch.equal(saved.flat, fresh.flat)
         same &= all(torch.equal(a, b) for a, b in zip(saved.weights(), fresh.weights()))
-        same &= all(torch.equal(a, b) for m, n in zip(saved.weights(), fresh.weights())
-                    for a, b in zip(saved.optimizer.state[m].values(),
-                                    fresh.optimizer.state[n].values()))
+        pairs = zip(_optimized(saved.optimizer), _optimized(fresh.optimizer))
+        same &= all(torch.equal(a, b) for m, n in pairs
+                    for a, b in zip(saved.optimizer.state[m].values(), fresh.optimizer.state[n].values()))
         predicted = transient_bytes(trainer.model_family, trainer.args, lay, lay.pp_rank)
     finally:
         trainer.close()

@@ -61,7 +61,32 @@ def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
         if isinstance(value, list):
             return value
         raise bad
+    if typ is dict:
+        if from_cli and isinstance(value, str):
+            value = _cli_table(where, value)
+        if isinstance(value, dict):
+            return value
+        raise bad
     raise bad  # pragma: no cover
+
+
+def _cli_table(where: str, text: str) -> dict:
+    """``'a=1,b=[1,2],c="x"'`` from the command line as a table: a TOML inline table's inside, or
+    comma-separated key=value pairs whose unquoted values may be bare strings (``c=x``)."""
+    try:
+        return tomllib.loads(f"v = {{{text}}}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"{where}: {item!r} is not key=value (e.g. 'momentum=0.9,nesterov=true')")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -188,7 +213,9 @@ def validate(cfg: JobConfig) -> None:
     o = cfg.optimizer
     for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
                            ("beta2", 0 <= o.beta2 < 1, "in [0, 1)"), ("eps", o.eps > 0, "> 0"),
-                           ("weight_decay", o.weight_decay >= 0, ">= 0")):
+                           ("weight_decay", o.weight_decay >= 0, ">= 0"), ("muon_lr", o.muon_lr >= 0, ">= 0"),
+                           ("embedding_lr_mult", o.embedding_lr_mult >= 0, ">= 0"),
+                           ("head_lr_mult", o.head_lr_mult >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
@@ -232,6 +259,8 @@ def to_toml(cfg: JobConfig) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + "}"
         return repr(v)
 
     lines = []

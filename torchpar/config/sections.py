@@ -8,7 +8,10 @@ from typing import Any
 
 def opt(default: Any, help: str, choices: tuple | None = None):
     """A config field with its docstring (shown by ``--help``) and optional allowed values."""
-    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    if isinstance(default, (list, dict)):
+        kw = {"default_factory": lambda: type(default)(default)}
+    else:
+        kw = {"default": default}
     return field(metadata={"help": help, "choices": choices}, **kw)
 
 
@@ -140,17 +143,31 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer.", ("AdamW",))
-    lr: float = opt(3e-3, "Peak learning rate.")
-    beta1: float = opt(0.9, "Adam beta1.")
-    beta2: float = opt(0.95, "Adam beta2.")
-    eps: float = opt(1e-8, "Adam epsilon.")
-    weight_decay: float = opt(0.1, "Decoupled weight decay.")
+    name: str = opt(
+        "adamw", "'adamw', 'muon' (Muon for the hidden matrices, AdamW for embeddings, head, norms and "
+        "biases), 'adafactor' (torch's classes), or a torch.optim.Optimizer subclass by dotted path "
+        "('torch.optim.SGD'). Each is a Kind in torchpar/optim.py: add yours there.")
+    lr: float = opt(3e-3, "Peak learning rate (under 'muon': of the parameters AdamW updates).")
+    muon_lr: float = opt(0.02, "'muon' only: peak learning rate of the hidden matrices Muon updates "
+                               "(scaled per matrix by torch.optim.Muon's adjust_lr_fn).")
+    beta1: float = opt(0.9, "Adam beta1 (for classes that take betas).")
+    beta2: float = opt(0.95, "Adam beta2 (for classes that take betas).")
+    eps: float = opt(1e-8, "Adam epsilon (for classes whose eps is one float).")
+    weight_decay: float = opt(0.1, "Decoupled weight decay, of matrices only (the hidden ones and the "
+                                   "output head): norm gains, biases and embeddings keep none.")
+    decay_all: bool = opt(False, "Weight decay on every parameter, as before parameter groups existed "
+                                 "(to reproduce such runs).")
+    embedding_lr_mult: float = opt(1.0, "Learning-rate multiplier of the embeddings.")
+    head_lr_mult: float = opt(1.0, "Learning-rate multiplier of the output head.")
+    kwargs: dict = opt({}, "Further keyword arguments of the optimizer class, as a TOML table "
+                           "([optimizer.kwargs], or --optimizer.kwargs 'momentum=0.9,nesterov=true'); "
+                           "under 'muon' they go to torch.optim.Muon (momentum, ns_steps, adjust_lr_fn).")
     implementation: str = opt(
-        "auto", "'auto' = fused: one kernel per step on CUDA and CPU alike, which also drops a divergent "
-        "step on the device, so the loop need not wait to read the loss (unless "
-        "training.loss_spike_factor > 0); with foreach or for-loop the host reads every step's loss "
-        "before its update.", ("auto", "fused", "foreach", "for-loop")
+        "auto", "'auto' = fused for AdamW and Adam, foreach otherwise (fused AdamW: one kernel per step "
+        "on CUDA and CPU alike, which also drops a divergent step on the device, so the loop need not "
+        "wait to read the loss unless training.loss_spike_factor > 0); with foreach, for-loop or an "
+        "optimizer without a fused kernel (Muon) the host reads every step's loss before its update.",
+        ("auto", "fused", "foreach", "for-loop")
     )
 
 

@@ -21,7 +21,7 @@ from torchpar.parallel.layout import Layout
 from torchpar.parallel.pipeline import Pipeline, split_model
 from torchpar.parallel.recompute import apply_recompute
 from torchpar.parallel.tensor import apply_tensor_parallel, loss_context
-from torchpar.parallel.zero import ZeroState, local_box, unique_params
+from torchpar.parallel.zero import ZeroState, local_box, param_names, unique_params
 
 
 def _local_part(p: torch.Tensor, full):
@@ -85,6 +85,8 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
 def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, seed: int, build_optimizer,
                 initial_weights: dict[str, torch.Tensor] | None = None) -> ZeroState:
     """Allocate and initialize the parallelized parts on ``device``; the ZeRO engine over them.
+    ``build_optimizer(items)`` makes the optimizer over (canonical name, parameter, the tensor the
+    optimizer updates) triples (see :func:`torchpar.optim.build_optimizer`).
     Under ZeRO 0-2 the parameters are never allocated on their own: the engine makes its buffer
     and fills it one parameter's initial value at a time."""
     for part in parts:
@@ -101,7 +103,8 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.to_empty(device="cpu" if layout.cpu_offload else device)
         part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
-    return FSDPState(parts, build_optimizer(unique_params(parts)), layout.tp, layout.reduce_every_microstep)
+    items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts))]
+    return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep)
 
 
 def _buffers_to_empty(module: nn.Module, device: torch.device) -> None:

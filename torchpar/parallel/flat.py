@@ -4,7 +4,9 @@ reduced bucket by bucket while backward still runs.
 The buffer holds this rank's parameters in the compute dtype, in model order, padded to a multiple
 of the dp_shard degree N, cut into buckets of ``bucket_mb`` (multiples of N elements; a parameter
 may straddle two). Rank r owns the r-th N-th of every bucket: its optimizer updates those pieces of
-an fp32 master (the buffer itself in an fp32 run), so each collective is one call per bucket.
+an fp32 master (the buffer itself in an fp32 run), so each collective is one call per bucket. An
+optimizer that needs whole parameters (Muon, Adafactor) gets buckets laid out so that each N-th
+holds whole ones (:func:`flat_layout`), and each owned parameter shaped like itself.
 
 - backward: a parameter's post-accumulate-grad hook (last micro-step; with a pipeline, last
   microbatch) copies its gradient into its bucket(s) and drops it. A full bucket is reduced
@@ -52,6 +54,47 @@ def bucket_elements(layout) -> int:
     return max(n, int(layout.bucket_mb * 2**20 / getattr(torch, layout.reduce_dtype).itemsize) // n * n)
 
 
+def flat_layout(sizes: list[int], shards: int, bucket: int, whole: bool) -> tuple[list[int], list[int]]:
+    """Where each parameter (of ``sizes`` elements, in model order) starts in the flat buffer, and
+    the bucket bounds (each bucket a multiple of ``shards``; rank r owns the r-th ``shards``-th).
+
+    Sliced (element-wise optimizers): the parameters back to back, cut every ``bucket`` elements.
+    Whole (``whole``: the optimizer needs whole parameters): a bucket takes parameters in order
+    until it holds ``bucket`` elements and ``shards`` x its largest (a short tail joins the bucket
+    before it); they are dealt to the ranks largest first, each to the least loaded, so each rank's
+    N-th of the bucket holds whole parameters; every N-th is padded to the most loaded one."""
+    if not whole:
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        padded = math.ceil(sum(sizes) / shards) * shards
+        return starts, [*range(0, padded, bucket), padded]
+    groups, current = [], []
+    for i, size in enumerate(sizes):
+        current.append(i)
+        members = [sizes[j] for j in current]
+        if sum(members) >= max(bucket, shards * max(members)):
+            groups.append(current)
+            current = []
+    if current:
+        if groups:
+            groups[-1] += current
+        else:
+            groups.append(current)
+    starts, bounds = [0] * len(sizes), [0]
+    for group in groups:
+        loads, mine = [0] * shards, [[] for _ in range(shards)]
+        for i in sorted(group, key=lambda j: -sizes[j]):  # (stable: equal sizes keep model order)
+            r = loads.index(min(loads))
+            mine[r].append(i)
+            loads[r] += sizes[i]
+        region, lo = max(loads), bounds[-1]
+        for r, members in enumerate(mine):
+            at = lo + r * region
+            for i in sorted(members):
+                starts[i], at = at, at + sizes[i]
+        bounds.append(lo + shards * region)
+    return starts, bounds
+
+
 class FlatZero(FlatCheckpoints):
     """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
 
@@ -76,27 +119,31 @@ class FlatZero(FlatCheckpoints):
         self.meshes = {dim: mesh[dim] for dim in ("dp", "dp_shard", "dp_replicate")}
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         sizes = [local(p).numel() for p in params]
-        self.total = sum(sizes)
-        padded = math.ceil(self.total / n) * n
-        size = bucket_elements(layout)
-        self.bounds = [*range(0, padded, size), padded]  # bucket k = [bounds[k], bounds[k + 1])
+        self.total = sum(sizes)  # the parameters' elements (the buffer adds padding)
+        self.whole = layout.whole_params
+        starts, self.bounds = flat_layout(sizes, n, bucket_elements(layout), self.whole)
+        padded = self.bounds[-1]  # bucket k = [bounds[k], bounds[k + 1])
         self.buckets = list(zip(self.bounds, self.bounds[1:]))
         self.owned = [(lo + rank * (hi - lo) // n, lo + (rank + 1) * (hi - lo) // n)
                       for lo, hi in self.buckets]
         self.shard_starts = [0, *itertools.accumulate(b - a for a, b in self.owned)]  # in the shard
-        ends = list(itertools.accumulate(sizes))
         # (start, end, tp copies) per parameter
-        self.segments = [(e - s, e, zero.replicas(p, layout.tp)) for p, s, e in zip(params, sizes, ends)]
+        self.segments = [(a, a + size, zero.replicas(p, layout.tp))
+                         for p, a, size in zip(params, starts, sizes)]
+        self.gaps = _gaps(self.segments, padded)  # the padding: zero in every buffer
+        self.gap_ends = [b for _, b in self.gaps]
         cut = self.bounds  # the buckets each parameter touches:
         self.buckets_of = [list(range(bisect.bisect_right(cut, s) - 1, bisect.bisect_left(cut, e)))
                            for s, e, _ in self.segments]
         self.separate_master = self.compute_dtype != torch.float32
         self.flat = torch.empty(padded, dtype=self.compute_dtype, device=device)  # what forward reads
-        self.flat[self.total:].zero_()
+        self._zero_gaps(self.flat, 0)
         if self.separate_master:
             self.master = torch.empty(self.shard_starts[-1], dtype=torch.float32, device=device)
             starts = self.shard_starts
             self.masters = [self.master[a:b] for a, b in zip(starts, starts[1:])]  # the owned pieces
+            for (lo, _), m in zip(self.owned, self.masters):
+                self._zero_gaps(m, lo)
         else:
             self.masters = [self.flat[a:b] for a, b in self.owned]
         index = {id(p): i for i, p in enumerate(params)}
@@ -106,7 +153,9 @@ class FlatZero(FlatCheckpoints):
                 del value  # before the next one is made
         self.params = self._alias(params)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}  # parameter -> its position
-        self.optimizer = build_optimizer(self.masters)
+        self.runs = self._runs()
+        self.optimizer = build_optimizer([(self.names[i], p, t) for i, p in enumerate(self.params)
+                                          for *_, t in self.runs[i]])
         members = Counter(k for ks in self.buckets_of for k in ks)
         self.members = [members[k] for k in range(len(self.buckets))]  # parameters each bucket waits for
         self.expected = layout.n_microbatches if layout.pp > 1 else 1  # hook calls per step
@@ -129,6 +178,32 @@ class FlatZero(FlatCheckpoints):
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     master[a - lo: b - lo].copy_(value[a - start: b - start])
+
+    def _zero_gaps(self, buf: torch.Tensor, lo: int) -> None:
+        """The padding inside ``buf``, a buffer over flat elements [lo, lo + len(buf))."""
+        first = bisect.bisect_right(self.gap_ends, lo)  # (the gaps are sorted)
+        for a, b in itertools.islice(self.gaps, first, None):
+            if a >= lo + len(buf):
+                break
+            a, b = max(a, lo), min(b, lo + len(buf))
+            buf[a - lo: b - lo].zero_()
+
+    def _runs(self) -> list[list[tuple[int, int, int, torch.Tensor]]]:
+        """Per parameter, its values this rank's optimizer updates: (bucket, start, end in the flat
+        buffer, the tensor the optimizer takes) — a slice of an owned piece, or with whole
+        parameters the whole parameter shaped like it (a DTensor under TP) or nothing."""
+        out = []
+        for p, (start, end, _), ks in zip(self.params, self.segments, self.buckets_of):
+            runs = []
+            for k in ks:
+                lo, hi = self.owned[k]
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    values = self.masters[k][a - lo: b - lo]
+                    runs.append((k, a, b, zero.shaped_like(p, values) if self.whole else values))
+            assert not self.whole or not runs or runs[0][1:3] == (start, end), "a whole parameter was cut"
+            out.append(runs)
+        return out
 
     def _alias(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """New parameters over the buffer (in the compute dtype), put in place of the old ones in
@@ -199,11 +274,11 @@ class FlatZero(FlatCheckpoints):
         if self.stage != 2:
             if self.grad_flat is None:
                 self.grad_flat = self.flat.new_empty(self.bounds[-1], dtype=self.grad_dtype)
-                self.grad_flat[self.total:].zero_()
+                self._zero_gaps(self.grad_flat, 0)
             return self.grad_flat[lo:hi]
         if k not in self.bucket_bufs:
             buf = self.flat.new_empty(hi - lo, dtype=self.grad_dtype)
-            buf[max(0, self.total - lo):].zero_()
+            self._zero_gaps(buf, lo)
             self.bucket_bufs[k] = buf
         return self.bucket_bufs[k]
 
@@ -273,8 +348,11 @@ class FlatZero(FlatCheckpoints):
             pieces = [held[a:b] for a, b in self.owned]
         # The optimizer's gradients are fp32 like its master: views, or copies of a bf16 reduction.
         self.grads = [g if g.dtype == torch.float32 else g.float() for g in pieces]
-        for m, g in zip(self.masters, self.grads):
-            m.grad = g
+        for p, runs in zip(self.params, self.runs):
+            for k, a, b, t in runs:
+                lo = self.owned[k][0]
+                g = self.grads[k][a - lo: b - lo]
+                t.grad = zero.shaped_like(p, g) if self.whole else g
         self._start_step()
         if self.grad_dtype != torch.float32:  # the fp32 copies are the gradients now
             self.grad_flat = self.grad_shard = None
@@ -328,8 +406,7 @@ class FlatZero(FlatCheckpoints):
 
     def zero_grad(self) -> None:
         self.grads, self.grad_flat, self.grad_shard, self.peak_grad_bytes = None, None, None, 0
-        for m in self.masters:
-            m.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
 
@@ -342,3 +419,13 @@ class FlatZero(FlatCheckpoints):
         master = nbytes(self.master) if self.separate_master else 0
         return {"param_bytes": sum(nbytes(p) for p in self.params), "grad_bytes": grads,
                 "optim_bytes": zero.optimizer_state_bytes(self.optimizer) + master}
+
+
+def _gaps(segments: list[tuple[int, int, int]], total: int) -> list[tuple[int, int]]:
+    """The ranges of [0, total) no parameter covers."""
+    out, at = [], 0
+    for start, end, _ in sorted(segments):
+        if start > at:
+            out.append((at, start))
+        at = max(at, end)
+    return out + [(at, total)] if at < total else out

@@ -87,39 +87,31 @@ class FlatPiece:
 class FlatCheckpoints:
     """What :class:`~torchpar.parallel.flat.FlatZero` saves and loads (a mixin over its buffers)."""
 
-    def _ranges(self, saving: bool) -> list[tuple[int, int, int]]:
-        """(bucket, start, end) in the flat buffer: this rank's owned pieces — for a save, only its
-        share of them among the ranks holding the same pieces."""
+    def _shares(self, saving: bool) -> dict[int, tuple[int, int]]:
+        """Bucket -> (start, end) in the flat buffer: this rank's owned piece — for a save, only its
+        share of it among the ranks holding the same pieces."""
         copies, mine = 1, 0
         if saving:
             dim = "dp" if self.shards == 1 else "dp_replicate"
             copies, mine = self.meshes[dim].size(), self.meshes[dim].get_local_rank()
-        out = []
-        for k, (lo, hi) in enumerate(self.owned):
-            cut = lo + (hi - lo) * mine // copies, lo + (hi - lo) * (mine + 1) // copies
-            if cut[0] < cut[1]:
-                out.append((k, *cut))
-        return out
+        return {k: (lo + (hi - lo) * mine // copies, lo + (hi - lo) * (mine + 1) // copies)
+                for k, (lo, hi) in enumerate(self.owned)}
 
-    def _pieces(self, pieces: list[torch.Tensor], saving: bool) -> list[FlatPiece]:
-        """Every parameter's values in ``pieces`` (one tensor per owned bucket piece, fp32, laid
-        out like :attr:`owned`), as :class:`FlatPiece` s in parameter order."""
-        ranges = self._ranges(saving)
-        out = []
-        for i, p in enumerate(self.params):
-            start, end, _ = self.segments[i]
-            shape, offset = zero.local_box(p)
-            chunks = []
-            for k, lo, hi in ranges:
-                a, b = max(start, lo), min(end, hi)
-                base = self.owned[k][0]
-                for first, o, sizes in boxes(shape, a - start, b - start):
-                    at = start + first - base
-                    view = pieces[k][at: at + math.prod(sizes)].view(sizes)
-                    at_global = tuple(x + y for x, y in zip(o, offset))
-                    chunks.append((at_global, own_storage(view) if saving else view))
-            out.append(FlatPiece(p.shape, pieces[0].dtype, chunks))
-        return out
+    def _piece(self, i: int, values: list[torch.Tensor], saving: bool) -> FlatPiece:
+        """Parameter ``i``'s ``values`` on this rank (one tensor per run of :attr:`runs`, laid out
+        like the run) as a :class:`FlatPiece` — for a save, this rank's share of them."""
+        p, (start, _, _) = self.params[i], self.segments[i]
+        shape, offset = zero.local_box(p)
+        shares, chunks = self._shares(saving), []
+        for (k, a, b, _), v in zip(self.runs[i], values):
+            v = zero.local(v).reshape(-1)
+            lo, hi = shares[k]
+            for first, o, sizes in boxes(shape, max(a, lo) - start, min(b, hi) - start):
+                at = start + first - a
+                view = v[at: at + math.prod(sizes)].view(sizes)
+                at_global = tuple(x + y for x, y in zip(o, offset))
+                chunks.append((at_global, own_storage(view) if saving else view))
+        return FlatPiece(p.shape, values[0].dtype, chunks)
 
     def _all_names(self) -> list[tuple[str, int]]:
         """(canonical name, parameter index) for every name of every parameter (tied ones: two)."""
@@ -132,8 +124,12 @@ class FlatCheckpoints:
         names = self._all_names()
         keys = {name for name, _ in names}
         sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in keys}
-        pieces = self._pieces(self.masters, saving)
-        sd.update({name: pieces[i] for name, i in names})
+        pieces = {}
+        for i, runs in enumerate(self.runs):
+            if runs:  # (with whole parameters, another rank's)
+                masters = [self.masters[k][a - self.owned[k][0]: b - self.owned[k][0]] for k, a, b, _ in runs]
+                pieces[i] = self._piece(i, masters, saving)
+        sd.update({name: pieces[i] for name, i in names if i in pieces})
         return sd
 
     def model_state_dict(self) -> dict:
@@ -153,21 +149,24 @@ class FlatCheckpoints:
             zero.load_parts_state_dict(self.parts, rest)
         self.publish_params(one_at_a_time=True)
 
-    def _state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The optimizer's per-element state, by key, as one tensor per owned piece."""
-        ensure_state(self.optimizer)
-        states = [self.optimizer.state[m] for m in self.masters]
-        return {key: [s[key] for s in states] for key, v in states[0].items() if v.dim() > 0}
-
     def _optimizer_dict(self, saving: bool) -> dict:
+        """Every state tensor of every parameter this rank updates, by ``state.<name>.<key>``: what
+        is laid out like the parameter as a :class:`FlatPiece` over its runs; scalars (the step)
+        and a whole parameter's other state (Adafactor's row and column factors) as they are."""
+        ensure_state(self.optimizer)
         out = {}
-        for key, tensors in self._state_tensors().items():
-            pieces = self._pieces(tensors, saving)
-            out.update({f"state.{name}.{key}": pieces[i] for i, name in enumerate(self.names)})
-        scalars = {k: v for k, v in self.optimizer.state[self.masters[0]].items() if v.dim() == 0}
-        for name in self.names:
-            out.update({f"state.{name}.{k}": v for k, v in scalars.items()})
+        for i, name in enumerate(self.names):
+            states = [self.optimizer.state[t] for *_, t in self.runs[i]]
+            for key, v in (states[0] if states else {}).items():
+                if self._laid_out_like(v, i):
+                    out[f"state.{name}.{key}"] = self._piece(i, [s[key] for s in states], saving)
+                else:
+                    out[f"state.{name}.{key}"] = v
         return out
+
+    def _laid_out_like(self, v: torch.Tensor, i: int) -> bool:
+        t = self.runs[i][0][3]
+        return v.dim() > 0 and v.shape == t.shape
 
     def optimizer_state_dict(self) -> dict:
         return self._optimizer_dict(saving=True)
@@ -176,9 +175,11 @@ class FlatCheckpoints:
         return self._optimizer_dict(saving=False)
 
     def load_optimizer_state_dict(self, loaded: dict) -> None:
-        """The per-element state was loaded in place; the scalars (the step) are copied to every piece."""
-        states = [self.optimizer.state[m] for m in self.masters]
-        for key, v in states[0].items():
-            if v.dim() == 0:
-                for s in states:
-                    s[key].copy_(loaded[f"state.{self.names[0]}.{key}"])
+        """The state laid out like the parameters was loaded in place, and so was the rest of a
+        parameter's first run; its other runs get copies."""
+        for i, name in enumerate(self.names):
+            states = [self.optimizer.state[t] for *_, t in self.runs[i]]
+            for key, v in (states[0] if states else {}).items():
+                if not self._laid_out_like(v, i):
+                    for s in states[1:]:
+                        s[key].copy_(loaded[f"state.{name}.{key}"])

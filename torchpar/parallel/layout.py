@@ -22,6 +22,7 @@ import torch
 from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.errors import ConfigError
+from torchpar.optim import OPTIMIZERS, optimizer_kind
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
 from torchpar.parallel.pipeline import balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
@@ -60,6 +61,8 @@ class Layout:
     reduce_dtype: str = "float32"  # gradient reduction over dp
     compile: bool = False
     bucket_mb: float = 25.0  # ZeRO 0-2: gradient bucket size
+    whole_params: bool = False  # ZeRO 0-2: each rank owns whole parameters (the optimizer needs them)
+    optimizer: object = field(default=None, compare=False, repr=False)  # [optimizer]; None: AdamW
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
 
     def __post_init__(self):
@@ -70,7 +73,7 @@ class Layout:
 
     def to_dict(self) -> dict:
         """The layout's fields without its mesh (for JSON and comparisons)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mesh", "optimizer")}
 
     # -- sizes
 
@@ -234,11 +237,14 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
         )
 
 
-def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout:
+def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
-    compute dtype, ``training.mixed_precision_param`` resolved for the device."""
+    compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
+    [optimizer] section (None: AdamW's needs)."""
     degrees = resolve_degrees(par, world)
+    kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
+    _check_optimizer_layout(optimizer, kind, par, degrees)
     if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
@@ -256,7 +262,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
                     activation_checkpoint=tr.activation_checkpoint,
                     activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                     reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                    bucket_mb=par.bucket_mb)
+                    bucket_mb=par.bucket_mb, whole_params=kind.whole_params, optimizer=optimizer)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
             par, tr, layout, model, args
@@ -265,6 +271,23 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str) -> Layout
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
     return layout
+
+
+def _check_optimizer_layout(optimizer, kind, par, degrees: dict[str, int]) -> None:
+    """An optimizer that needs whole matrices gets them from the ZeRO 0-2 engine; under TP or
+    ZeRO-3 only one that gathers a sharded matrix itself (Muon) can run."""
+    if not kind.whole_params:
+        return
+    sharded = [f"{DEGREE_FIELDS['tp']} = {degrees['tp']}"] if degrees["tp"] > 1 else []
+    if par.zero_stage == 3:  # (FSDP2's parameters are DTensors even on one rank)
+        sharded.append("zero_stage = 3")
+    if sharded and not kind.gathers_shards:
+        raise ConfigError(f"optimizer.name = {optimizer.name!r} updates whole matrices, which "
+                          f"{' and '.join(sharded)} keep as DTensor shards; use zero_stage <= 2 without "
+                          "tensor parallelism, an element-wise optimizer (adamw) or muon (it gathers them)")
+    if par.cpu_offload:
+        raise ConfigError(f"optimizer.name = {optimizer.name!r} with parallelism.cpu_offload: the offloaded "
+                          "step runs element-wise optimizers only (adamw); turn cpu_offload off")
 
 
 def _check_recompute(layout: Layout, args) -> None:
@@ -317,6 +340,13 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
                 cols = chunk(cols, lay.tp, tp_index)
             out.append((rows, cols))
     return out
+
+
+def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:
+    """The names of :func:`rank_params`' parameters, in its order."""
+    split = split_of(model, args, lay)
+    return [name for s in lay.stage_ids(pp_rank)
+            for name, _, _ in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
 
 
 def _check_buckets(layout: Layout, model, args) -> None:

@@ -7,6 +7,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from torchpar.optim import PARAM_GROUPS, kind_of, param_role
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
 from torchpar.parallel.layout import Layout, rank_params, split_of
@@ -214,7 +215,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     per_token = model.flops_per_token(args, seq)
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
     compute = flops / lay.world / (cluster.peak_flops * efficiency) + _elementwise_recompute_s(
-        model, args, lay, seq, cluster)
+        model, args, lay, seq, cluster) + optimizer_seconds(model, args, lay, cluster, efficiency)
     bubble = pipeline_bubble(lay, micro_steps(lay)[1], actions)
     step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)
     tps = tokens / step
@@ -342,6 +343,43 @@ def _fsdp(
         sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
 
 
+def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[int, int], str, int | None]]:
+    """(full shape, role, TP-sharded dim) of the parameters whose update the rank at ``pp_rank``
+    computes whole when the optimizer gathers shards (Muon): under ZeRO-3 every one it holds a shard
+    of; under ZeRO 0-2 those it owns (1/N of them, by size); with TP each is gathered over tp."""
+    if not kind_of(lay.optimizer).gathers_shards:
+        return []
+    split = split_of(model, args, lay)
+    return [((r, c), param_role(name, 1 if c == 1 else 2, model), tp_dim) for s in lay.stage_ids(pp_rank)
+            for name, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
+
+
+def _owned_share(lay: Layout) -> float:
+    """The share of the matrices one rank updates: all it holds under ZeRO-3, 1/N under ZeRO 1-2."""
+    return 1.0 if lay.zero_stage == 3 else 1 / flat_shards(lay)
+
+
+def optimizer_seconds(model, args, lay: Layout, cluster: Cluster, efficiency: float) -> float:
+    """The optimizer's own matmuls (Muon's Newton-Schulz, in bf16) on the busiest pipeline rank."""
+    kind = kind_of(lay.optimizer)
+    flops = max(sum(kind.update_flops(shape, role) for shape, role, _ in _whole_matrices(model, args, lay, r))
+                for r in range(lay.pp))
+    return flops * _owned_share(lay) / (cluster.peak_flops * efficiency)
+
+
+def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> None:
+    """Muon gathers each sharded matrix's update in bf16 (DTensor's full_tensor): over dp_shard under
+    ZeRO-3 (at its TP-local width), then over tp where TP shards it."""
+    for (r, c), role, tp_dim in _whole_matrices(model, args, lay, pp_rank):
+        if not PARAM_GROUPS[role]["muon"]:
+            continue
+        tp_sharded = lay.tp > 1 and tp_dim is not None
+        if lay.zero_stage == 3:
+            sent.add("dp_shard", "all_gather", 2 * r * c / (lay.tp if tp_sharded else 1), lay.dp_shard)
+        if tp_sharded:
+            sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
+
+
 def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
     """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
     dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
@@ -366,6 +404,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
             _fsdp(sent, model, args, lay, local, layers, first)
         else:
             _flat_zero(sent, lay, local)
+    _gathered_updates(sent, model, args, lay, pp_rank)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
         # gradients); a rank sends from each of its stages that has a neighbour.

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import bisect
 from dataclasses import dataclass
 
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.parallel.flat import bucket_elements, flat_shards
-from torchpar.parallel.layout import Layout, chunk, rank_params, resolve_layout, split_of
+from torchpar.optim import param_role
+from torchpar.optim import state_bytes as opt_state_bytes
+from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
+from torchpar.parallel.layout import Layout, chunk, rank_param_names, rank_params, resolve_layout, split_of
 
 
 @dataclass(frozen=True)
@@ -49,27 +51,56 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     model = adapter(cfg.model.name)
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
-    return resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype), model, args
+    lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer)
+    return lay, model, args
 
 
 def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes of the rank at ``coords`` (pp, dp_shard,
-    tp), as torchpar lays them out: exact, including uneven shards and ZeRO 1-2 padding."""
-    local = rank_params(model, args, lay, coords.get("pp", 0), coords.get("tp", 0))
+    tp), as torchpar lays them out: exact, including uneven shards and ZeRO 0-2 padding; the
+    optimizer's state from its declaration (torchpar.optim.state_bytes) per piece it updates."""
+    pp, tp = coords.get("pp", 0), coords.get("tp", 0)
+    local = rank_params(model, args, lay, pp, tp)
     if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard
-        n = sum(chunk(r, lay.dp_shard, coords.get("dp_shard", 0)) * c for r, c in local)
-        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": 8 * n}
+        pieces = [((chunk(r, lay.dp_shard, coords.get("dp_shard", 0)), c), role)
+                  for (r, c), role in zip(local, _roles(model, args, lay, pp, local))]
+        n = sum(r * c for (r, c), _ in pieces)
+        optim = sum(opt_state_bytes(lay.optimizer, _shape(s), role) for s, role in pieces)
+        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optim}
     # ZeRO 0-2 (the flat engine): the compute copy whole; the reduced gradient whole (0, 1) or its
     # owned N-th (2) in the reduction dtype — in bf16 replaced by the fp32 copy the optimizer takes;
-    # Adam's moments and, when the compute copy is not fp32, the fp32 master, of the owned N-th.
-    total = sum(r * c for r, c in local)
-    shards = flat_shards(lay)
-    shard = math.ceil(total / shards)
-    held = shard if lay.zero_stage == 2 else shard * shards
+    # the optimizer's state of the pieces it updates and, when the compute copy is not fp32, the fp32
+    # master of the owned N-th.
+    sizes = [r * c for r, c in local]
+    total, n = sum(sizes), flat_shards(lay)
+    rank = coords.get("dp_shard", 0) if n > 1 else 0
+    starts, bounds = flat_layout(sizes, n, bucket_elements(lay), lay.whole_params)
+    shard = bounds[-1] // n
+    held = shard if lay.zero_stage == 2 else shard * n
     grads = 4 * held if lay.reduce_dtype == "float32" else 4 * shard
     master = 4 * shard if lay.param_dtype != "float32" else 0
-    return {"param_bytes": lay.param_dtype_bytes * total, "grad_bytes": grads,
-            "optim_bytes": 8 * shard + master}
+    if not lay.whole_params:  # 1-D slices, element-wise state: the owned N-th less its padding
+        last, m = bounds[-2], (bounds[-1] - bounds[-2]) // n
+        mine = shard - m + max(0, min(total, last + (rank + 1) * m) - (last + rank * m))
+        optim = opt_state_bytes(lay.optimizer, (mine,), "vector") if mine else 0
+    else:  # whole parameters: those in this rank's N-th of a bucket
+        optim = 0
+        for (r, c), role, start in zip(local, _roles(model, args, lay, pp, local), starts):
+            k = bisect.bisect_right(bounds, start) - 1
+            if (start - bounds[k]) // ((bounds[k + 1] - bounds[k]) // n) == rank:
+                optim += opt_state_bytes(lay.optimizer, _shape((r, c)), role)
+    return {"param_bytes": lay.param_dtype_bytes * total, "grad_bytes": grads, "optim_bytes": optim + master}
+
+
+def _roles(model, args, lay: Layout, pp_rank: int, local: list[tuple[int, int]]) -> list[str]:
+    """Each of :func:`rank_params`' parameters' role (torchpar.optim.param_role)."""
+    return [param_role(name, 1 if c == 1 else 2, model)
+            for name, (_, c) in zip(rank_param_names(model, args, lay, pp_rank), local)]
+
+
+def _shape(rc: tuple[int, int]) -> tuple[int, ...]:
+    """A parameter's shape from the adapter's (rows, cols), where vectors are (n, 1)."""
+    return (rc[0],) if rc[1] == 1 else rc
 
 
 def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
@@ -81,8 +112,10 @@ def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int
     if lay.zero_stage == 3:
         return {"startup_peak": 0, "checkpoint_peak": 0}
     state = state_bytes(model, args, lay, {"pp": pp_rank})
-    shard = math.ceil(sum(r * c for r, c in rank_params(model, args, lay, pp_rank)) / flat_shards(lay))
-    master = state["optim_bytes"] - 8 * shard  # (what state_bytes adds beside Adam's moments)
+    sizes = [r * c for r, c in rank_params(model, args, lay, pp_rank)]
+    n = flat_shards(lay)
+    shard = flat_layout(sizes, n, bucket_elements(lay), lay.whole_params)[1][-1] // n
+    master = 4 * shard if lay.param_dtype != "float32" else 0
     split = split_of(model, args, lay)
     largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
                   for s in lay.stage_ids(pp_rank)

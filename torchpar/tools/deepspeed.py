@@ -103,8 +103,12 @@ def _optimizer(ds: dict, out: list[str], notes: list[tuple[str, str]]) -> None:
         return
     params = opt.get("params", {})
     if opt.get("type", "").lower() not in ("adamw", "adam"):
-        notes.append((f"optimizer.type = {opt.get('type')!r}", "torchpar trains with AdamW only"))
+        notes.append((f"optimizer.type = {opt.get('type')!r}", "only Adam and AdamW are translated: set "
+                      "[optimizer] name (adamw, muon, adafactor or a torch.optim class) by hand"))
         return
+    # DeepSpeed's optimizer decays every parameter it is given; torchpar's groups spare vectors
+    # and embeddings unless told otherwise.
+    out += ["--optimizer.decay_all", "true"]
     if opt.get("type", "").lower() == "adam" and params.get("adam_w_mode") is False:
         notes.append(("optimizer.params.adam_w_mode = false", "torchpar's weight decay is decoupled (AdamW)"))
     for key, field in (("lr", "lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):

@@ -1,0 +1,280 @@
+"""Optimizers as parts: the registry and its one-line errors, parameter groups by role, Muon pinned
+to torch's, the flat engine's whole-parameter layout, and (spawned) Muon, Adafactor and a dotted
+torch.optim class in every layout, equal to one process, with the planner's bytes exact."""
+
+import dataclasses
+
+import pytest
+import torch
+from harness import TINY, assert_matches, bytes_of, run_layouts
+
+from torchpar.config import load_config
+from torchpar.errors import ConfigError
+from torchpar.models import MODELS
+from torchpar.optim import (
+    PARAM_GROUPS,
+    Muon,
+    build_optimizer,
+    check_optimizer,
+    ensure_state,
+    optimizer_kind,
+    param_role,
+    state_bytes,
+)
+from torchpar.parallel.flat import flat_layout
+
+LLAMA = MODELS["llama3"]
+
+
+def cfg_of(*overrides):
+    return load_config(None, list(overrides)).optimizer
+
+
+def test_muon_is_torchs_muon_on_whole_tensors():
+    """torchpar's Muon (which also takes sharded matrices) steps exactly like torch.optim.Muon with
+    its bf16 Newton-Schulz iteration, for tall and wide matrices and both lr adjustments."""
+    for shape, adjust in (((12, 7), None), ((7, 12), "match_rms_adamw")):
+        same_as_torch(shape, adjust)
+
+
+def same_as_torch(shape, adjust):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    b = torch.nn.Parameter(a.detach().clone())
+    kw = {"lr": 0.05, "weight_decay": 0.1, "adjust_lr_fn": adjust}
+    ours, theirs = Muon([a], ns_dtype="bfloat16", **kw), torch.optim.Muon([b], **kw)
+    for _ in range(3):
+        g = torch.randn(shape, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(a, b) and not torch.equal(a, torch.randn(shape, generator=gen))
+    assert torch.equal(ours.state[a]["momentum_buffer"], theirs.state[b]["momentum_buffer"])
+
+
+def test_roles_and_groups_follow_the_table():
+    """Weight decay on matrices only (the hidden ones and the head), lr multipliers by role, and
+    decay_all keeps the old behaviour; Muon takes the hidden matrices, AdamW the rest."""
+    model = LLAMA.build(LLAMA.args("debug"))
+    items = [(n, p, p) for n, p in model.named_parameters()]
+    roles = {n: param_role(n, p.dim(), LLAMA) for n, p, _ in items}
+    assert roles["tok_embeddings.weight"] == "embedding" and roles["output.weight"] == "head"
+    assert roles["norm.weight"] == "vector" and roles["layers.0.attention.wq.weight"] == "matrix"
+    mults = cfg_of("--optimizer.embedding_lr_mult", "0.5", "--optimizer.head_lr_mult", "2")
+    opt = build_optimizer(items, mults, LLAMA)
+    by_role = {g["role"]: g for g in opt.param_groups}
+    assert {r: g["weight_decay"] for r, g in by_role.items()} == {
+        "matrix": 0.1, "head": 0.1, "embedding": 0.0, "vector": 0.0}
+    assert {r: g["lr"] for r, g in by_role.items()} == {
+        "matrix": 3e-3, "head": 6e-3, "embedding": 1.5e-3, "vector": 3e-3}
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(items)
+    old = build_optimizer(items, cfg_of("--optimizer.decay_all", "true"), LLAMA)
+    assert {g["weight_decay"] for g in old.param_groups} == {0.1}
+    muon = build_optimizer(items, cfg_of("--optimizer.name", "muon", "--optimizer.muon_lr", "0.04"), LLAMA)
+    muon_part, adamw_part = muon.parts
+    assert isinstance(muon_part, Muon) and isinstance(adamw_part, torch.optim.AdamW)
+    muon_roles = [r for r, row in PARAM_GROUPS.items() if row["muon"]]
+    assert [g["role"] for g in muon_part.param_groups] == muon_roles
+    assert muon_part.param_groups[0]["lr"] == 0.04 and muon.param_groups[0] is muon_part.param_groups[0]
+
+
+def test_muon_state_round_trips_through_its_state_dict():
+    """Muon with AdamW is one optimizer: its state dict holds both parts' state, and loading it
+    relinks the parts (a step after the load updates what was loaded)."""
+    model = LLAMA.build(LLAMA.args("debug"))
+    items = [(n, p, p) for n, p in model.named_parameters()]
+    cfg = cfg_of("--optimizer.name", "muon")
+    opt = build_optimizer(items, cfg, LLAMA)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    keys = {k for s in opt.state.values() for k in s}
+    assert keys == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+    other = build_optimizer(items, cfg, LLAMA)
+    other.load_state_dict(opt.state_dict())
+    assert all(o.state is other.state for o in other.parts)
+    assert all(g is h for g, h in zip(other.param_groups, [g for o in other.parts for g in o.param_groups]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--optimizer.name", "adamm"], "optimizer.name = 'adamm' is not one of .* Did you mean 'adamw'"),
+    (["--optimizer.name", "torch.optim.Nope"], "optimizer.name = 'torch.optim.Nope' cannot be imported"),
+    (["--optimizer.name", "torch.nn.Linear"], "is not a torch.optim.Optimizer subclass"),
+    (["--optimizer.kwargs", "momentom=0.9", "--optimizer.name", "muon"],
+     "unexpected keyword argument 'momentom'"),
+    (["--optimizer.kwargs", "adjust_lr_fn=sideways", "--optimizer.name", "muon"], "adjust_lr_fn"),
+    (["--optimizer.kwargs", "lr=0.1"], "optimizer.kwargs.lr: set it through \\[optimizer\\] itself"),
+])
+def test_bad_optimizers_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_optimizer(cfg_of(*overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--optimizer.name", "adafactor", "--parallelism.tensor_parallel_degree", "2",
+      "--parallelism.zero_stage", "0"],
+     "'adafactor' updates whole matrices, which tensor_parallel_degree = 2 keep as DTensor shards"),
+    (["--optimizer.name", "adafactor", "--parallelism.zero_stage", "3"], "zero_stage = 3 keep as"),
+    (["--optimizer.name", "muon", "--parallelism.zero_stage", "3", "--parallelism.cpu_offload", "true"],
+     "cpu_offload"),
+])
+def test_layouts_an_optimizer_cannot_run_are_refused(overrides, message):
+    from torchpar.plan import layout_from_config
+
+    with pytest.raises(ConfigError, match=message):
+        layout_from_config(load_config(TINY, overrides), 2)
+
+
+def test_whole_layout_keeps_parameters_whole_and_balanced():
+    """Whole-parameter ownership: every parameter lies inside one rank's N-th of one bucket, the
+    N-ths are equal, nothing overlaps, and padding stays below the largest parameter per bucket."""
+    sizes = [4096, 64, 64, 4096, 1024, 2048, 2048, 64, 9000, 3, 5, 7]
+    for n in (1, 2, 3, 4):
+        starts, bounds = flat_layout(sizes, n, 1000, whole=True)
+        spans = sorted(zip(starts, [s + z for s, z in zip(starts, sizes)]))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+        for lo, hi in zip(bounds, bounds[1:]):
+            region = (hi - lo) // n
+            assert (hi - lo) % n == 0
+            inside = [(s, e) for s, e in spans if lo <= s < hi]
+            assert all((s - lo) // region == (e - 1 - lo) // region for s, e in inside)  # whole
+            assert hi - lo - sum(e - s for s, e in inside) <= n * max(e - s for s, e in inside)
+        assert bounds[-1] >= sum(sizes)
+    sliced = flat_layout(sizes, 4, 1000, whole=False)
+    assert sliced[0] == [sum(sizes[:i]) for i in range(len(sizes))] and sliced[1][-1] % 4 == 0
+
+
+def test_declared_state_bytes_equal_what_the_optimizers_keep():
+    """The planner's per-parameter state bytes (declared per kind, measured for a dotted class)
+    equal the bytes the real optimizers allocate, for every role's shape."""
+    shapes = {"matrix": (8, 6), "head": (10, 8), "embedding": (10, 8), "vector": (8,)}
+    for name, kwargs in (("adamw", ""), ("muon", ""), ("adafactor", ""),
+                         ("torch.optim.SGD", "momentum=0.9"), ("torch.optim.Adagrad", "")):
+        cfg = cfg_of("--optimizer.name", name, *(["--optimizer.kwargs", kwargs] if kwargs else []))
+        params = {r: torch.nn.Parameter(torch.randn(s)) for r, s in shapes.items()}
+        opt = optimizer_kind(cfg).build({r: [p] for r, p in params.items()}, cfg)
+        ensure_state(opt)
+        for role, p in params.items():
+            kept = sum(v.numel() * v.element_size() for v in opt.state[p].values() if v.dim() > 0)
+            assert state_bytes(cfg, tuple(p.shape), role) == kept, (name, role)
+
+
+# ---------------------------------------------------------------------------- spawned
+
+MUON = ["--optimizer.name", "muon"]
+LB, Z = "--training.local_batch_size", "--parallelism.zero_stage"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+ADAFACTOR = ["--optimizer.name", "adafactor", "--optimizer.lr", "0.01"]
+SGD = ["--optimizer.name", "torch.optim.SGD", "--optimizer.kwargs", "momentum=0.9,nesterov=true",
+       "--optimizer.lr", "0.1"]
+REFS = {"muon": [*MUON, Z, "0"], "adafactor": [*ADAFACTOR, Z, "0"], "sgd": [*SGD, Z, "0"]}
+WORLD2 = {
+    **{f"muon/dp2_zero{z}": [*MUON, LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
+    "muon/tp2": [*MUON, *TP2, Z, "0"],
+    "muon/pp2": [*MUON, *PP2, Z, "0"],
+    "muon/dp2_zero2_bf16": [*MUON, LB, "4", Z, "2", "--training.mixed_precision_param", "bfloat16"],
+    "adafactor/dp2_zero1": [*ADAFACTOR, LB, "4", Z, "1"],
+    "sgd/dp2_zero2": [*SGD, LB, "4", Z, "2"],
+    "sgd/dp2_zero3": [*SGD, LB, "4", Z, "3"],
+}
+WORLD4 = {
+    "muon/dp_shard2_tp2_zero3": [*MUON, LB, "4", *TP2, Z, "3"],
+    "muon/dp_shard2_tp2_zero1": [*MUON, LB, "4", *TP2, Z, "1"],
+    "muon/hsdp2x2_zero2": [*MUON, LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return run_layouts(1, REFS)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_layouts(2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_layouts(4, WORLD4)
+
+
+def check(run, ref, name):
+    """The tables' tolerance; bf16 compute against fp32 as the layout tables compare it."""
+    if "bf16" in name:
+        bf16, fp32 = run["losses"], ref["losses"]
+        assert bf16[-1] < bf16[0] - 0.1  # it learns
+        assert max(abs(a - b) for a, b in zip(bf16, fp32)) < 0.05
+    else:
+        assert_matches(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_world2_optimizers_match_one_process(world2, refs, name):
+    check(world2[name], refs[name.split("/")[0]], name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_world4_optimizers_match_one_process(world4, refs, name):
+    check(world4[name], refs[name.split("/")[0]], name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_counts_each_optimizers_state_exactly(world, world2, world4):
+    """Per-rank parameter, gradient and optimizer bytes predicted = held, for every optimizer
+    and layout above (Muon's momentum for matrices, AdamW's moments for the rest, Adafactor's
+    factors, SGD's momentum; whole-parameter ownership's padding)."""
+    from torchpar.plan import layout_from_config
+    from torchpar.plan import state_bytes as planned
+
+    table, runs = {2: (WORLD2, world2), 4: (WORLD4, world4)}[world]
+    for name, overrides in table.items():
+        lay, model, args = layout_from_config(load_config(TINY, overrides), world)
+        for rank in range(world):
+            predicted = planned(model, args, lay, lay.rank_coords(rank))
+            for key in ("param", "grad", "optim"):
+                assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)
+
+
+@pytest.mark.slow
+def test_muon_trains_differently_from_adamw(refs):
+    """The optimizer name reaches the trainer (Muon's losses are not AdamW's)."""
+    adamw = run_layouts(1, {"adamw": [Z, "0"]})["adamw"]
+    assert refs["muon"]["losses"][0] == adamw["losses"][0]  # (the first loss precedes any update)
+    assert abs(refs["muon"]["losses"][-1] - adamw["losses"][-1]) > 1e-3
+
+
+def test_config_fields_reach_the_optimizer():
+    """A TOML [optimizer.kwargs] table and the command line give the same table."""
+    cfg = load_config(None, ["--optimizer.kwargs", 'momentum=0.9,adjust_lr_fn="match_rms_adamw"'])
+    assert cfg.optimizer.kwargs == {"momentum": 0.9, "adjust_lr_fn": "match_rms_adamw"}
+    bare = load_config(None, ["--optimizer.kwargs", "momentum=0.9,adjust_lr_fn=match_rms_adamw"])
+    assert bare.optimizer == cfg.optimizer
+    assert dataclasses.replace(cfg.optimizer, kwargs={}) == load_config(None, []).optimizer
+
+
+def test_a_schedule_restores_its_position_into_other_groups():
+    """A checkpoint's schedule (of an optimizer with one group, as before parameter groups) sets
+    each group of today's optimizer to its own peak lr x the restored step's factor."""
+    from torchpar.optim import build_lr_scheduler, lr_factor
+
+    sched_cfg = load_config(None, []).lr_scheduler
+    old_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    old = build_lr_scheduler(old_opt, sched_cfg, 100)
+    for _ in range(7):
+        old_opt.step()
+        old.step()
+    model = LLAMA.build(LLAMA.args("debug"))
+    cfg = cfg_of("--optimizer.name", "muon", "--optimizer.embedding_lr_mult", "0.5")
+    opt = build_optimizer([(n, p, p) for n, p in model.named_parameters()], cfg, LLAMA)
+    new = build_lr_scheduler(opt, sched_cfg, 100)
+    new.load_state_dict(old.state_dict())
+    factor = lr_factor(7, sched_cfg, 100)
+    peaks = {"matrix": cfg.muon_lr, "head": cfg.lr, "embedding": cfg.lr * 0.5, "vector": cfg.lr}
+    assert {g["role"]: g["lr"] for g in opt.param_groups} == {r: pytest.approx(p * factor, rel=1e-12)
+                                                                for r, p in peaks.items()}
+    assert new.last_epoch == 7 and new.get_last_lr() == [g["lr"] for g in opt.param_groups]
