@@ -126,22 +126,26 @@ def test_layouts_an_optimizer_cannot_run_are_refused(overrides, message):
 
 
 def test_whole_layout_keeps_parameters_whole_and_balanced():
-    """Whole-parameter ownership: every parameter lies inside one rank's N-th of one bucket, the
-    N-ths are equal, nothing overlaps, and padding stays below the largest parameter per bucket."""
+    """Whole-parameter ownership: every parameter the optimizer needs whole lies inside one rank's
+    N-th of one bucket, the N-ths are equal, nothing overlaps, padding stays below N x the largest
+    parameter of a bucket; the others come first, back to back, cut into buckets as before."""
     sizes = [4096, 64, 64, 4096, 1024, 2048, 2048, 64, 9000, 3, 5, 7]
+    needs = [False, False, True, True, True, True, True, False, True, False, True, True]
     for n in (1, 2, 3, 4):
-        starts, bounds = flat_layout(sizes, n, 1000, whole=True)
-        spans = sorted(zip(starts, [s + z for s, z in zip(starts, sizes)]))
+        starts, bounds = flat_layout(sizes, n, 1200, needs)  # (buckets: multiples of n)
+        spans = sorted(zip(starts, [s + z for s, z in zip(starts, sizes)], needs))
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+        sliced = [(s, e) for s, e, w in spans if not w]
+        assert sliced[0][0] == 0 and all(a[1] == b[0] for a, b in zip(sliced, sliced[1:]))  # back to back
         for lo, hi in zip(bounds, bounds[1:]):
-            region = (hi - lo) // n
             assert (hi - lo) % n == 0
-            inside = [(s, e) for s, e in spans if lo <= s < hi]
-            assert all((s - lo) // region == (e - 1 - lo) // region for s, e in inside)  # whole
-            assert hi - lo - sum(e - s for s, e in inside) <= n * max(e - s for s, e in inside)
+            inside = [(s, e) for s, e, w in spans if w and lo <= s < hi]
+            if inside:
+                region = (hi - lo) // n
+                assert all((s - lo) // region == (e - 1 - lo) // region for s, e in inside)  # whole
+                assert hi - lo - sum(e - s for s, e in inside) <= n * max(e - s for s, e in inside)
         assert bounds[-1] >= sum(sizes)
-    sliced = flat_layout(sizes, 4, 1000, whole=False)
-    assert sliced[0] == [sum(sizes[:i]) for i in range(len(sizes))] and sliced[1][-1] % 4 == 0
+    assert flat_layout(sizes, 4, 1200)[0] == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def test_declared_state_bytes_equal_what_the_optimizers_keep():

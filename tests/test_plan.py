@@ -87,7 +87,7 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchpar.config import load_config
-    from torchpar.optim import build_optimizer, ensure_state
+    from torchpar.optim import OptimizerFactory, ensure_state
     from torchpar.plan import layout_from_config
     from torchpar.tools.shapes import build_shapes_only
 
@@ -96,7 +96,7 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     try:
         layout, family, args = layout_from_config(cfg, world)
         layout.build_mesh("cpu")
-        model = build_shapes_only(family, args, layout, lambda p: build_optimizer(p, cfg.optimizer, family))
+        model = build_shapes_only(family, args, layout, OptimizerFactory(cfg.optimizer, family))
         first = set(family.first_stage)
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in model.parts:

@@ -135,6 +135,8 @@ class Muon(torch.optim.Muon):
         args = group["ns_coefficients"], group["ns_steps"], group["eps"], getattr(torch, dtype)
         if not isinstance(update, DTensor):
             return newton_schulz(update, *args)
+        if any(pl.is_partial() for pl in update.placements):  # (reduced in fp32, before the cast)
+            update = update.redistribute(placements=p.placements)
         whole = update.to(args[-1]).full_tensor()
         mesh = p.device_mesh
         replicated = DTensor.from_local(newton_schulz(whole, *args), mesh, [Replicate()] * mesh.ndim,
@@ -224,27 +226,28 @@ def _kwargs(cfg) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.kwargs.items()}
 
 
-def _adam_state(shape: tuple[int, ...], role: str) -> int:
-    return 8 * math.prod(shape)  # exp_avg and exp_avg_sq
+def _adam_state(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
+    # exp_avg and exp_avg_sq, and max_exp_avg_sq with amsgrad
+    return (12 if kwargs.get("amsgrad") else 8) * math.prod(shape)
 
 
-def _muon_state(shape: tuple[int, ...], role: str) -> int:
-    return 4 * math.prod(shape) if PARAM_GROUPS[role]["muon"] else _adam_state(shape, role)
+def _muon_state(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
+    return 4 * math.prod(shape) if PARAM_GROUPS[role]["muon"] else _adam_state(shape, role, {})
 
 
-def _adafactor_state(shape: tuple[int, ...], role: str) -> int:
+def _adafactor_state(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
     if len(shape) < 2:
         return 4 * math.prod(shape)  # (a vector keeps its whole second moment)
     return 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])  # row and column factors
 
 
-def _muon_flops(shape: tuple[int, ...], role: str) -> int:
+def _muon_flops(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
     """Newton-Schulz on an m x n matrix (m <= n), per iteration: X X^T (2 m^2 n), the quintic's
     A + A A (2 m^3) and its product with X (2 m^2 n); torch's default runs 5."""
     if not PARAM_GROUPS[role]["muon"] or len(shape) != 2:
         return 0
     m, n = sorted(shape)
-    return 5 * (4 * m * m * n + 2 * m ** 3)
+    return kwargs.get("ns_steps", 5) * (4 * m * m * n + 2 * m ** 3)
 
 
 @dataclass(frozen=True)
@@ -252,17 +255,19 @@ class Kind:
     """What the engines, the checkpointer and the planner ask of an optimizer."""
 
     build: Callable  # (tensors by role, [optimizer]) -> torch.optim.Optimizer
-    whole_params: bool  # its update of a parameter needs the whole parameter (not bucket slices)
+    # which parameters its update needs whole (role, ndim) -> bool; None: none (element-wise)
+    whole: Callable[[str, int], bool] | None
     gathers_shards: bool  # it gathers a sharded (TP / ZeRO-3) matrix itself (Muon)
-    state_bytes: Callable[[tuple, str], int] | None  # fp32 state of one parameter (shape, role)
-    # matmul FLOPs of the update of one whole parameter (shape, role); element-wise work is not counted
-    update_flops: Callable[[tuple, str], int] = lambda shape, role: 0
+    state_bytes: Callable[[tuple, str, dict], int] | None  # fp32 state of one parameter (shape, role, kwargs)
+    # matmul FLOPs of the update of one whole parameter (shape, role, kwargs); element-wise work not counted
+    update_flops: Callable[[tuple, str, dict], int] = lambda shape, role, kwargs: 0
 
 
 OPTIMIZERS = {
-    "adamw": Kind(_build_single(torch.optim.AdamW), False, False, _adam_state),
-    "muon": Kind(_build_muon, True, True, _muon_state, _muon_flops),
-    "adafactor": Kind(_build_single(torch.optim.Adafactor), True, False, _adafactor_state),
+    "adamw": Kind(_build_single(torch.optim.AdamW), None, False, _adam_state),
+    "muon": Kind(_build_muon, lambda role, ndim: PARAM_GROUPS[role]["muon"], True, _muon_state, _muon_flops),
+    # (every parameter whole: its update is clipped by the parameter's own RMS, vectors included)
+    "adafactor": Kind(_build_single(torch.optim.Adafactor), lambda role, ndim: True, False, _adafactor_state),
 }
 
 # torch.optim classes whose update of each element reads only that element's gradient and state:
@@ -288,7 +293,7 @@ def optimizer_kind(cfg) -> Kind:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer.name = {cfg.name!r} is not a torch.optim.Optimizer subclass")
     elementwise = cls.__module__.startswith("torch.optim") and attr in ELEMENTWISE
-    return Kind(_build_single(cls), not elementwise, False, None)
+    return Kind(_build_single(cls), None if elementwise else lambda role, ndim: True, False, None)
 
 
 def build_optimizer(items, cfg, model) -> torch.optim.Optimizer:
@@ -304,8 +309,34 @@ def state_bytes(cfg, shape: tuple[int, ...], role: str) -> int:
     state is what such classes keep)."""
     kind = kind_of(cfg)
     if kind.state_bytes is not None:
-        return kind.state_bytes(tuple(shape), role)
+        return kind.state_bytes(tuple(shape), role, _kwargs(cfg) if cfg is not None else {})
     return round(_measured_per_element(cfg, len(shape) >= 2) * math.prod(shape))
+
+
+def update_flops(cfg, shape: tuple[int, ...], role: str) -> int:
+    """The optimizer's matmul FLOPs to update one whole parameter of ``shape`` (Muon's Newton-Schulz)."""
+    return kind_of(cfg).update_flops(tuple(shape), role, _kwargs(cfg) if cfg is not None else {})
+
+
+def needs_whole(cfg, role: str, ndim: int) -> bool:
+    """Whether [optimizer] ``cfg``'s update of a parameter of ``role`` and ``ndim`` needs it whole."""
+    whole = kind_of(cfg).whole
+    return whole is not None and whole(role, ndim)
+
+
+class OptimizerFactory:
+    """What the engines are given: ``factory(items)`` builds the optimizer ([optimizer] ``cfg``,
+    the family's adapter ``model``: see :func:`build_optimizer`); ``factory.whole(name, param)``
+    says whether its update needs that parameter whole."""
+
+    def __init__(self, cfg, model):
+        self.cfg, self.model = cfg, model
+
+    def __call__(self, items) -> torch.optim.Optimizer:
+        return build_optimizer(items, self.cfg, self.model)
+
+    def whole(self, name: str, param: torch.Tensor) -> bool:
+        return needs_whole(self.cfg, param_role(name, param.dim(), self.model), param.dim())
 
 
 def kind_of(cfg) -> Kind:
@@ -317,7 +348,7 @@ _MEASURED: dict = {}
 
 
 def _measured_per_element(cfg, matrix: bool) -> float:
-    key = (cfg.name, tuple(sorted(cfg.kwargs.items())), matrix)
+    key = (cfg.name, repr(sorted(cfg.kwargs.items())), matrix)
     if key not in _MEASURED:
         p = torch.nn.Parameter(torch.zeros((8, 8) if matrix else (8,)))
         opt = optimizer_kind(cfg).build({"matrix" if matrix else "vector": [p]}, cfg)

@@ -22,7 +22,7 @@ from torchpar.evaluate import evaluate
 from torchpar.guard import DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
-from torchpar.optim import build_lr_scheduler, build_optimizer
+from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
@@ -60,7 +60,7 @@ class Trainer:
         with progress("building, parallelizing and initializing the model", rank == 0):
             self.model = build_parallel_model(
                 pre.model, self.args, lay, self.device, tr.seed,
-                lambda items: build_optimizer(items, cfg.optimizer, pre.model), pre.weights)
+                OptimizerFactory(cfg.optimizer, pre.model), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                            lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,

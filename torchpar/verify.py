@@ -15,11 +15,11 @@ import torch
 from torchpar.checkpoint.checkpointer import Checkpointer, HostStaging
 from torchpar.checkpoint.files import complete_checkpoints, read_manifest
 from torchpar.loss import cross_entropy_sum
-from torchpar.optim import build_optimizer, ensure_state
+from torchpar.optim import OptimizerFactory, ensure_state
 from torchpar.parallel import _local_part, compute_context, materialize, parallelize
 from torchpar.parallel.flat import bucket_elements
 from torchpar.parallel.recompute import recomputed
-from torchpar.parallel.zero import nbytes
+from torchpar.parallel.zero import local, nbytes
 from torchpar.plan.activations import LiveStorages, held_bytes, tagged
 from torchpar.plan.estimate import rank_memory
 from torchpar.plan.layout import transient_bytes
@@ -103,9 +103,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
 
         def build(tracker=None):
             parts = parallelize(trainer.model_family, trainer.args, lay)  # on the meta device
-            def optimizer(params):
-                return build_optimizer(params, cfg.optimizer, trainer.model_family)
-
+            optimizer = OptimizerFactory(cfg.optimizer, trainer.model_family)
             with tracker or contextlib.nullcontext():
                 return parts, materialize(parts, lay, trainer.device, cfg.training.seed, optimizer)
 
@@ -121,7 +119,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
             for t in _optimized(saved.optimizer):
                 for v in saved.optimizer.state[t].values():
                     if v.dim():  # (not the step, which every piece of a parameter shares)
-                        v.add_(torch.rand(v.shape, generator=gen))
+                        local(v).add_(torch.rand(local(v).shape, generator=gen))
         saved.publish_params(one_at_a_time=True)
         stateful = {"model": ModelState(saved), "optimizer": OptimizerState(saved)}
         ckpt_cfg = dataclasses.replace(cfg.checkpoint, enable=True, async_mode="off")
@@ -152,4 +150,5 @@ def zero_transients_check(cfg, folder: Path) -> dict:
     return {"startup_bytes": startup, "save_added_bytes": save, "staged_bytes": staging.nbytes(),
             "resume_added_bytes": resume, "state_bytes": state, "equal_after_resume": same,
             "predicted": predicted, "elements": saved.total, "dp": lay.dp,
-            "shard_elements": saved.shard_starts[-1], "bucket_bytes": 4 * bucket_elements(lay)}
+            "shard_elements": saved.shard_starts[-1],
+            "bucket_bytes": 4 * max(bucket_elements(lay), *(b - a for a, b in saved.buckets))}

@@ -86,7 +86,8 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
                 initial_weights: dict[str, torch.Tensor] | None = None) -> ZeroState:
     """Allocate and initialize the parallelized parts on ``device``; the ZeRO engine over them.
     ``build_optimizer(items)`` makes the optimizer over (canonical name, parameter, the tensor the
-    optimizer updates) triples (see :func:`torchpar.optim.build_optimizer`).
+    optimizer updates) triples; its ``whole(name, parameter)``, where it has one, says which
+    parameters the update needs whole (see :class:`torchpar.optim.OptimizerFactory`).
     Under ZeRO 0-2 the parameters are never allocated on their own: the engine makes its buffer
     and fills it one parameter's initial value at a time."""
     for part in parts:
@@ -95,7 +96,8 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         for part in parts:
             _buffers_to_empty(part, device)
         state = FlatZero(parts, layout, build_optimizer, device,
-                         lambda part: part.initial_values(seed, _local_part, device, initial_weights))
+                         lambda part: part.initial_values(seed, _local_part, device, initial_weights),
+                         getattr(build_optimizer, "whole", None))
         for part in parts:
             part.reset_buffers(device)
         return state

@@ -54,32 +54,36 @@ def bucket_elements(layout) -> int:
     return max(n, int(layout.bucket_mb * 2**20 / getattr(torch, layout.reduce_dtype).itemsize) // n * n)
 
 
-def flat_layout(sizes: list[int], shards: int, bucket: int, whole: bool) -> tuple[list[int], list[int]]:
+def flat_layout(sizes: list[int], shards: int, bucket: int, whole: list[bool] | None = None
+                ) -> tuple[list[int], list[int]]:
     """Where each parameter (of ``sizes`` elements, in model order) starts in the flat buffer, and
     the bucket bounds (each bucket a multiple of ``shards``; rank r owns the r-th ``shards``-th).
 
-    Sliced (element-wise optimizers): the parameters back to back, cut every ``bucket`` elements.
-    Whole (``whole``: the optimizer needs whole parameters): a bucket takes parameters in order
-    until it holds ``bucket`` elements and ``shards`` x its largest (a short tail joins the bucket
-    before it); they are dealt to the ranks largest first, each to the least loaded, so each rank's
-    N-th of the bucket holds whole parameters; every N-th is padded to the most loaded one."""
-    if not whole:
-        starts = [0, *itertools.accumulate(sizes)][:-1]
-        padded = math.ceil(sum(sizes) / shards) * shards
-        return starts, [*range(0, padded, bucket), padded]
-    groups, current = [], []
-    for i, size in enumerate(sizes):
+    The parameters an element-wise update takes come first, back to back, cut every ``bucket``
+    elements. Those whose update needs them whole (``whole[i]``: Muon's hidden matrices) follow,
+    in their own buckets: a bucket takes them in order until it holds ``bucket`` elements and
+    ``shards`` x its largest (a short tail joins the bucket before it); they are dealt to the ranks
+    largest first, each to the least loaded, so each rank's N-th holds whole parameters; every
+    N-th is padded to the most loaded one."""
+    whole = whole or [False] * len(sizes)
+    sliced = [i for i in range(len(sizes)) if not whole[i]]
+    starts, at = [0] * len(sizes), 0
+    for i in sliced:
+        starts[i], at = at, at + sizes[i]
+    padded = math.ceil(at / shards) * shards
+    bounds = [*range(0, padded, bucket), padded]
+    groups, current, total, largest = [], [], 0, 0
+    for i in (i for i in range(len(sizes)) if whole[i]):
         current.append(i)
-        members = [sizes[j] for j in current]
-        if sum(members) >= max(bucket, shards * max(members)):
+        total, largest = total + sizes[i], max(largest, sizes[i])
+        if total >= max(bucket, shards * largest):
             groups.append(current)
-            current = []
+            current, total, largest = [], 0, 0
     if current:
         if groups:
             groups[-1] += current
         else:
             groups.append(current)
-    starts, bounds = [0] * len(sizes), [0]
     for group in groups:
         loads, mine = [0] * shards, [[] for _ in range(shards)]
         for i in sorted(group, key=lambda j: -sizes[j]):  # (stable: equal sizes keep model order)
@@ -92,14 +96,14 @@ def flat_layout(sizes: list[int], shards: int, bucket: int, whole: bool) -> tupl
             for i in sorted(members):
                 starts[i], at = at, at + sizes[i]
         bounds.append(lo + shards * region)
-    return starts, bounds
+    return starts, [b for j, b in enumerate(bounds) if j == 0 or b > bounds[j - 1]]
 
 
 class FlatZero(FlatCheckpoints):
     """ZeRO stages 0, 1 and 2 over one flat buffer (see the module docstring)."""
 
     def __init__(self, model_parts: list[nn.Module], layout, build_optimizer, device: torch.device,
-                 initial_values):
+                 initial_values, whole=None):
         """``model_parts``: parameters not yet allocated (on the meta device); ``initial_values(part)``
         yields (parameter, its destination, this rank's fp32 value of it) for each parameter of
         ``part`` (``SeededInit.initial_values``), one made at a time: each goes into the buffer (and
@@ -120,7 +124,8 @@ class FlatZero(FlatCheckpoints):
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         sizes = [local(p).numel() for p in params]
         self.total = sum(sizes)  # the parameters' elements (the buffer adds padding)
-        self.whole = layout.whole_params
+        # which parameters the optimizer needs whole: whole(canonical name, parameter)
+        self.whole = [bool(whole and whole(name, p)) for name, p in zip(self.names, params)]
         starts, self.bounds = flat_layout(sizes, n, bucket_elements(layout), self.whole)
         padded = self.bounds[-1]  # bucket k = [bounds[k], bounds[k + 1])
         self.buckets = list(zip(self.bounds, self.bounds[1:]))
@@ -193,15 +198,15 @@ class FlatZero(FlatCheckpoints):
         buffer, the tensor the optimizer takes) — a slice of an owned piece, or with whole
         parameters the whole parameter shaped like it (a DTensor under TP) or nothing."""
         out = []
-        for p, (start, end, _), ks in zip(self.params, self.segments, self.buckets_of):
+        for p, (start, end, _), ks, whole in zip(self.params, self.segments, self.buckets_of, self.whole):
             runs = []
             for k in ks:
                 lo, hi = self.owned[k]
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     values = self.masters[k][a - lo: b - lo]
-                    runs.append((k, a, b, zero.shaped_like(p, values) if self.whole else values))
-            assert not self.whole or not runs or runs[0][1:3] == (start, end), "a whole parameter was cut"
+                    runs.append((k, a, b, zero.shaped_like(p, values) if whole else values))
+            assert not whole or not runs or runs[0][1:3] == (start, end), "a whole parameter was cut"
             out.append(runs)
         return out
 
@@ -348,11 +353,11 @@ class FlatZero(FlatCheckpoints):
             pieces = [held[a:b] for a, b in self.owned]
         # The optimizer's gradients are fp32 like its master: views, or copies of a bf16 reduction.
         self.grads = [g if g.dtype == torch.float32 else g.float() for g in pieces]
-        for p, runs in zip(self.params, self.runs):
+        for p, runs, whole in zip(self.params, self.runs, self.whole):
             for k, a, b, t in runs:
                 lo = self.owned[k][0]
                 g = self.grads[k][a - lo: b - lo]
-                t.grad = zero.shaped_like(p, g) if self.whole else g
+                t.grad = zero.shaped_like(p, g) if whole else g
         self._start_step()
         if self.grad_dtype != torch.float32:  # the fp32 copies are the gradients now
             self.grad_flat = self.grad_shard = None
@@ -417,7 +422,7 @@ class FlatZero(FlatCheckpoints):
         grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
         grads += sum(nbytes(g) for g in self.grads or () if g.dtype != self.grad_dtype)
         master = nbytes(self.master) if self.separate_master else 0
-        return {"param_bytes": sum(nbytes(p) for p in self.params), "grad_bytes": grads,
+        return {"param_bytes": nbytes(self.flat), "grad_bytes": grads,  # (the buffer: padding included)
                 "optim_bytes": zero.optimizer_state_bytes(self.optimizer) + master}
 
 

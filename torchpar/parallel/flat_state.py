@@ -97,12 +97,13 @@ class FlatCheckpoints:
         return {k: (lo + (hi - lo) * mine // copies, lo + (hi - lo) * (mine + 1) // copies)
                 for k, (lo, hi) in enumerate(self.owned)}
 
-    def _piece(self, i: int, values: list[torch.Tensor], saving: bool) -> FlatPiece:
+    def _piece(self, i: int, values: list[torch.Tensor], shares: dict, saving: bool) -> FlatPiece:
         """Parameter ``i``'s ``values`` on this rank (one tensor per run of :attr:`runs`, laid out
-        like the run) as a :class:`FlatPiece` — for a save, this rank's share of them."""
+        like the run) as a :class:`FlatPiece` — for a save, this rank's share of them (``shares``:
+        :meth:`_shares`)."""
         p, (start, _, _) = self.params[i], self.segments[i]
         shape, offset = zero.local_box(p)
-        shares, chunks = self._shares(saving), []
+        chunks = []
         for (k, a, b, _), v in zip(self.runs[i], values):
             v = zero.local(v).reshape(-1)
             lo, hi = shares[k]
@@ -124,11 +125,11 @@ class FlatCheckpoints:
         names = self._all_names()
         keys = {name for name, _ in names}
         sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in keys}
-        pieces = {}
+        pieces, shares = {}, self._shares(saving)
         for i, runs in enumerate(self.runs):
             if runs:  # (with whole parameters, another rank's)
                 masters = [self.masters[k][a - self.owned[k][0]: b - self.owned[k][0]] for k, a, b, _ in runs]
-                pieces[i] = self._piece(i, masters, saving)
+                pieces[i] = self._piece(i, masters, shares, saving)
         sd.update({name: pieces[i] for name, i in names if i in pieces})
         return sd
 
@@ -154,19 +155,19 @@ class FlatCheckpoints:
         is laid out like the parameter as a :class:`FlatPiece` over its runs; scalars (the step)
         and a whole parameter's other state (Adafactor's row and column factors) as they are."""
         ensure_state(self.optimizer)
-        out = {}
+        out, shares = {}, self._shares(saving)
         for i, name in enumerate(self.names):
             states = [self.optimizer.state[t] for *_, t in self.runs[i]]
             for key, v in (states[0] if states else {}).items():
                 if self._laid_out_like(v, i):
-                    out[f"state.{name}.{key}"] = self._piece(i, [s[key] for s in states], saving)
+                    out[f"state.{name}.{key}"] = self._piece(i, [s[key] for s in states], shares, saving)
                 else:
                     out[f"state.{name}.{key}"] = v
         return out
 
-    def _laid_out_like(self, v: torch.Tensor, i: int) -> bool:
+    def _laid_out_like(self, v, i: int) -> bool:
         t = self.runs[i][0][3]
-        return v.dim() > 0 and v.shape == t.shape
+        return torch.is_tensor(v) and v.dim() > 0 and v.shape == t.shape
 
     def optimizer_state_dict(self) -> dict:
         return self._optimizer_dict(saving=True)
@@ -182,4 +183,7 @@ class FlatCheckpoints:
             for key, v in (states[0] if states else {}).items():
                 if not self._laid_out_like(v, i):
                     for s in states[1:]:
-                        s[key].copy_(loaded[f"state.{name}.{key}"])
+                        if torch.is_tensor(v):
+                            s[key].copy_(loaded[f"state.{name}.{key}"])
+                        else:
+                            s[key] = loaded[f"state.{name}.{key}"]

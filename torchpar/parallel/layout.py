@@ -61,7 +61,7 @@ class Layout:
     reduce_dtype: str = "float32"  # gradient reduction over dp
     compile: bool = False
     bucket_mb: float = 25.0  # ZeRO 0-2: gradient bucket size
-    whole_params: bool = False  # ZeRO 0-2: each rank owns whole parameters (the optimizer needs them)
+    whole_params: bool = False  # ZeRO 0-2: the optimizer needs some parameters whole (owned by one rank)
     optimizer: object = field(default=None, compare=False, repr=False)  # [optimizer]; None: AdamW
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
 
@@ -262,7 +262,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
                     activation_checkpoint=tr.activation_checkpoint,
                     activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                     reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                    bucket_mb=par.bucket_mb, whole_params=kind.whole_params, optimizer=optimizer)
+                    bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
             par, tr, layout, model, args
@@ -276,7 +276,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
 def _check_optimizer_layout(optimizer, kind, par, degrees: dict[str, int]) -> None:
     """An optimizer that needs whole matrices gets them from the ZeRO 0-2 engine; under TP or
     ZeRO-3 only one that gathers a sharded matrix itself (Muon) can run."""
-    if not kind.whole_params:
+    if kind.whole is None:
         return
     sharded = [f"{DEGREE_FIELDS['tp']} = {degrees['tp']}"] if degrees["tp"] > 1 else []
     if par.zero_stage == 3:  # (FSDP2's parameters are DTensors even on one rank)

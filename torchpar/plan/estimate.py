@@ -7,7 +7,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from torchpar.optim import PARAM_GROUPS, kind_of, param_role
+from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
 from torchpar.parallel.layout import Layout, rank_params, split_of
@@ -15,7 +15,7 @@ from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
-from torchpar.plan.layout import Cluster, state_bytes, transient_bytes
+from torchpar.plan.layout import Cluster, flat_rank_layout, state_bytes, transient_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
@@ -141,12 +141,13 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     gradients more: a block's gradients arrive in backward's order, not the buffer's, so complete
     buckets wait for the block's last one before they are reduced, in order."""
 
-    elements = _flat_elements(lay, rank_params(model, args, lay, pp_rank))
-    whole = _reduce_bytes(lay) * elements
+    bounds = flat_rank_layout(model, args, lay, pp_rank)[3]
+    whole = _reduce_bytes(lay) * bounds[-1]
     if lay.zero_stage != 2:
         return whole
     block = _reduce_bytes(lay) * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
-    return min(whole, whole / lay.dp_shard + (IN_FLIGHT + 1) * lay.bucket_mb * 2**20 + block)
+    bucket = _reduce_bytes(lay) * max(b - a for a, b in zip(bounds, bounds[1:]))
+    return min(whole, whole / lay.dp_shard + (IN_FLIGHT + 1) * bucket + block)
 
 
 def _not_at_once(mem: dict, lay: Layout, n_micro: int, flat_grad_bytes: float) -> float:
@@ -178,8 +179,7 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
         reduce, after = sec("dp_shard") - gather, sec("dp_replicate")
     else:
         gather, reduce, after = sec("dp_shard"), sec("dp"), 0.0
-    grad_bytes = _reduce_bytes(lay) * _flat_elements(lay, rank_params(model, args, lay, 0))
-    buckets = max(1, math.ceil(grad_bytes / (lay.bucket_mb * 2**20)))
+    buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
     exposed_reduce = max(reduce / buckets, reduce - compute * 2 / 3 / n_micro)
     return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
 
@@ -291,17 +291,11 @@ def _reduce_bytes(lay: Layout) -> int:
     return 2 if lay.reduce_dtype == "bfloat16" else 4
 
 
-def _flat_elements(lay: Layout, local: list[tuple[int, int]]) -> int:
-    """The flat ZeRO 0-2 buffer: the rank's parameters padded to a multiple of the shards."""
-    shards = flat_shards(lay)
-    return math.ceil(sum(a * b for a, b in local) / shards) * shards
-
-
-def _flat_zero(sent: _Sent, lay: Layout, local: list[tuple[int, int]]) -> None:
-    """ZeRO 0-2: the padded buffer's gradients reduced once per step (bucket by bucket, the same
-    bytes) in the reduction dtype, and the updated pieces all-gathered in the compute dtype."""
+def _flat_zero(sent: _Sent, lay: Layout, elements: int) -> None:
+    """ZeRO 0-2: the padded buffer's gradients (``elements``) reduced once per step (bucket by
+    bucket, the same bytes) in the reduction dtype, and the updated pieces all-gathered in the
+    compute dtype."""
     n, r = lay.dp_shard, lay.dp_replicate
-    elements = _flat_elements(lay, local)
     grads = _reduce_bytes(lay) * elements
     if lay.zero_stage == 2:
         sent.add("dp_shard", "reduce_scatter", grads, n)
@@ -361,9 +355,8 @@ def _owned_share(lay: Layout) -> float:
 
 def optimizer_seconds(model, args, lay: Layout, cluster: Cluster, efficiency: float) -> float:
     """The optimizer's own matmuls (Muon's Newton-Schulz, in bf16) on the busiest pipeline rank."""
-    kind = kind_of(lay.optimizer)
-    flops = max(sum(kind.update_flops(shape, role) for shape, role, _ in _whole_matrices(model, args, lay, r))
-                for r in range(lay.pp))
+    flops = max(sum(update_flops(lay.optimizer, shape, role) for shape, role, _ in
+                    _whole_matrices(model, args, lay, r)) for r in range(lay.pp))
     return flops * _owned_share(lay) / (cluster.peak_flops * efficiency)
 
 
@@ -403,7 +396,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         if lay.zero_stage == 3:
             _fsdp(sent, model, args, lay, local, layers, first)
         else:
-            _flat_zero(sent, lay, local)
+            _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3][-1])
     _gathered_updates(sent, model, args, lay, pp_rank)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their

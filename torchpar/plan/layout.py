@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.optim import param_role
+from torchpar.optim import needs_whole, param_role
 from torchpar.optim import state_bytes as opt_state_bytes
 from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
 from torchpar.parallel.layout import Layout, chunk, rank_param_names, rank_params, resolve_layout, split_of
@@ -67,29 +68,42 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         n = sum(r * c for (r, c), _ in pieces)
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s), role) for s, role in pieces)
         return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optim}
-    # ZeRO 0-2 (the flat engine): the compute copy whole; the reduced gradient whole (0, 1) or its
-    # owned N-th (2) in the reduction dtype — in bf16 replaced by the fp32 copy the optimizer takes;
-    # the optimizer's state of the pieces it updates and, when the compute copy is not fp32, the fp32
-    # master of the owned N-th.
-    sizes = [r * c for r, c in local]
-    total, n = sum(sizes), flat_shards(lay)
+    # ZeRO 0-2 (the flat engine): the compute copy whole (its buffer, padding included); the reduced
+    # gradient whole (0, 1) or its owned N-th (2) in the reduction dtype — in bf16 replaced by the
+    # fp32 copy the optimizer takes; the optimizer's state of the pieces it updates and, when the
+    # compute copy is not fp32, the fp32 master of the owned N-th.
+    n = flat_shards(lay)
     rank = coords.get("dp_shard", 0) if n > 1 else 0
-    starts, bounds = flat_layout(sizes, n, bucket_elements(lay), lay.whole_params)
+    roles, whole, starts, bounds = flat_rank_layout(model, args, lay, pp, tp)
     shard = bounds[-1] // n
     held = shard if lay.zero_stage == 2 else shard * n
     grads = 4 * held if lay.reduce_dtype == "float32" else 4 * shard
     master = 4 * shard if lay.param_dtype != "float32" else 0
-    if not lay.whole_params:  # 1-D slices, element-wise state: the owned N-th less its padding
-        last, m = bounds[-2], (bounds[-1] - bounds[-2]) // n
-        mine = shard - m + max(0, min(total, last + (rank + 1) * m) - (last + rank * m))
-        optim = opt_state_bytes(lay.optimizer, (mine,), "vector") if mine else 0
-    else:  # whole parameters: those in this rank's N-th of a bucket
-        optim = 0
-        for (r, c), role, start in zip(local, _roles(model, args, lay, pp, local), starts):
-            k = bisect.bisect_right(bounds, start) - 1
-            if (start - bounds[k]) // ((bounds[k + 1] - bounds[k]) // n) == rank:
-                optim += opt_state_bytes(lay.optimizer, _shape((r, c)), role)
-    return {"param_bytes": lay.param_dtype_bytes * total, "grad_bytes": grads, "optim_bytes": optim + master}
+    sliced = sum(r * c for (r, c), w in zip(local, whole) if not w)
+    optim = 0
+    if sliced:  # 1-D slices, element-wise state: the owned N-th of the sliced buckets less padding
+        padded = math.ceil(sliced / n) * n
+        last = (padded - 1) // bucket_elements(lay) * bucket_elements(lay)
+        m = (padded - last) // n
+        mine = padded // n - m + max(0, min(sliced, last + (rank + 1) * m) - (last + rank * m))
+        optim += opt_state_bytes(lay.optimizer, (mine,), "vector") if mine else 0
+    for (r, c), role, start, w in zip(local, roles, starts, whole):  # whole ones in this rank's N-th
+        k = bisect.bisect_right(bounds, start) - 1
+        if w and (start - bounds[k]) // ((bounds[k + 1] - bounds[k]) // n) == rank:
+            optim += opt_state_bytes(lay.optimizer, _shape((r, c)), role)
+    return {"param_bytes": lay.param_dtype_bytes * bounds[-1], "grad_bytes": grads,
+            "optim_bytes": optim + master}
+
+
+def flat_rank_layout(model, args, lay: Layout, pp_rank: int, tp_index: int = 0):
+    """The flat ZeRO 0-2 buffer of the rank at ``pp_rank`` / ``tp_index``: each parameter's role,
+    whether the optimizer takes it whole, where it starts, and the bucket bounds (as FlatZero
+    lays them out: :func:`torchpar.parallel.flat.flat_layout`)."""
+    local = rank_params(model, args, lay, pp_rank, tp_index)
+    roles = _roles(model, args, lay, pp_rank, local)
+    whole = [needs_whole(lay.optimizer, role, 1 if c == 1 else 2) for (_, c), role in zip(local, roles)]
+    starts, bounds = flat_layout([r * c for r, c in local], flat_shards(lay), bucket_elements(lay), whole)
+    return roles, whole, starts, bounds
 
 
 def _roles(model, args, lay: Layout, pp_rank: int, local: list[tuple[int, int]]) -> list[str]:
@@ -112,16 +126,16 @@ def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int
     if lay.zero_stage == 3:
         return {"startup_peak": 0, "checkpoint_peak": 0}
     state = state_bytes(model, args, lay, {"pp": pp_rank})
-    sizes = [r * c for r, c in rank_params(model, args, lay, pp_rank)]
-    n = flat_shards(lay)
-    shard = flat_layout(sizes, n, bucket_elements(lay), lay.whole_params)[1][-1] // n
+    bounds = flat_rank_layout(model, args, lay, pp_rank)[3]
+    shard = bounds[-1] // flat_shards(lay)
     master = 4 * shard if lay.param_dtype != "float32" else 0
+    bucket = max(bucket_elements(lay), *(b - a for a, b in zip(bounds, bounds[1:])))
     split = split_of(model, args, lay)
     largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
                   for s in lay.stage_ids(pp_rank)
                   for _, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]))
     return {"startup_peak": state["param_bytes"] + master + 4 * largest,
-            "checkpoint_peak": sum(state.values()) + 4 * bucket_elements(lay)}
+            "checkpoint_peak": sum(state.values()) + 4 * bucket}
 
 
 def deepspeed_bytes(n_params: int, zero_stage: int, dp: int) -> dict[str, float]:
