@@ -136,12 +136,13 @@ def param_tols(name: str) -> dict:
     amplified by Adam's normalization on entries whose gradient is near zero (losses stay within
     1e-5 everywhere): a tied table gets its gradient from two TP paths (embedding and head); the
     GPT-2 token table has a few rows of rare tokens (4 of 4096 above 1e-5 for pp2 1F1B) that
-    differ by up to 1.2e-4 (5e-4 with compile) while every other GPT-2 parameter stays within
-    2.3e-5 after 5 steps, even between accumulation and one big batch in one process."""
+    differ by up to 1.2e-4 (1.34e-3 with compile, whose kernels sum in another order) while every
+    other GPT-2 parameter stays within 2.3e-5 after 5 steps, even between accumulation and one big
+    batch in one process."""
     if "tied" in name:
         return {"param_tol": 2e-4}
     if name.startswith("gpt2/"):
-        return {"param_tol": 1e-4, "per_param": {"wte.weight": 1e-3}}
+        return {"param_tol": 1e-4, "per_param": {"wte.weight": 2e-3}}
     return {}
 
 

