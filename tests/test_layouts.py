@@ -32,6 +32,9 @@ EVERY2 = [AC, "--training.activation_checkpoint_every=2"]
 DOCS = str(ROOT / "tests" / "data" / "short_docs.jsonl")
 DOCMASK = ["--data.dataset", "files", "--data.path", DOCS, "--validation.path", DOCS,
            "--data.document_masking", "true", *VAL]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+CP4 = ["--parallelism.context_parallel_degree", "4"]
+RING = ["--parallelism.context_parallel_method", "ring"]
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -81,6 +84,12 @@ WORLD2 = {
     "dp2_zero3_docmask": [LB, "4", Z, "3", *DOCMASK],
     "tp2_sp_lp_docmask": [*TP2, Z, "0", *DOCMASK],
     **{f"pp2_{s}_docmask": pp(2, s, Z, "0", *DOCMASK) for s in ("Interleaved1F1B", "ZBVZeroBubble")},
+    # Context parallelism: each sequence in head-tail halves; all-to-all (the default) or ring attention.
+    "cp2_zero0": [*CP2, Z, "0"],
+    "cp2_ring_zero3_val": [*CP2, *RING, Z, "3", *VAL],
+    "cp2_zero2_docmask": [*CP2, Z, "2", *DOCMASK],
+    "cp2_zero1_selective": [*CP2, Z, "1", SAC],
+    "cp2_ring_selective": [*CP2, *RING, Z, "0", SAC],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -97,6 +106,14 @@ WORLD4 = {
     "dp_shard2_tp2_zero2": [LB, "4", *TP2, Z, "2"],
     "pp2_tp2": pp(2, "1F1B", *TP2, Z, "0"),
     "pp2_tp2_ZBVZeroBubble_val": pp(2, "ZBVZeroBubble", *TP2, Z, "3", *VAL),  # sequence-sharded sends
+    "cp4_zero3_val": [*CP4, Z, "3", *VAL],
+    "cp4_ring_zero1": [*CP4, *RING, Z, "1"],
+    "dp_shard2_cp2_zero3": [LB, "4", *CP2, Z, "3"],  # FSDP2 over dp_shard x cp
+    "dp_shard2_cp2_ring_zero2": [LB, "4", *CP2, *RING, Z, "2"],
+    "cp2_tp2": [*CP2, *TP2, Z, "0"],  # heads split over tp, then over cp
+    "cp2_tp2_ring_zero3": [*CP2, *TP2, *RING, Z, "3"],
+    "pp2_cp2_docmask": pp(2, "1F1B", *CP2, Z, "0", *DOCMASK),  # each stage gets the whole documents
+    "pp2_cp2_ring_Interleaved1F1B": pp(2, "Interleaved1F1B", *CP2, *RING, Z, "3"),
 }
 # Three dimensions at once. 1F1B's pp x dp x tp and HSDP x TP are left to their world-4 pairs
 # (pp2_dp2_zero3, pp2_tp2; hsdp2x2, dp_shard2_tp2); ZBV here is the one run of a zero-bubble

@@ -14,6 +14,7 @@ from harness import ROOT, TINY, spawn_ranks
 from torchpar.parallel.recompute import OPTIONS, option_overrides
 
 Z = "--parallelism.zero_stage"
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 LEDGER_LAYOUTS = {
     "dp2_zero0": [Z, "0", "--training.local_batch_size", "4"],
     "dp2_zero2": [Z, "2", "--training.local_batch_size", "4"],
@@ -25,6 +26,14 @@ LEDGER_LAYOUTS = {
     "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                      "false", "--parallelism.loss_parallel", "false"],
     "pp2": [Z, "0", "--parallelism.pipeline_parallel_degree", "2"],  # rank 0: the first stage's sends
+    # Context parallelism: all-to-alls around attention (twice over for the recomputed blocks), or
+    # the ring's key/value passes and their gradients' passes back.
+    "cp2": [Z, "0", *CP2],
+    "cp2_zero3_full_every2": [Z, "3", *CP2, "--training.activation_checkpoint", "full",
+                              "--training.activation_checkpoint_every", "2"],
+    "cp2_ring_zero2": [Z, "2", *CP2, "--parallelism.context_parallel_method", "ring"],
+    "cp2_ring_selective": [Z, "1", *CP2, "--parallelism.context_parallel_method", "ring",
+                           "--training.activation_checkpoint", "selective"],
 }
 
 
@@ -75,8 +84,13 @@ def test_planner_communication_equals_the_ledger(ledgers, name):
     )
     # ...and that the bytes went over the dimension the planner says.
     dims = set(predicted) - {"world"}
-    expected = {"tp"} if "tp2" in name else {"pp"} if "pp2" in name else {"dp", "dp_shard"} & dims
+    expected = ({"tp"} if "tp2" in name else {"pp"} if "pp2" in name
+                else {"cp", lay.reduce_dim, lay.shard_dim} & dims if "cp2" in name
+                else {"dp", "dp_shard"} & dims)
     assert dims == expected and dims
+    if "cp2" in name:  # the exchanges themselves, kind by kind
+        sent = sum(b for dim, kind, b, n in measured["records"] if kind == "all_to_all")
+        assert sent == pytest.approx(predicted["cp"]["bytes"], rel=1e-9)
 
 
 def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
@@ -233,13 +247,16 @@ def _activation_worker(rank, world, out, cases):
     from torchpar.verify import activation_check
 
     results = []
-    for family, flavor, batch, seq, sp, policy, every in cases:
+    for family, flavor, batch, seq, sp, policy, every, *context in cases:
         model = MODELS[family]
-        lay = Layout(tp=world, sequence_parallel=sp, loss_parallel=world > 1, activation_checkpoint=policy,
+        # (a context-parallel method: the ranks are cp, else tp)
+        degrees = {"cp": world, "cp_method": context[0]} if context else {"tp": world}
+        lay = Layout(**degrees, sequence_parallel=sp, loss_parallel=world > 1, activation_checkpoint=policy,
                      activation_checkpoint_every=every, local_batch_size=batch)
         lay.build_mesh("cpu")
         r = activation_check(model, model.args(flavor), lay, batch, seq)
-        results.append({"case": [family, flavor, batch, seq, f"tp{world}", "sp" if sp else "", policy, every],
+        dims = f"cp{world} {context[0]}" if context else f"tp{world}"
+        results.append({"case": [family, flavor, batch, seq, dims, "sp" if sp else "", policy, every],
                         "block_ratios": r["block_ratios"], "ratio": r["ratio"], "bytes": r["measured_bytes"]})
     if rank == 0:
         with open(f"{out}/activations.json", "w") as f:
@@ -278,6 +295,16 @@ def test_activations_predicted_under_tensor_and_sequence_parallelism():
     the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
     cases = [(*m, sp, policy, 1) for m in ACTIVATION_MODELS[:5]
              for sp in (False, True) for policy in ("none", "selective", "full")]
+    for r in _activation_ratios(2, cases):
+        assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
+
+
+@pytest.mark.slow
+def test_activations_predicted_under_context_parallelism():
+    """The same on one rank of cp = 2 (each holds half of every sequence), all-to-all and ring
+    attention: the trace of one block at half the sequence, with the ring's repeated KV heads."""
+    cases = [(*m, False, policy, 1, method) for m in ACTIVATION_MODELS[:4]
+             for policy in ("none", "selective", "full") for method in ("alltoall", "ring")]
     for r in _activation_ratios(2, cases):
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
 

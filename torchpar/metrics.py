@@ -166,7 +166,8 @@ def describe_run(trainer) -> str:
     precision = {"float32": fp32, "bfloat16": bf16}[lay.param_dtype]
     peak = "unknown" if trainer.peak_flops is None else f"{trainer.peak_flops / 1e9:.1f} GFLOP/s per rank"
     line = (f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-            f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, zero "
+            f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+            + (f"cp {lay.cp} ({lay.cp_method}) x " if lay.cp > 1 else "") + f"tp {lay.tp}, zero "
             f"{lay.zero_stage}, global batch {trainer.global_batch} ({lay.accum} accumulation step(s)), "
             f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
     windows = trainer.dataloader.dataset

@@ -74,7 +74,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
         )
     check_optimizer(cfg.optimizer)
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
-                            compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer)
+                            compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
+                            cfg.data.document_masking)
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:

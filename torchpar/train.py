@@ -24,6 +24,7 @@ from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
+from torchpar.parallel.context import shard_sequence
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
@@ -135,7 +136,7 @@ class Trainer:
             "model_name": cfg.model.name, "model_flavor": cfg.model.flavor, "model_args": self.args.to_dict(),
             "tokenizer_path": cfg.model.tokenizer_path,
             "layout": {"world": lay.world, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
-                       "dp_shard": lay.dp_shard, "tp": lay.tp, "zero_stage": lay.zero_stage},
+                       "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "zero_stage": lay.zero_stage},
             "data": self.data_identity,
             "run_id": self.logger.run_id,  # a resumed run goes on logging under it
             "config": to_toml(cfg),
@@ -146,9 +147,9 @@ class Trainer:
     def train_step(self, batches) -> None:
         """One optimizer step. Its figures are read by the host later (:meth:`_settle`)."""
         state, step = self.model.state, self.train_state.step
-        # Gradients of the globally normalized loss: the dp average taken by the reduction
-        # undoes the factor dp here.
-        scale = self.layout.dp / self.global_tokens
+        # Gradients of the globally normalized loss: the average over dp x cp taken by the
+        # reduction undoes the factor here.
+        scale = self.layout.grad_ranks / self.global_tokens
         phase = self.breakdown.phase  # times the phases of logged steps
         with auxiliary_terms(self.loss_terms, scale) as terms:
             loss_sum = self._forward_backward(batches, scale, phase)
@@ -181,13 +182,15 @@ class Trainer:
                 kwargs = self.forward_kwargs(torch.cat(hosts)[:, :-1])
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
-                loss_sum += self.model.pipeline.step(batch[:, :-1], batch[:, 1:], scale, **kwargs)
+                inputs, targets = (shard_sequence(t, self.layout) for t in (batch[:, :-1], batch[:, 1:]))
+                loss_sum += self.model.pipeline.step(inputs, targets, scale, **kwargs)
         else:
             for micro in range(self.layout.accum):
                 with phase("data"):
                     host = next(batches)
                     batch = host.to(self.device, non_blocking=True)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
+                # (this rank's part of each sequence under context parallelism; documents stay whole)
+                inputs, targets = (shard_sequence(t, self.layout) for t in (batch[:, :-1], batch[:, 1:]))
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
                     kwargs = self.forward_kwargs(host[:, :-1])  # (the logits must not outlive the loss)

@@ -193,6 +193,14 @@ class Parallelism:
     )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree (innermost mesh dimension).")
     pipeline_parallel_degree: int = opt(1, "Pipeline stages over ranks (outermost mesh dimension).")
+    context_parallel_degree: int = opt(
+        1, "Context parallelism: each sequence split over this many ranks (head-tail chunks, so that causal "
+        "attention costs each the same); they see the same batch, and ZeRO shards over dp_shard x this.")
+    context_parallel_method: str = opt(
+        "alltoall", "How attention sees the whole sequence under context parallelism: 'alltoall' trades the "
+        "sequence split for a head split around attention (heads and KV heads, per TP rank, must divide by "
+        "the degree); 'ring' keeps the heads and passes key/value blocks around the ranks, merging partial "
+        "attention by log-sum-exp (any head count; no document masking).", ("alltoall", "ring"))
     zero_stage: int = opt(
         0,
         "0: DDP; 1: + optimizer states sharded; 2: + gradients sharded; 3: + parameters sharded (FSDP2).",

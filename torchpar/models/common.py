@@ -10,7 +10,8 @@ A model is single-device code. The parallel code and the planner know it only th
   :func:`attention` takes: the documents' spans (packed for varlen attention on CUDA) or bias,
   or None = causal),
   ``forward(x, documents=None)`` (with each token's document index [b, s],
-  attention stays inside documents: :func:`document_layout`),
+  attention stays inside documents: :func:`document_layout`; under context parallelism
+  ``documents`` is a :class:`SequenceShard` instead, which the model passes on as it is),
   ``tie_weights()`` and ``init_weights()`` (:class:`SeededInit`); its forward skips top-level
   modules that a pipeline split set to ``None``;
 * its :class:`ModelAdapter`: flavours, the tensor-parallel plan in words, which top-level
@@ -89,6 +90,20 @@ class PackedDocuments(DocumentSpans):
         self.max_len = max_len
 
 
+class SequenceShard(ABC):
+    """A part of each sequence, as context parallelism hands it to the model in place of the
+    document ids: ``positions`` [b or 1, s_local], each local token's position (in the window, or
+    in its document), and :meth:`attend`, attention over the whole sequence. Made outside the
+    model (torchpar.parallel.context), which passes it on to :func:`attention` as its mask."""
+
+    positions: torch.Tensor
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention (inside documents, where there are) of the local queries over every
+        rank's keys: q [b, h, s_local, hd], k and v [b, h_kv, s_local, hd] -> [b, h, s_local, hd]."""
+
+
 def varlen_layout(spans: DocumentSpans) -> tuple[torch.Tensor, int]:
     """The sequences of :func:`pack`'s layout: cu_seqlens [n + 1] int32 on the host (row r's
     document starting at c starts at r*s + c; then b*s) and the longest document."""
@@ -139,14 +154,17 @@ def _varlen_fails(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def document_layout(documents: torch.Tensor, dtype: torch.dtype,
-                    device: torch.device) -> tuple[torch.Tensor, DocumentSpans | torch.Tensor]:
+def document_layout(documents: torch.Tensor | SequenceShard, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[torch.Tensor, DocumentSpans | torch.Tensor | SequenceShard]:
     """documents [b, s]: each token's document index, non-decreasing along a row (a packed window),
     best on the host (reading the spans from a device would wait for it). Returns each token's
     position inside its document [b, s] on ``device`` and what :func:`attention` takes to keep
     attention inside documents: on CUDA the spans packed for varlen attention
     (:class:`PackedDocuments`); elsewhere the spans, or with many short documents the additive bias
-    [b, 1, s, s] (0 = may attend, -inf = not) made once per forward in the compute dtype."""
+    [b, 1, s, s] (0 = may attend, -inf = not) made once per forward in the compute dtype.
+    A :class:`SequenceShard` gives its positions and serves attention itself."""
+    if isinstance(documents, SequenceShard):
+        return documents.positions, documents
     b, s = documents.shape
     idx = torch.arange(s, device=documents.device).expand(b, s)
     starts_here = torch.ones_like(documents, dtype=torch.bool)
@@ -176,10 +194,13 @@ def _spans(starts_here: torch.Tensor) -> DocumentSpans:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
+              mask: DocumentSpans | torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
     """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
-    :func:`document_layout` = causal inside each document."""
+    :func:`document_layout` = causal inside each document; a :class:`SequenceShard` = over the
+    whole sequence, of which q, k and v are this rank's part."""
+    if isinstance(mask, SequenceShard):
+        return mask.attend(q, k, v)
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, PackedDocuments):
         return _varlen(q, k, v, mask, gqa)

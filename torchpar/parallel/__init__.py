@@ -1,9 +1,10 @@
 """One parallelize path for every model family and layout.
 
-Order (as in torchtitan): build on the meta device -> pipeline split -> per stage: tensor
-parallel -> activation checkpointing -> compile -> ZeRO-3 (FSDP2) -> materialize on the real
-device with ``init_weights`` -> ZeRO 0-2 engine or optimizer. The model is known only through
-its adapter (``torchpar.models``), the layout only through :class:`~torchpar.parallel.layout.Layout`.
+Order (as in torchtitan): build on the meta device -> pipeline split -> per stage: context
+parallel (a forward pre-hook) -> tensor parallel -> activation checkpointing -> compile ->
+ZeRO-3 (FSDP2) -> materialize on the real device with ``init_weights`` -> ZeRO 0-2 engine or
+optimizer. The model is known only through its adapter (``torchpar.models``), the layout only
+through :class:`~torchpar.parallel.layout.Layout`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchpar.parallel.context import apply_context_parallel
 from torchpar.parallel.flat import FlatZero
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
@@ -56,7 +58,8 @@ def compute_context(layout: Layout):
 
 def parallelize(model, args, layout: Layout) -> list[nn.Module]:
     """The meta model of adapter ``model`` with ``args``, split into this rank's stages, each
-    with TP, recomputation, compile and FSDP2 applied; nothing is allocated yet."""
+    with context parallelism, TP, recomputation, compile and FSDP2 applied; nothing is allocated
+    yet."""
     with torch.device("meta"):
         module = model.build(args)
     if layout.pp > 1:
@@ -65,6 +68,7 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
     else:
         parts = [module]
     for part in parts:
+        apply_context_parallel(part, layout)
         if layout.tp > 1:
             apply_tensor_parallel(
                 part, model, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel

@@ -44,8 +44,8 @@ MAX_BUCKETS = 10_000
 
 
 def flat_shards(layout) -> int:
-    """Ranks the flat buffer is cut over: dp_shard under stages 1-2, none under stage 0."""
-    return layout.dp_shard if layout.zero_stage in (1, 2) else 1
+    """Ranks the flat buffer is cut over: dp_shard x cp under stages 1-2, none under stage 0."""
+    return layout.shard_ranks if layout.zero_stage in (1, 2) else 1
 
 
 def bucket_elements(layout) -> int:
@@ -120,7 +120,10 @@ class FlatZero(FlatCheckpoints):
         mesh = layout.mesh
         # Groups are looked up when used, never held: the hooks keep this engine alive until the
         # garbage collector runs, and a held group would outlive destroy_process_group.
-        self.meshes = {dim: mesh[dim] for dim in ("dp", "dp_shard", "dp_replicate")}
+        # "dp" / "dp_shard": the ranks gradients are averaged / sharded over (with context
+        # parallelism the flattened dp_cp / dp_shard_cp: a sequence's parts are like more data).
+        self.meshes = {"dp": mesh[layout.reduce_dim], "dp_shard": mesh[layout.shard_dim],
+                       "dp_replicate": mesh["dp_replicate"]}
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         sizes = [local(p).numel() for p in params]
         self.total = sum(sizes)  # the parameters' elements (the buffer adds padding)
@@ -301,7 +304,7 @@ class FlatZero(FlatCheckpoints):
             if g is None:
                 dst.zero_()
             else:
-                torch.mul(g[a - start: b - start], 1 / self.layout.dp, out=dst)
+                torch.mul(g[a - start: b - start], 1 / self.layout.grad_ranks, out=dst)
             self.missing[k] -= 1
             self._launch_ready()
         p.grad = None
@@ -320,7 +323,7 @@ class FlatZero(FlatCheckpoints):
             out = self._shard_piece(k)
             work = dist.reduce_scatter_tensor(out, buf, group=self._group("dp_shard"), async_op=True)
             self.in_flight.append((work, self.bucket_bufs.pop(k), out))  # (the bucket: its own memory)
-        elif self.layout.dp > 1:
+        elif self.layout.grad_ranks > 1:
             self.in_flight.append((dist.all_reduce(buf, group=self._group("dp"), async_op=True), None, buf))
         self._note_grad_bytes()
         while self.stage == 2 and len(self.in_flight) > IN_FLIGHT:
@@ -363,8 +366,8 @@ class FlatZero(FlatCheckpoints):
             self.grad_flat = self.grad_shard = None
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
-        # Owned pieces are distinct within dp_shard; stage 0's whole buffer is held by all of dp.
-        dp_copies = self.layout.dp if self.shards == 1 else self.layout.dp_replicate
+        # Owned pieces are distinct within dp_shard x cp; stage 0's whole buffer is held by all of dp x cp.
+        dp_copies = self.layout.grad_ranks if self.shards == 1 else self.layout.dp_replicate
         pieces = []
         for (start, end, tp_copies), ks in zip(self.segments, self.buckets_of):
             for k in ks:

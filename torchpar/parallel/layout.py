@@ -4,11 +4,15 @@ Built once from the config by :func:`resolve_layout` (every check that needs no 
 then read by the trainer, the parallelize path and the planner alike. The planner also builds
 layouts directly, by keyword, to search them.
 
-Mesh order, outermost to innermost: ``pp, dp_replicate, dp_shard, tp``. The innermost
+Mesh order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. The innermost
 dimension gets adjacent ranks, which torchrun places on the same node: TP all-reduces run on
-every layer, so they get the fastest links; ZeRO-3 all-gathers (dp_shard) come next; the
-replicas' all-reduce (once per step) and the pipeline's point-to-point sends are the lightest
-and may cross nodes.
+every layer, so they get the fastest links; context parallelism's attention exchanges (every
+layer, activations) next; ZeRO-3 all-gathers (dp_shard) after them; the replicas' all-reduce
+(once per step) and the pipeline's point-to-point sends are the lightest and may cross nodes.
+
+The ranks of a ``cp`` group see the same sequences, each a part of them, so their gradients are
+summed like those of data-parallel ranks: ZeRO shards over ``dp_shard x cp`` (the flattened
+``dp_shard_cp``) and gradients are averaged over ``dp x cp`` (``dp_cp``).
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
 from torchpar.parallel.pipeline import balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEGREE_FIELDS = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree",
-                 "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}  # [parallelism]'s order
+                 "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
+                 "cp": "context_parallel_degree"}  # [parallelism]'s order
 
 
-def effective_zero_stage(zero_stage: int, dp_shard: int) -> int:
-    """ZeRO-1/2 shard over dp_shard; with dp_shard = 1 they shard nothing and run as stage 0
+def effective_zero_stage(zero_stage: int, shard_ranks: int) -> int:
+    """ZeRO-1/2 shard over dp_shard x cp; over one rank they shard nothing and run as stage 0
     (gradients all-reduced over the replicas). The one place this rule lives."""
-    return 0 if zero_stage in (1, 2) and dp_shard == 1 else zero_stage
+    return 0 if zero_stage in (1, 2) and shard_ranks == 1 else zero_stage
 
 
 @dataclass(kw_only=True)
@@ -43,7 +48,9 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
+    cp_method: str = "alltoall"  # context parallelism's attention: alltoall | ring
     zero_stage: int = 0  # effective: see effective_zero_stage
     sequence_parallel: bool = False  # only ever true with tp > 1
     loss_parallel: bool = False  # only ever true with tp > 1
@@ -66,7 +73,7 @@ class Layout:
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
 
     def __post_init__(self):
-        self.zero_stage = effective_zero_stage(self.zero_stage, self.dp_shard)
+        self.zero_stage = effective_zero_stage(self.zero_stage, self.shard_ranks)
         self.sequence_parallel = self.sequence_parallel and self.tp > 1
         self.loss_parallel = self.loss_parallel and self.tp > 1
         self.layers_per_stage = tuple(self.layers_per_stage)
@@ -83,12 +90,32 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards over: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are averaged: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def shard_dim(self) -> str:
+        """The mesh dimension (maybe flattened) of :attr:`shard_ranks`."""
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
+
+    @property
+    def reduce_dim(self) -> str:
+        """The mesh dimension (maybe flattened) of :attr:`grad_ranks`."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def degrees(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def num_stages(self) -> int:
@@ -114,14 +141,23 @@ class Layout:
             rank //= size
         return out
 
+    def shard_index(self, coords: dict[str, int]) -> int:
+        """The index among the :attr:`shard_ranks` of the rank at ``coords`` (the flattened
+        dp_shard x cp, cp fastest)."""
+        return coords.get("dp_shard", 0) * self.cp + coords.get("cp", 0)
+
     # -- the mesh (trainer only)
 
     def build_mesh(self, device_type: str):
-        """The one DeviceMesh, plus the flattened ``dp`` view (replicate x shard)."""
+        """The one DeviceMesh, plus the flattened views: ``dp`` (replicate x shard) and, with
+        context parallelism, ``dp_shard_cp`` and ``dp_cp``."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.cp > 1:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         self.mesh = mesh
         return mesh
 
@@ -139,8 +175,10 @@ class Layout:
 
     @property
     def dp_mesh(self):
-        """What ZeRO-3 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        """What ZeRO-3 shards over: dp_shard (x cp), or (dp_replicate, dp_shard (x cp)) for HSDP."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", self.shard_dim]
+        return self.mesh[self.shard_dim]
 
 
 # ---------------------------------------------------------------------- from the config
@@ -169,7 +207,7 @@ def resolve_degrees(par, world: int) -> dict[str, int]:
             )
         degrees[auto[0]] = world // known
     elif known != world:
-        shown = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items())
+        shown = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items() if d != "cp" or v > 1)
         raise ConfigError(
             f"parallelism: {shown} = {known} ranks, but the world size is {world}; make the product equal "
             "the number of processes (NGPU), or set one degree to -1"
@@ -189,8 +227,9 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
     return global_batch_size // per_step
 
 
-def _check_model(model, args, degrees: dict, par, tr) -> None:
+def _check_model(model, args, degrees: dict, par, tr, document_masking: bool) -> None:
     tp = degrees["tp"]
+    _check_context(args, degrees, par, tr, document_masking)
     if tp > 1:
         for what, n in model.tp_divisors(args).items():
             if n % tp:
@@ -207,6 +246,31 @@ def _check_model(model, args, degrees: dict, par, tr) -> None:
         raise ConfigError(
             f"training.seq_len = {tr.seq_len} exceeds the model's max_seq_len {args.max_seq_len}"
         )
+
+
+def _check_context(args, degrees: dict, par, tr, document_masking: bool) -> None:
+    """Context parallelism cuts each sequence into 2 x cp chunks (head-tail); all-to-all attention
+    splits every TP rank's heads, KV heads included, over cp."""
+    cp, tp = degrees["cp"], degrees["tp"]
+    if cp == 1:
+        return
+    if tr.seq_len % (2 * cp * (tp if par.sequence_parallel else 1)):
+        sp = f" x tp {tp} (sequence parallelism)" if tp > 1 and par.sequence_parallel else ""
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {cp} cuts training.seq_len = {tr.seq_len} into 2 x {cp} "
+            f"chunks{sp}: make seq_len a multiple of {2 * cp * (tp if par.sequence_parallel else 1)}")
+    if par.context_parallel_method == "alltoall":
+        for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+            if n % (cp * tp):
+                raise ConfigError(
+                    f"parallelism.context_parallel_method = 'alltoall' splits the model's {what} ({n}) over "
+                    f"context_parallel_degree {cp} x tensor_parallel_degree {tp}; choose degrees whose "
+                    "product divides it, or context_parallel_method = 'ring'")
+    elif document_masking:
+        raise ConfigError(
+            "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
+            "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "
+            "kept), or document_masking = false")
 
 
 def _check_features(par, tr, zero: int, tp: int) -> None:
@@ -237,24 +301,26 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
         )
 
 
-def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None) -> Layout:
+def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
+                   document_masking: bool = False) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
-    [optimizer] section (None: AdamW's needs)."""
+    [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking."""
     degrees = resolve_degrees(par, world)
     kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
     _check_optimizer_layout(optimizer, kind, par, degrees)
-    if par.zero_stage in (1, 2) and degrees["dp_shard"] == 1:
+    if par.zero_stage in (1, 2) and degrees["dp_shard"] * degrees["cp"] == 1:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
-    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"])
-    _check_model(model, args, degrees, par, tr)
+    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"] * degrees["cp"])
+    _check_model(model, args, degrees, par, tr, document_masking)
     _check_features(par, tr, zero, degrees["tp"])
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
     )
-    layout = Layout(**degrees, zero_stage=zero, sequence_parallel=par.sequence_parallel,
+    layout = Layout(**degrees, cp_method=par.context_parallel_method, zero_stage=zero,
+                    sequence_parallel=par.sequence_parallel,
                     loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
                     reduce_every_microstep=par.zero3_reduce_every_microstep,
                     local_batch_size=tr.local_batch_size, accum=accum,

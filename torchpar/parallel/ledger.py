@@ -5,7 +5,8 @@ ops that FSDP2, the ZeRO engine and the trainer call and the functional collecti
 with its payload (the bytes of the full tensor being reduced or gathered; for point-to-point,
 the tensor sent) and the group it ran on, named by the mesh dimension that owns the group.
 ``sent_bytes`` converts payloads into what a ring algorithm sends per rank: 2(n-1)/n for
-all-reduce, (n-1)/n for all-gather and reduce-scatter, the tensor itself for a send.
+all-reduce, (n-1)/n for all-gather and reduce-scatter, the tensor itself for a send; an
+all-to-all's payload is what it sends to the other ranks (its own piece stays).
 
 With ``synchronize`` (the device's), each collective is also timed from its issue to its
 completion — waited for at once, so the counted steps lose their overlap — into ``seconds`` per
@@ -25,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Share of the payload a ring sends per rank: the ledger and the planner count with the same factors.
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
-               "broadcast": lambda n: (n - 1) / n}
+               "broadcast": lambda n: (n - 1) / n, "all_to_all": lambda n: 1.0}
 
 
 def _first(args, n):  # the (full) tensor or tensor list the op reduces, gathers into, or sends
@@ -40,6 +41,12 @@ def _shard_times_n(args, n):  # functional all-gather: the input is this rank's 
     return _nbytes(args[0]) * n
 
 
+def _to_others(args, n):  # functional all-to-all (input, output splits, input splits, group name)
+    rows, splits = args[0].shape[0], args[2]
+    mine = splits[dist.get_rank(dist.distributed_c10d._resolve_process_group(args[3]))]
+    return _nbytes(args[0]) * (rows - mine) // max(rows, 1)
+
+
 # op name (c10d and functional collectives) -> (kind, payload in bytes from (args, group size))
 OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first),
        "all_reduce_": ("all_reduce", _first), "all_reduce_coalesced": ("all_reduce", _first),
@@ -50,7 +57,10 @@ OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first
        "_reduce_scatter_base_": ("reduce_scatter", _second), "reduce_scatter_": ("reduce_scatter", _second),
        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
        "reduce_scatter_tensor": ("reduce_scatter", _first), "send": ("send", _first),
-       "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first)}
+       "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first),
+       "all_to_all_single": ("all_to_all", _to_others)}
+# The mesh's flattened views (torchpar.parallel.layout.Layout.build_mesh).
+FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
 # Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
 IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_", "barrier"}
 
@@ -78,11 +88,16 @@ class CommLedger(TorchDispatchMode):
         self.synchronize = synchronize
         self.seconds: dict[str, float] = defaultdict(float)  # per mesh dim, when timed
         self.names: dict[str, str] = {}
+        # A group that is several things is named by the last: flattened view, world, mesh dimension.
+        for dim in FLATTENED if mesh is not None else ():
+            try:
+                self.names[mesh[dim].get_group().group_name] = dim
+            except KeyError:  # a view this layout does not build
+                continue
         if dist.is_initialized():
             self.names[dist.group.WORLD.group_name] = "world"
-        if mesh is not None:
-            for dim in mesh.mesh_dim_names:
-                self.names[mesh[dim].get_group().group_name] = dim
+        for dim in mesh.mesh_dim_names if mesh is not None else ():
+            self.names[mesh[dim].get_group().group_name] = dim
         self.unknown: set[str] = set()  # collective ops the ledger cannot size (should stay empty)
         self.records: list[tuple[str, str, int, int]] = []  # (mesh dim, kind, payload bytes, group size)
 

@@ -6,7 +6,8 @@ checkpointing; the outputs of matmuls, of attention and of reductions (tensor pa
 all-reduce and reduce-scatter, which follow a matmul on the critical path) are kept, and the cheap
 elementwise work between them (norms, RoPE, activation functions, residual adds) is recomputed —
 most of full recomputation's saving, little of its cost. Sequence parallelism's all-gathers run
-again in backward: keeping them would hold each norm's output at full length.
+again in backward: keeping them would hold each norm's output at full length; so do context
+parallelism's exchanges around attention, which would hold q, k, v and the output twice.
 """
 
 from __future__ import annotations

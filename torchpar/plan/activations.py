@@ -170,17 +170,25 @@ def divide(held: dict, lay, policy: str) -> float:
 
 def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = "block") -> float:
     """Bytes one block (``part = "block"``), or the embedding, final norm, head and loss
-    (``"rest"``), hold for backward on one rank of layout ``lay``, per microbatch."""
+    (``"rest"``), hold for backward on one rank of layout ``lay``, per microbatch of sequences
+    of ``seq`` tokens. Under context parallelism a rank holds seq / cp tokens of each, and its
+    attention keeps as much as a fused kernel over them: all-to-all attention keeps q, k, v, the
+    output and the log-sum-exp of seq tokens and 1/cp of the heads; ring attention keeps its
+    own, with the KV heads repeated to the query heads (the flash kernels take no grouped heads)."""
     # Everything held is linear in the batch: traced for one sequence.
-    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, seq)[part]
-    return batch * divide(held, lay, policy)
+    local = seq // lay.cp
+    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, local)[part]
+    extra = 0.0
+    if part == "block" and lay.cp > 1 and lay.cp_method == "ring" and policy != "full":
+        extra = 2 * local * (args.n_heads - args.n_kv_heads) * args.head_dim * lay.param_dtype_bytes / lay.tp
+    return batch * (divide(held, lay, policy) + extra)
 
 
 def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) -> float:
     """Bytes the modules around the blocks hold, per microbatch: the embedding's output on the
     first stage; the final norm and the head on the last (the loss's own share is the planner's
     logits term)."""
-    held = traced(model, args, "none", getattr(torch, lay.param_dtype), 1, seq)["rest"]
+    held = traced(model, args, "none", getattr(torch, lay.param_dtype), 1, seq // lay.cp)["rest"]
     styles = (("embedding",) if first else ()) + (("norm", NORM_OUTPUT, "head") if last else ())
     return batch * divide({s: n for s, n in held.items() if s in styles}, lay, "none")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -119,15 +120,15 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     # backward), the gradient reaching it and the one it returns — three logits-sized tensors,
     # vocab-sharded with loss parallelism; FSDP2's gathered block (and the next one, prefetched)
     # in the compute dtype.
-    logits = 4 * micro_batch * seq * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
+    logits = 4 * micro_batch * (seq // lay.cp) * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
     mem["logits_bytes"] = 3 * logits if has_head else 0
     block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
     mem["gathered_bytes"] = (
-        2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.dp_shard > 1 else 0
+        2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0
     )
     # ZeRO-3 accumulating unsharded: a full fp32 gradient of this rank's layers between micro-steps.
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
-    mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.dp_shard if unsharded else 0  # fp32
+    mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.shard_ranks if unsharded else 0  # fp32
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
     flat = _flat_buckets(model, args, lay, pp_rank) if lay.zero_stage < 3 else 0
     mem["total_bytes"] = sum(mem.values()) - _not_at_once(mem, lay, n_micro, flat)
@@ -147,7 +148,7 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
         return whole
     block = _reduce_bytes(lay) * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
     bucket = _reduce_bytes(lay) * max(b - a for a, b in zip(bounds, bounds[1:]))
-    return min(whole, whole / lay.dp_shard + (IN_FLIGHT + 1) * bucket + block)
+    return min(whole, whole / flat_shards(lay) + (IN_FLIGHT + 1) * bucket + block)
 
 
 def _not_at_once(mem: dict, lay: Layout, n_micro: int, flat_grad_bytes: float) -> float:
@@ -174,11 +175,12 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
         return comm.get(dim, {}).get("seconds", 0.0)
 
     n_micro = micro_steps(lay)[1]
-    if lay.zero_stage == 2:  # dp_shard: reduce-scatter and all-gather of the same elements
-        gather = sec("dp_shard") * lay.param_dtype_bytes / (lay.param_dtype_bytes + _reduce_bytes(lay))
-        reduce, after = sec("dp_shard") - gather, sec("dp_replicate")
+    shard = sec(lay.shard_dim)
+    if lay.zero_stage == 2:  # dp_shard (x cp): reduce-scatter and all-gather of the same elements
+        gather = shard * lay.param_dtype_bytes / (lay.param_dtype_bytes + _reduce_bytes(lay))
+        reduce, after = shard - gather, sec("dp_replicate")
     else:
-        gather, reduce, after = sec("dp_shard"), sec("dp"), 0.0
+        gather, reduce, after = shard, sec(lay.reduce_dim), 0.0
     buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
     exposed_reduce = max(reduce / buckets, reduce - compute * 2 / 3 / n_micro)
     return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
@@ -187,12 +189,14 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
 def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float) -> float:
     """Communication time the step waits for. ZeRO 0-2 overlap their reductions with backward
     and their gathers with forward (:func:`_flat_exposed`); FSDP2 overlaps with compute; TP
-    collectives sit on the critical path; pipeline sends are mostly hidden (counted fully)."""
-    dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate"))
-    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "pp", "world"))
+    collectives and context parallelism's exchanges sit on the critical path; pipeline sends
+    are mostly hidden (counted fully)."""
+    dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate", "dp_cp",
+                                                               "dp_shard_cp"))
+    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "cp", "pp", "world"))
     if lay.zero_stage == 3:
         exposed += max(0.0, dp_s - compute)
-    elif lay.dp > 1:
+    elif lay.grad_ranks > 1:
         exposed += _flat_exposed(model, args, lay, comm, compute)
     if lay.cpu_offload:
         # Sharded parameters cross PCIe to the device for every all-gather, gradients back once,
@@ -266,7 +270,7 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: l
     parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
     bytes); each embedding and the head add one pair. ``entries``: the rank's parameters."""
     micro_batch, n_micro = micro_steps(lay)
-    t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes
+    t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes  # (seq: this rank's tokens)
     per_block = sum(word in ("rowwise", "input") for word in model.block_plan.values())
     embeddings = sum(word == "embedding" for word in model.top_plan.values())
     pairs = per_block * layers + embeddings * first + last
@@ -295,23 +299,23 @@ def _flat_zero(sent: _Sent, lay: Layout, elements: int) -> None:
     """ZeRO 0-2: the padded buffer's gradients (``elements``) reduced once per step (bucket by
     bucket, the same bytes) in the reduction dtype, and the updated pieces all-gathered in the
     compute dtype."""
-    n, r = lay.dp_shard, lay.dp_replicate
+    n, r = lay.shard_ranks, lay.dp_replicate
     grads = _reduce_bytes(lay) * elements
     if lay.zero_stage == 2:
-        sent.add("dp_shard", "reduce_scatter", grads, n)
+        sent.add(lay.shard_dim, "reduce_scatter", grads, n)
         sent.add("dp_replicate", "all_reduce", grads / n, r)
     else:
-        sent.add("dp", "all_reduce", grads, lay.dp)
+        sent.add(lay.reduce_dim, "all_reduce", grads, lay.grad_ranks)
     if lay.zero_stage in (1, 2):
-        sent.add("dp_shard", "all_gather", lay.param_dtype_bytes * elements, n)
+        sent.add(lay.shard_dim, "all_gather", lay.param_dtype_bytes * elements, n)
 
 
 def _fsdp(
     sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool
 ) -> None:
     """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
-    collectives carry every parameter padded to a multiple of dp_shard rows."""
-    n, r = lay.dp_shard, lay.dp_replicate
+    collectives carry every parameter padded to a multiple of dp_shard (x cp) rows."""
+    n, r, dim = lay.shard_ranks, lay.dp_replicate, lay.shard_dim
 
     def unit_bytes(shapes, dtype_bytes):
         return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
@@ -328,11 +332,11 @@ def _fsdp(
     act = lay.param_dtype_bytes
     for i, unit in enumerate(blocks):
         again = lay.pp == 1 and i < len(blocks) - 1
-        sent.add("dp_shard", "all_gather", unit_bytes(unit, act), n, 2 * gathers if again else gathers)
-        sent.add("dp_shard", "reduce_scatter", unit_bytes(unit, 4), n, reduces)
+        sent.add(dim, "all_gather", unit_bytes(unit, act), n, 2 * gathers if again else gathers)
+        sent.add(dim, "reduce_scatter", unit_bytes(unit, 4), n, reduces)
     if root:
-        sent.add("dp_shard", "all_gather", unit_bytes(root, act), n, gathers)
-        sent.add("dp_shard", "reduce_scatter", unit_bytes(root, 4), n, reduces)
+        sent.add(dim, "all_gather", unit_bytes(root, act), n, gathers)
+        sent.add(dim, "reduce_scatter", unit_bytes(root, 4), n, reduces)
     for unit in blocks + ([root] if root else []):
         sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
 
@@ -368,9 +372,32 @@ def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> No
             continue
         tp_sharded = lay.tp > 1 and tp_dim is not None
         if lay.zero_stage == 3:
-            sent.add("dp_shard", "all_gather", 2 * r * c / (lay.tp if tp_sharded else 1), lay.dp_shard)
+            sent.add(lay.shard_dim, "all_gather", 2 * r * c / (lay.tp if tp_sharded else 1), lay.shard_ranks)
         if tp_sharded:
             sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
+
+
+def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int]) -> None:
+    """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
+    through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
+    the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
+    the key/value block cp-1 times in forward (KV heads repeated to the query heads) and in
+    backward, and the key/value gradients (fp32) cp times. A block that recomputation wraps runs
+    its forward's exchanges again (selective recomputation keeps attention's output, not theirs)."""
+    c, act = lay.cp, lay.param_dtype_bytes
+    policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
+    again = sum(recomputed(i, policy, every) for i in blocks)
+    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
+        again *= 2  # input- and weight-gradient passes each recompute the block
+    passes = 2 * len(blocks) + again  # forward and backward of every block, and the forwards run again
+    head = tokens * args.head_dim / lay.tp
+    if lay.cp_method == "alltoall":
+        qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
+        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes)
+    else:
+        kv = 2 * head * args.n_heads
+        sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1))
+        sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c)
 
 
 def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
@@ -383,6 +410,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     stages = lay.stage_ids(pp_rank)
     layers = sum(split[s] for s in stages)
     first, last = 0 in stages, len(split) - 1 in stages
+    seq //= lay.cp  # the tokens of each sequence this rank holds
     sent = _Sent()
     # The trainer's own, over all ranks: the loss with the stop-signal flag (two fp32 values) and the
     # global gradient norm (one).
@@ -391,7 +419,11 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     if lay.tp > 1:
         entries = [e for s in stages for e in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
         _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)
-    if lay.dp > 1:
+    if lay.cp > 1:
+        starts = [0, *itertools.accumulate(split)]
+        blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]
+        _context(sent, args, lay, micro_batch * seq * n_micro, blocks)
+    if lay.grad_ranks > 1:
         local = rank_params(model, args, lay, pp_rank)
         if lay.zero_stage == 3:
             _fsdp(sent, model, args, lay, local, layers, first)
@@ -403,11 +435,12 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         # gradients); a rank sends from each of its stages that has a neighbour.
         hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes
         sent["pp"] = sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro * hidden
-    # Links: mesh dims (pp, dp_replicate, dp_shard, tp), tp innermost; a dim is intra-node when
+    # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.
-    t, n = lay.tp, lay.dp_shard
-    stride = {"tp": (1, t), "dp_shard": (t, n), "dp_replicate": (t * n, lay.dp_replicate), "dp": (t, lay.dp),
-              "pp": (t * lay.dp, lay.pp), "world": (1, lay.world)}
+    t, c, n = lay.tp, lay.cp, lay.dp_shard
+    stride = {"tp": (1, t), "cp": (t, c), "dp_shard": (t * c, n), "dp_shard_cp": (t, c * n),
+              "dp_replicate": (t * c * n, lay.dp_replicate), "dp": (t * c, lay.dp), "dp_cp": (t, c * lay.dp),
+              "pp": (t * c * lay.dp, lay.pp), "world": (1, lay.world)}
     out = {}
     for dim, b in sent.items():
         link, bw = _link(cluster, *stride[dim])

@@ -52,18 +52,19 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     model = adapter(cfg.model.name)
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
-    lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer)
+    lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
+                         cfg.data.document_masking)
     return lay, model, args
 
 
 def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes of the rank at ``coords`` (pp, dp_shard,
+    """Parameter, gradient and optimizer-state bytes of the rank at ``coords`` (pp, dp_shard, cp,
     tp), as torchpar lays them out: exact, including uneven shards and ZeRO 0-2 padding; the
     optimizer's state from its declaration (torchpar.optim.state_bytes) per piece it updates."""
     pp, tp = coords.get("pp", 0), coords.get("tp", 0)
     local = rank_params(model, args, lay, pp, tp)
-    if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard
-        pieces = [((chunk(r, lay.dp_shard, coords.get("dp_shard", 0)), c), role)
+    if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard x cp
+        pieces = [((chunk(r, lay.shard_ranks, lay.shard_index(coords)), c), role)
                   for (r, c), role in zip(local, _roles(model, args, lay, pp, local))]
         n = sum(r * c for (r, c), _ in pieces)
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s), role) for s, role in pieces)
@@ -73,7 +74,7 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     # fp32 copy the optimizer takes; the optimizer's state of the pieces it updates and, when the
     # compute copy is not fp32, the fp32 master of the owned N-th.
     n = flat_shards(lay)
-    rank = coords.get("dp_shard", 0) if n > 1 else 0
+    rank = lay.shard_index(coords) if n > 1 else 0
     roles, whole, starts, bounds = flat_rank_layout(model, args, lay, pp, tp)
     shard = bounds[-1] // n
     held = shard if lay.zero_stage == 2 else shard * n

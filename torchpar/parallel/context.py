@@ -1,0 +1,171 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks, attention over the whole of it.
+
+Load balance: a sequence of S tokens is cut into 2 x cp chunks and rank r holds chunks r and
+2cp-1-r (head and tail, in that order), so that under a causal mask every rank attends over the
+same number of (query, key) pairs. Everything else in a block is per token, so only attention
+talks to the other ranks, in one of two ways (``parallelism.context_parallel_method``):
+
+* ``alltoall``: an all-to-all trades the sequence split for a head split (each rank then holds
+  every token of 1/cp of the heads), attention runs as on one device — per-document masking and
+  grouped-query heads included — and a second all-to-all trades back. Two all-to-alls of q, k, v
+  and the output per block; heads (and KV heads, per TP rank) must divide by cp.
+* ``ring``: the heads stay; key/value blocks pass around the ranks (cp - 1 hops) while each rank
+  merges its queries' partial attention by log-sum-exp. torch's templated ring forward and
+  backward (private, called only in :func:`_ring_attention`) drive the device's flash kernel:
+  on CPU the CPU flash op, on CUDA the memory-efficient one. One causal mask over the window.
+
+The model never sees a process group: a forward pre-hook (:func:`apply_context_parallel`) turns
+the full-length ``documents`` input (or none) into a :class:`ContextShard`, which gives the model
+each local token's position and serves its attention calls (``models.common.SequenceShard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
+
+from torchpar.models.common import SequenceShard, attention, document_layout
+
+
+@functools.cache
+def _order(cp: int, rank: int, seq: int, device: torch.device) -> torch.Tensor:
+    """The positions rank ``rank`` of ``cp`` holds of a sequence of ``seq`` tokens: chunks
+    ``rank`` and ``2cp - 1 - rank`` of ``2cp``."""
+    n = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n),
+                      torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)]).to(device)
+
+
+def shard_sequence(t: torch.Tensor, layout) -> torch.Tensor:
+    """This rank's tokens of ``t`` [b, S, ...] (ids, targets): its two chunks along dim 1."""
+    if layout.cp == 1:
+        return t
+    return t[:, _order(layout.cp, layout.coordinate("cp"), t.shape[1], t.device)]
+
+
+class ContextShard(SequenceShard):
+    """The part of each sequence this rank holds, as the model sees it (one per forward)."""
+
+    def __init__(self, layout, seq: int, documents: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device):
+        self.cp, self.method = layout.cp, layout.cp_method
+        self.mesh = layout.mesh["cp"]
+        index = _order(self.cp, self.mesh.get_local_rank(), seq, device)
+        if documents is None:
+            self.positions, self.mask = index.unsqueeze(0), None  # [1, s_local]; causal over the window
+        else:  # positions inside each document, and the mask over the whole sequence
+            full, self.mask = document_layout(documents, dtype, device)
+            self.positions = full[:, index]  # [b, s_local]
+
+    @torch.compiler.disable  # collectives and host-side layout: eager between compiled graphs
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.method == "ring":
+            return _ring_attention(q, k, v, self.mesh)
+        q, k, v = (self._to_heads(t) for t in (q, k, v))  # [b, h/cp, S, hd]
+        return self._to_sequence(attention(q, k, v, self.mask))
+
+    def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, h, s, hd] (this rank's tokens, all its heads) -> [b, h/cp, cp*s, hd] (the whole
+        sequence in order, this rank's share of the heads)."""
+        b, h, s, hd, cp = *t.shape, self.cp
+        send = t.reshape(b, cp, h // cp, s, hd).movedim(1, 0).contiguous()  # head group j -> rank j
+        got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group())
+        got = got.view(cp, b, h // cp, 2, s // 2, hd)  # from rank j: chunks j and 2cp-1-j
+        heads = got[:, :, :, 0].movedim(0, 2).flatten(2, 3)  # chunks 0 .. cp-1
+        tails = got[:, :, :, 1].flip(0).movedim(0, 2).flatten(2, 3)  # chunks cp .. 2cp-1
+        return torch.cat([heads, tails], dim=2)
+
+    def _to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_to_heads`."""
+        b, hh, full, hd, cp = *t.shape, self.cp
+        halves = t.view(b, hh, 2, cp, full // (2 * cp), hd)
+        send = torch.stack([halves[:, :, 0], halves[:, :, 1].flip(2)], dim=3)  # [b, hh, cp, 2, n, hd]
+        send = send.movedim(2, 0).contiguous()  # rank j's two chunks -> rank j
+        got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group())
+        return got.view(cp, b, hh, full // cp, hd).movedim(0, 1).reshape(b, cp * hh, full // cp, hd)
+
+
+def apply_context_parallel(part: nn.Module, layout) -> None:
+    """Give ``part`` (a model or pipeline stage) its :class:`ContextShard` at every forward: the
+    caller passes this rank's tokens (:func:`shard_sequence`) and the full-length ``documents``."""
+    if layout.cp == 1:
+        return
+
+    def hook(module, args, kwargs):
+        x, documents = args[0], kwargs.get("documents")
+        seq = layout.cp * x.shape[1]
+        if x.is_floating_point() and layout.sequence_parallel:
+            seq *= layout.tp  # hidden states between pipeline stages are sequence-sharded over tp
+        shard = ContextShard(layout, seq, documents, getattr(torch, layout.param_dtype), x.device)
+        return args, {**kwargs, "documents": shard}
+
+    part.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# ---------------------------------------------------------------------------- ring
+
+
+@functools.cache
+def _ring_kernels(device_type: str):
+    """(forward op, its keyword arguments, backward op, the backward's name for the output's
+    gradient, its keyword arguments): the flash kernel on CPU, the memory-efficient one on CUDA
+    (any dtype; the flash one takes half precision only)."""
+    aten = torch.ops.aten
+    if device_type == "cuda":
+        return (aten._scaled_dot_product_efficient_attention,
+                {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0},
+                aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_",
+                {"attn_bias": None, "dropout_p": 0.0, "grad_input_mask": (True, True, True, False)})
+    return (aten._scaled_dot_product_flash_attention_for_cpu, {"dropout_p": 0.0},
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", {"dropout_p": 0.0})
+
+
+@contextlib.contextmanager
+def _ring_options():
+    """torch's ring options, for one call: head-tail load balance (our layout), fp32 merging,
+    and key/value passed rank to rank (not all-gathered: a rank never holds every block)."""
+    opts = torch_ring._cp_options
+    saved = (opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method)
+    opts.enable_load_balance, opts.convert_to_f32 = True, True
+    opts.rotate_method = torch_ring._RotateMethod.ALL_TO_ALL
+    try:
+        yield torch_ring
+    finally:
+        opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method = saved
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mesh):
+        forward, kwargs, *_ = _ring_kernels(q.device.type)
+        with _ring_options() as ring:
+            out, lse, *rest = ring._templated_ring_attention(mesh.get_group(), 2, forward, q, k, v,
+                                                             is_causal=True, **kwargs)
+        ctx.mesh, ctx.rest = mesh, rest  # (CUDA: the dropout seeds, unused at p = 0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        _, _, backward, name, kwargs = _ring_kernels(q.device.type)
+        if ctx.rest:
+            kwargs = {**kwargs, "philox_seed": ctx.rest[0], "philox_offset": ctx.rest[1]}
+        with _ring_options() as ring:
+            dq, dk, dv, *_ = ring._templated_ring_attention_backward(
+                ctx.mesh.get_group(), 2, backward, grad_out.contiguous(), name, q, k, v, out, lse,
+                is_causal=True, **kwargs)
+        return dq, dk, dv, None
+
+
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh) -> torch.Tensor:
+    """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k and v
+    [b, h_kv, s, hd], each rank's two chunks of the sequence -> [b, h, s, hd]."""
+    if k.shape[1] != q.shape[1]:  # the flash kernels take as many KV heads as query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), mesh)
