@@ -206,6 +206,21 @@ CASES = [
     Case("SP splits seq_len", CHECK + " --parallelism.tensor_parallel_degree 2 --training.seq_len 33",
          "training.seq_len = 33", world=2),
     Case("global batch", CHECK + " --training.global_batch_size 12", "not a multiple of 16", world=2),
+    # --- context parallelism
+    Case("cp of 0", CHECK + " --parallelism.context_parallel_degree 0", "context_parallel_degree = 0",
+         world=2),
+    Case("cp beyond the world", CHECK + " --parallelism.context_parallel_degree 4",
+         "(context_parallel_degree=4) multiply to 4, which does not divide the world size 2", world=2),
+    Case("unknown cp method", CHECK + " --parallelism.context_parallel_method ulysses",
+         "parallelism.context_parallel_method = 'ulysses'", "alltoall", world=2),
+    Case("cp chunks of seq_len", CHECK + " --parallelism.context_parallel_degree 2 --training.seq_len 30",
+         "training.seq_len = 30", "multiple of 4", world=2),
+    Case("cp x tp splits KV heads", CHECK + " --parallelism.context_parallel_degree 2"
+         " --parallelism.tensor_parallel_degree 4", "n_kv_heads (4)", "context_parallel_method = 'ring'",
+         world=8),
+    Case("ring with document masking", CHECK + " --parallelism.context_parallel_degree 2"
+         " --parallelism.context_parallel_method ring --data.document_masking true",
+         "context_parallel_method = 'ring' with data.document_masking", world=2),
     Case("too many gradient buckets", CHECK + " --parallelism.zero_stage 2 --parallelism.bucket_mb 0.000001",
          "parallelism.bucket_mb = 1e-06", "1,311,808 buckets, more than 10,000", "use at least 0.0011",
          world=2),

@@ -20,6 +20,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 STEPS = ["--training.steps", "6"]
 MUON = ["--optimizer.name", "muon"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 
 
 def save(folder, *layout):
@@ -52,15 +53,18 @@ LAYOUTS = {  # name: (world, overrides)
     "muon_dp2_zero1": (2, [*MUON, LB, "4", Z, "1"]),
     "muon_dp2_tp2": (4, [*MUON, LB, "4", *TP2, Z, "3"]),
     "adafactor_dp2_zero2": (2, ["--optimizer.name", "adafactor", LB, "4", Z, "2"]),
+    # Context parallelism: both ranks see the same sequences (one data position); ZeRO over cp.
+    "cp2": (2, [*CP2, Z, "2"]),
+    "cp2_ring_zero3": (2, [*CP2, "--parallelism.context_parallel_method", "ring", Z, "3"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("dp2_zero2_bf16", "dp2_zero2_bf16"), ("muon_dp2_zero1", "muon_dp2_zero1"),
-         ("adafactor_dp2_zero2", "adafactor_dp2_zero2")]
+         ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
            ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),
-           ("muon_dp2_tp2", "muon_single")]
+           ("muon_dp2_tp2", "muon_single"), ("cp2", "single"), ("single", "cp2_ring_zero3")]
 
 
 @pytest.fixture(scope="module")

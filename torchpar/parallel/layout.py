@@ -201,9 +201,10 @@ def resolve_degrees(par, world: int) -> dict[str, int]:
         known *= v if v != -1 else 1
     if auto:
         if world % known:
+            others = " x ".join(f"{DEGREE_FIELDS[d]}={v}" for d, v in degrees.items() if v not in (-1, 1))
             raise ConfigError(
-                f"parallelism: the other degrees multiply to {known}, which does not divide the world size "
-                f"{world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved"
+                f"parallelism: the other degrees ({others}) multiply to {known}, which does not divide the "
+                f"world size {world}, so parallelism.{DEGREE_FIELDS[auto[0]]} = -1 cannot be resolved"
             )
         degrees[auto[0]] = world // known
     elif known != world:
