@@ -381,7 +381,7 @@ def test_search_follows_the_tutorials_reasoning():
     plans = search(model, args, a100, 64, 4096)
     assert all(p.layout["cpu_offload"] for p in plans if p.fits) and plans[0].fits
     text = explain(model, args, plans, a100)
-    assert "2. + tensor parallel inside a node" in text and "4. + CPU offload" in text
+    assert "2. + tensor parallel inside a node" in text and "5. + CPU offload" in text
     # A node with 512 GB of host memory cannot hold the 1.13 TB of offloaded 70B state: nothing fits.
     pcie = PRESETS["PCIe-Ethernet"]
     offloaded = [p for p in search(model, args, pcie, 64, 4096) if p.layout["cpu_offload"]]
@@ -392,6 +392,27 @@ def test_search_follows_the_tutorials_reasoning():
     # Ranked by estimated throughput among those that fit.
     fitting = [p for p in plans if p.fits]
     assert all(x.tokens_per_sec >= y.tokens_per_sec for x, y in zip(fitting, fitting[1:]))
+
+
+def test_search_splits_a_long_sequence_over_ranks():
+    """Llama-3 8B with 128k-token sequences on 8 x H100: the fastest layout that fits splits each
+    sequence over ranks (cp), and a layout's activations per rank fall with the split."""
+    from torchpar.models import MODELS
+    from torchpar.plan import PRESETS, explain, search
+    from torchpar.plan.search import describe_layout
+
+    model, h100, seq = MODELS["llama3"], PRESETS["H100-80GB"], 131072
+    args = model.args("8B", max_seq_len=seq)
+    plans = search(model, args, h100, 8, seq)
+    best = next(p for p in plans if p.fits)
+    assert best.layout["cp"] > 1 and best.layout["cp_method"] == "alltoall"
+    assert f"fastest that fits: {describe_layout(best.layout)}" in explain(model, args, plans, h100)
+    same = {p.layout["cp"]: p.memory["activation_bytes"] for p in plans
+            if p.layout["tp"] == 1 and p.layout["pp"] == 1 and p.layout["zero_stage"] == 3
+            and not p.layout["cpu_offload"] and p.layout["activation_checkpoint"] == "full"
+            and p.layout["activation_checkpoint_every"] == 1 and p.layout["local_batch_size"] == 1}
+    assert sorted(same) == [1, 2, 4, 8]
+    assert all(same[c] == pytest.approx(same[1] / c, rel=0.01) for c in same), same
 
 
 def test_the_search_leaves_out_schedules_too_long_to_build(capfd):

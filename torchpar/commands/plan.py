@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--model {a.model!r} is not a {a.family} flavour.{did_you_mean(a.model, model.flavors)}"
             )
         args = model.args(a.model)
+        if a.seq_len > args.max_seq_len and hasattr(args, "rope_theta"):
+            args = model.args(a.model, max_seq_len=a.seq_len)  # rotary positions: computed, any length
         if a.seq_len > args.max_seq_len:
             raise ConfigError(f"--seq-len {a.seq_len} is beyond {a.family} {a.model}'s max_seq_len "
                               f"{args.max_seq_len}; the model has no positions past it")

@@ -24,30 +24,41 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(model, args, cluster: Cluster, global_batch: int):
-    """(tp, pp, dp) that divide the world, the model and the batch; TP inside a node."""
+def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
+    """(tp, pp, cp, dp) that divide the world, the model, the batch and (cp) the sequence; TP
+    inside a node."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         if any(n % tp for n in model.tp_divisors(args).values()):
             continue
         for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > args.n_layers or (pp > 1 and args.tie_embeddings) or global_batch % dp:
+            if pp > args.n_layers or (pp > 1 and args.tie_embeddings):
                 continue
-            yield tp, pp, dp
+            for cp in _divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                if global_batch % dp or seq % (2 * cp * tp):
+                    continue
+                yield tp, pp, cp, dp
 
 
-def _layouts(model, args, tp: int, pp: int, dp: int, per_dp: int, param_dtype: str, left_out: list):
+def _context_method(args, cp: int, tp: int) -> str:
+    """All-to-all where the heads split over cp x tp (exact, two exchanges a block), else ring."""
+    return "alltoall" if not (args.n_heads % (cp * tp) or args.n_kv_heads % (cp * tp)) else "ring"
+
+
+def _layouts(model, args, tp: int, pp: int, cp: int, dp: int, per_dp: int, param_dtype: str,
+             left_out: list):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
     left out (their schedules take too long to build) and counted in ``left_out``."""
 
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
-        if zero in (1, 2, 3) and dp == 1 and not offload:
+        if zero in (1, 2, 3) and dp * cp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
         searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
         for (ac, every), mbs in searched:
-            common = dict(dp_shard=dp, tp=tp, zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
+            common = dict(dp_shard=dp, tp=tp, cp=cp, cp_method=_context_method(args, cp, tp), zero_stage=zero,
+                          cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
                           param_dtype=param_dtype)
             if pp == 1:
@@ -74,8 +85,8 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 
     left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
-             for tp, pp, dp in _degrees(model, args, cluster, global_batch)
-             for lay in _layouts(model, args, tp, pp, dp, global_batch // dp, param_dtype, left_out)]
+             for tp, pp, cp, dp in _degrees(model, args, cluster, global_batch, seq)
+             for lay in _layouts(model, args, tp, pp, cp, dp, global_batch // dp, param_dtype, left_out)]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")
@@ -102,8 +113,9 @@ def recompute_name(lay: dict) -> str:
 
 def describe_layout(lay: dict) -> str:
     micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
+    cp = f"cp {lay['cp']} ({lay['cp_method']}) x " if lay.get("cp", 1) > 1 else ""
     return (
-        f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x tp {lay['tp']}, zero "
+        f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x {cp}tp {lay['tp']}, zero "
         f"{lay['zero_stage']}"
         + (" +offload" if lay["cpu_offload"] else "")
         + f", recompute {recompute_name(lay)}, micro-batch {micro}"
@@ -111,16 +123,19 @@ def describe_layout(lay: dict) -> str:
     )
 
 
-# The usual order of reasoning: does DP + ZeRO fit? if not, TP inside a node; then PP; offload last.
+# The usual order of reasoning: does DP + ZeRO fit? if not, TP inside a node; then a long sequence
+# split over ranks (CP); then PP; offload last.
 REASONING = (
     (
         "1. data parallel + ZeRO alone",
-        lambda lay: lay["tp"] == 1 and lay["pp"] == 1 and not lay["cpu_offload"],
+        lambda lay: lay["tp"] == 1 and lay["pp"] == 1 and lay["cp"] == 1 and not lay["cpu_offload"],
     ),
     ("2. + tensor parallel inside a node",
-     lambda lay: lay["tp"] > 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
-    ("3. + pipeline parallel", lambda lay: lay["pp"] > 1 and not lay["cpu_offload"]),
-    ("4. + CPU offload of the ZeRO-3 state", lambda lay: lay["cpu_offload"]),
+     lambda lay: lay["tp"] > 1 and lay["pp"] == 1 and lay["cp"] == 1 and not lay["cpu_offload"]),
+    ("3. + context parallel (each sequence split over ranks)",
+     lambda lay: lay["cp"] > 1 and lay["pp"] == 1 and not lay["cpu_offload"]),
+    ("4. + pipeline parallel", lambda lay: lay["pp"] > 1 and not lay["cpu_offload"]),
+    ("5. + CPU offload of the ZeRO-3 state", lambda lay: lay["cpu_offload"]),
 )
 
 
@@ -184,7 +199,7 @@ def explain(model, args, plans: list[Plan], cluster: Cluster) -> str:
     layout that fits costs."""
     n = model.num_params(args)
     lay = plans[0].layout
-    world = lay["pp"] * lay["dp_replicate"] * lay["dp_shard"] * lay["tp"]
+    world = lay["pp"] * lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] * lay["tp"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [
         f"model: {size} parameters x 16 bytes (weights, gradients, Adam) = {_gb(16 * n)}; {world} devices of "
