@@ -218,6 +218,8 @@ CASES = [
     Case("cp x tp splits KV heads", CHECK + " --parallelism.context_parallel_degree 2"
          " --parallelism.tensor_parallel_degree 4", "n_kv_heads (4)", "context_parallel_method = 'ring'",
          world=8),
+    Case("over the memory cap", CHECK + " --training.memory_cap_gib 0.01",
+         "training.memory_cap_gib = 0.01: this layout needs", "parallelism.context_parallel_degree", world=2),
     Case("ring with document masking", CHECK + " --parallelism.context_parallel_degree 2"
          " --parallelism.context_parallel_method ring --data.document_masking true",
          "context_parallel_method = 'ring' with data.document_masking", world=2),
@@ -345,8 +347,8 @@ CASES = [
     Case("plan: zero efficiency", "plan --model 8B --efficiency 0", "--efficiency"),
     Case("plan: zero batch", "plan --model 8B --global-batch-size 0", "--global-batch-size must be >= 1"),
     Case("plan: not a number", "plan --model 8B --nodes two", "--nodes", "'two'"),
-    Case("plan: sequence beyond the model", "plan --model 8B --seq-len 100000", "--seq-len 100000 is beyond",
-         "max_seq_len 8192"),
+    Case("plan: sequence beyond the model", "plan --family gpt2 --model 124M --seq-len 100000",
+         "--seq-len 100000 is beyond", "max_seq_len 1024"),
     Case("plan: config missing", "plan --config {t}/none.toml", "none.toml"),
     Case("plan: layout of the config", "plan --nproc 4 --config {t}/tp3.toml",
          "does not divide the world size 4",

@@ -90,6 +90,8 @@ WORLD2 = {
     "cp2_zero2_docmask": [*CP2, Z, "2", *DOCMASK],
     "cp2_zero1_selective": [*CP2, Z, "1", SAC],
     "cp2_ring_selective": [*CP2, *RING, Z, "0", SAC],
+    "cp2_zero1_compile": [*CP2, Z, "1", C],  # the exchanges run eagerly between a block's graphs
+    "cp2_ring_zero3_bf16": [*CP2, *RING, Z, "3", "--training.mixed_precision_param", "bfloat16"],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -114,6 +116,12 @@ WORLD4 = {
     "cp2_tp2_ring_zero3": [*CP2, *TP2, *RING, Z, "3"],
     "pp2_cp2_docmask": pp(2, "1F1B", *CP2, Z, "0", *DOCMASK),  # each stage gets the whole documents
     "pp2_cp2_ring_Interleaved1F1B": pp(2, "Interleaved1F1B", *CP2, *RING, Z, "3"),
+    "cp4_zero1_docmask": [*CP4, Z, "1", *DOCMASK],  # 4-token chunks: documents cross every rank
+    "cp2_tp2_docmask": [*CP2, *TP2, Z, "3", *DOCMASK],
+    # HSDP: FSDP2 over (dp_replicate, dp_shard_cp); the flat engine shards over cp, all-reduces replicas
+    "hsdp2_cp2_zero3": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, Z, "3"],
+    "hsdp2_cp2_ring_zero2": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, *RING,
+                             Z, "2"],
 }
 # Three dimensions at once. 1F1B's pp x dp x tp and HSDP x TP are left to their world-4 pairs
 # (pp2_dp2_zero3, pp2_tp2; hsdp2x2, dp_shard2_tp2); ZBV here is the one run of a zero-bubble

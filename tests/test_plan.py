@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from harness import ROOT, TINY, spawn_ranks
 
+from torchpar.errors import ConfigError
 from torchpar.parallel.recompute import OPTIONS, option_overrides
 
 Z = "--parallelism.zero_stage"
@@ -413,6 +414,19 @@ def test_search_splits_a_long_sequence_over_ranks():
             and p.layout["activation_checkpoint_every"] == 1 and p.layout["local_batch_size"] == 1}
     assert sorted(same) == [1, 2, 4, 8]
     assert all(same[c] == pytest.approx(same[1] / c, rel=0.01) for c in same), same
+
+
+def test_the_memory_cap_refuses_what_one_rank_cannot_hold():
+    """train_configs/long_context.toml: 8k-token sequences under a 0.4 GiB cap fit when split over 4
+    ranks and are refused on one, with the figure it would need."""
+    from torchpar.config import load_config
+    from torchpar.plan import check_memory_cap, layout_from_config
+
+    config = ROOT / "train_configs" / "long_context.toml"
+    check_memory_cap(load_config(config, []), *layout_from_config(load_config(config, []), 4))
+    one = load_config(config, ["--parallelism.context_parallel_degree", "1"])
+    with pytest.raises(ConfigError, match=r"memory_cap_gib = 0.4: this layout needs 1.08 GiB"):
+        check_memory_cap(one, *layout_from_config(one, 1))
 
 
 def test_the_search_leaves_out_schedules_too_long_to_build(capfd):

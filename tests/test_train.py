@@ -93,7 +93,8 @@ def test_run_train_sh_two_processes_end_to_end(tmp_path):
 def test_user_error_under_torchrun_is_one_line(tmp_path):
     r = run(["./run_train.sh", "--parallelism.tensor_parallel_degree", "3"], tmp_path, NGPU="2")
     assert r.returncode != 0
-    assert "torchpar: error: parallelism: the other degrees multiply to 3" in r.stderr
+    assert ("torchpar: error: parallelism: the other degrees (tensor_parallel_degree=3) multiply to 3"
+            in r.stderr)
     assert "Traceback" not in r.stderr
 
 

@@ -22,7 +22,8 @@ def build(world, monkeypatch, *overrides):
     "world, overrides, message",
     [
         (4, ["--parallelism.tensor_parallel_degree", "3"],
-         "the other degrees multiply to 3, which does not divide the world size 4"),
+         r"the other degrees \(tensor_parallel_degree=3\) multiply to 3, which does not divide the world "
+         "size 4"),
         (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "4"],
          "tensor_parallel_degree=2 x pipeline_parallel_degree=1 = 8 ranks, but the world size is 4"),
         (3, ["--parallelism.tensor_parallel_degree", "3"], "does not divide the model's n_heads"),

@@ -381,6 +381,14 @@ def memory_snapshot() -> dict:
     return torch.cuda.memory._snapshot()
 
 
+def cap_memory(gib: float) -> None:
+    """A GPU's caching allocator may hold at most ``gib`` GiB (0: no cap); on the CPU the planner's
+    check before launch is the cap."""
+    if gib > 0 and device_type() == "cuda":
+        total = torch.cuda.get_device_properties(device_index()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device_index())
+
+
 def reset_peak_memory() -> None:
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -46,6 +46,7 @@ TOLERANCE = {("cpu", "float32"): 1e-5, ("cuda", "float32"): 1e-4, ("cpu", "bfloa
 Z, LB = "--parallelism.zero_stage", "--training.local_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 # (world, name, overrides): every layout trains the global batch of the one-device run (8 sequences).
 LAYOUTS = [
     (1, "zero3", [Z, "3"]),
@@ -58,10 +59,13 @@ LAYOUTS = [
     *((2, f"dp2_zero{z}", [Z, str(z), LB, "4"]) for z in (0, 1, 2, 3)),
     (2, "tp2_sp_lp", [*TP2, Z, "0"]),
     *((2, f"pp2_{s}", [*PP2, s, Z, "0"]) for s in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")),
+    *((2, f"cp2_{m}", [*CP2, "--parallelism.context_parallel_method", m, Z, "3"])
+      for m in ("alltoall", "ring")),
     (4, "hsdp2x2", [Z, "3", LB, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
     (4, "dp2_tp2_zero3", [Z, "3", LB, "4", *TP2]),
     (4, "pp2_dp2_zero3", [*PP2, "1F1B", Z, "3", LB, "4"]),
     (4, "pp2_tp2", [*PP2, "1F1B", Z, "0", *TP2]),
+    (4, "cp2_tp2", [*CP2, Z, "3", *TP2]),
     (8, "pp2_dp2_tp2", [*PP2, "Interleaved1F1B", Z, "3", LB, "4", *TP2]),
 ]
 REFERENCE = [Z, "0"]

@@ -34,9 +34,11 @@ from torchpar.watchdog import Watchdog
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, on_first_step=None):
+    def __init__(self, cfg: JobConfig, on_first_step=None, check_layout=None):
         """``on_first_step(trainer, measured) -> dict``: extra figures for the first logged step
-        (``torchpar train`` passes the planner's prediction, to be logged beside the measurement)."""
+        (``torchpar train`` passes the planner's prediction, to be logged beside the measurement);
+        ``check_layout(cfg, layout, model, args)``: raises ConfigError for a layout it refuses,
+        before any collective (``torchpar train`` passes the planner's memory cap)."""
         self.cfg, self.on_first_step = cfg, on_first_step
         tr = cfg.training
         dev.adopt_slurm_environment()  # srun without torchrun: every task joins one job
@@ -45,6 +47,8 @@ class Trainer:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         with progress("checking the config, tokenizer, data and checkpoint", rank == 0):
             pre = preflight(cfg, world)
+            if check_layout is not None:
+                check_layout(cfg, pre.layout, pre.model, pre.args)
         self.run_lock = claim_folders(cfg, rank)
         if cfg.job.rank_logs and "TORCHELASTIC_RUN_ID" in os.environ:
             tee_output(Path(cfg.job.dump_folder) / "logs" / f"rank_{rank}.log")
@@ -56,6 +60,7 @@ class Trainer:
         with progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0):
             self.rank, world = dev.init_distributed(cfg.comm.timeout_s, lay.cpu_offload, tr.tf32)
             self.device = dev.local_device(tr.tf32)
+            dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
         torch.manual_seed(tr.seed)
         with progress("building, parallelizing and initializing the model", rank == 0):

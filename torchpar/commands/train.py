@@ -18,7 +18,7 @@ import torch
 from torchpar import device as dev
 from torchpar.config import help_text, load_config, to_toml
 from torchpar.errors import ConfigError, Preempted, SaveFailed, TrainingStopped
-from torchpar.plan import predict_for_trainer
+from torchpar.plan import check_memory_cap, predict_for_trainer
 from torchpar.preflight import claim_folders, preflight, verify_contents
 from torchpar.train import Trainer
 
@@ -31,14 +31,16 @@ def main(argv: list[str]) -> int:
         print(to_toml(cfg))
         return 0
     if check:  # run_train.sh calls this once before torchrun starts any rank
-        verify_contents(cfg, preflight(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
+        pre = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_memory_cap(cfg, pre.layout, pre.model, pre.args)
+        verify_contents(cfg, pre)
         if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
             claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
         return 0
 
     trainer = None
     try:
-        trainer = Trainer(cfg, on_first_step=predict_for_trainer)
+        trainer = Trainer(cfg, on_first_step=predict_for_trainer, check_layout=check_memory_cap)
         trainer.signals.install()
         trainer.train()  # closes the trainer at its end
     except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step

@@ -118,6 +118,10 @@ class Training:
         "float32", "Dtype of gradient reduction across data-parallel ranks (and, under zero stages 0-2, of "
         "the gradient buckets). bfloat16 halves the bytes sent; the optimizer still gets fp32 gradients.",
         DTYPES)
+    memory_cap_gib: float = opt(
+        0.0, "Device memory a rank may use, in GiB; 0 = no cap. A layout whose predicted peak (the "
+        "planner's: state, activations, transients) exceeds it on some rank is refused before launch, naming "
+        "what would fit; on GPUs the caching allocator is also capped to it.")
     tf32: bool = opt(True, "GPUs: fp32 matmuls in TF32 (what stays fp32 under bf16, or an fp32 run); false "
                            "for full fp32 precision.")
     activation_checkpoint: str = opt(

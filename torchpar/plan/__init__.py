@@ -21,7 +21,7 @@ against measured runs; nothing at run time imports the planner.
 """
 
 from torchpar.parallel.layout import Layout
-from torchpar.plan.compare import predict_for_trainer
+from torchpar.plan.compare import check_memory_cap, predict_for_trainer
 from torchpar.plan.estimate import (
                                     Plan,
                                     communication,
@@ -41,6 +41,7 @@ from torchpar.plan.layout import (
 )
 from torchpar.plan.search import explain, search
 
-__all__ = ["PRESETS", "Cluster", "Layout", "Plan", "communication", "deepspeed_bytes", "explain", "in_flight",
+__all__ = ["PRESETS", "Cluster", "Layout", "Plan", "check_memory_cap", "communication", "deepspeed_bytes",
+           "explain", "in_flight",
            "layout_from_config", "micro_steps", "pipeline_bubble", "plan", "predict_for_trainer",
            "rank_params", "recompute_flops_per_token", "search", "state_bytes"]

@@ -3,8 +3,27 @@ to what the trainer measured (``Trainer(cfg, on_first_step=predict_for_trainer)`
 
 from __future__ import annotations
 
+from torchpar.errors import ConfigError
 from torchpar.plan.estimate import communication, plan
 from torchpar.plan.layout import PRESETS, state_bytes
+
+
+def check_memory_cap(cfg, lay, model, args) -> None:
+    """``training.memory_cap_gib``: refuse a layout whose predicted device peak on its heaviest rank
+    exceeds the cap (before any collective)."""
+    cap = cfg.training.memory_cap_gib
+    if cap <= 0:
+        return
+    m = plan(model, args, lay, PRESETS["H100-80GB"], cfg.training.seq_len).memory  # (bytes: any device)
+    peak = max(m["total_bytes"], m["startup_peak"], m["checkpoint_peak"])
+    if peak > cap * 2**30:
+        state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
+        raise ConfigError(
+            f"training.memory_cap_gib = {cap:g}: this layout needs {peak / 2**30:.2f} GiB on its heaviest "
+            f"rank (activations {m['activation_bytes'] / 2**30:.2f}, logits {m['logits_bytes'] / 2**30:.2f}, "
+            f"state {state / 2**30:.2f}); split each sequence over "
+            "more ranks (parallelism.context_parallel_degree), recompute (training.activation_checkpoint), "
+            "shard more, or raise the cap")
 
 
 def predict_for_trainer(trainer, measured: dict) -> dict:
