@@ -74,3 +74,54 @@ def test_attention_over_a_split_sequence_equals_one_process(world):
         assert r["positions"], r
         tol = 0.0 if r["case"].startswith("alltoall") else 2e-5
         assert max(r["diffs"]) <= tol, r
+
+
+def _cuda_ring_worker(rank, world, out):
+    from torchpar.parallel.context import _ring_attention
+    from torchpar.parallel.layout import Layout
+
+    lay = Layout(cp=world, cp_method="ring")
+    lay.build_mesh("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(2, 8, 64, 32, generator=gen, device="cuda", dtype=dtype).requires_grad_()
+                   for _ in "qkv")
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref.float().square().sum().backward()
+        full = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        got = _ring_attention(q, k, v, lay.mesh["cp"])
+        got.float().square().sum().backward()
+        pairs = [(got, ref), *((t.grad, g) for t, g in zip((q, k, v), full))]
+        results[str(dtype)] = [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]  # relative
+    with open(f"{out}/ring_cuda.json", "w") as f:
+        json.dump(results, f)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's ring kernels (memory-efficient attention "
+                    "and its backward, with their dropout-seed arguments) run on a GPU only")
+def test_the_ring_drives_cudas_kernels():
+    """On one GPU (a ring of one rank): the memory-efficient kernel's forward and backward as the
+    ring calls them, against SDPA, in fp32 and bf16."""
+    with open(f"{spawn_ranks(_cuda_ring_worker, 1)}/ring_cuda.json") as f:
+        results = json.load(f)
+    assert max(results["torch.float32"]) < 1e-4 and max(results["torch.bfloat16"]) < 3e-2, results
+
+
+def test_ring_on_gpus_needs_half_chunks_of_32_tokens():
+    """CUDA's memory-efficient kernel pads its log-sum-exp to 32 tokens, which torch's ring merges
+    by halves of the local sequence: a layout for GPUs is refused unless they are multiples of 32;
+    on CPUs (the flash kernel, no padding) any even split runs."""
+    from harness import TINY
+
+    from torchpar.config import load_config
+    from torchpar.errors import ConfigError
+    from torchpar.plan import layout_from_config
+
+    ring = ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ring"]
+    with pytest.raises(ConfigError, match="multiple of 64 x context_parallel_degree = 128"):
+        layout_from_config(load_config(TINY, ring), 2, "cuda")
+    assert layout_from_config(load_config(TINY, ring), 2, "cpu")[0].cp == 2
+    assert layout_from_config(load_config(TINY, [*ring, "--training.seq_len", "128"]), 2, "cuda")[0].cp == 2

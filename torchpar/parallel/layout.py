@@ -25,6 +25,7 @@ import torch
 
 from torchpar.config import Parallelism
 from torchpar.console import warn
+from torchpar.device import device_type
 from torchpar.errors import ConfigError
 from torchpar.optim import OPTIMIZERS, optimizer_kind
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
@@ -228,9 +229,9 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
     return global_batch_size // per_step
 
 
-def _check_model(model, args, degrees: dict, par, tr, document_masking: bool) -> None:
+def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, device: str) -> None:
     tp = degrees["tp"]
-    _check_context(args, degrees, par, tr, document_masking)
+    _check_context(args, degrees, par, tr, document_masking, device)
     if tp > 1:
         for what, n in model.tp_divisors(args).items():
             if n % tp:
@@ -249,7 +250,7 @@ def _check_model(model, args, degrees: dict, par, tr, document_masking: bool) ->
         )
 
 
-def _check_context(args, degrees: dict, par, tr, document_masking: bool) -> None:
+def _check_context(args, degrees: dict, par, tr, document_masking: bool, device: str) -> None:
     """Context parallelism cuts each sequence into 2 x cp chunks (head-tail); all-to-all attention
     splits every TP rank's heads, KV heads included, over cp."""
     cp, tp = degrees["cp"], degrees["tp"]
@@ -267,6 +268,13 @@ def _check_context(args, degrees: dict, par, tr, document_masking: bool) -> None
                     f"parallelism.context_parallel_method = 'alltoall' splits the model's {what} ({n}) over "
                     f"context_parallel_degree {cp} x tensor_parallel_degree {tp}; choose degrees whose "
                     "product divides it, or context_parallel_method = 'ring'")
+    elif device == "cuda" and tr.seq_len % (64 * cp):
+        # torch's ring merges each block's log-sum-exp by halves of the local sequence; CUDA's
+        # memory-efficient kernel pads its log-sum-exp to a multiple of 32 tokens.
+        raise ConfigError(
+            f"parallelism.context_parallel_method = 'ring' on GPUs needs training.seq_len = {tr.seq_len} to "
+            f"be a multiple of 64 x context_parallel_degree = {64 * cp} (each rank's half-chunks a multiple "
+            "of 32 tokens, as CUDA's attention kernel pads them); change seq_len, or use 'alltoall'")
     elif document_masking:
         raise ConfigError(
             "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
@@ -303,11 +311,12 @@ def _check_features(par, tr, zero: int, tp: int) -> None:
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
-                   document_masking: bool = False) -> Layout:
+                   document_masking: bool = False, device: str | None = None) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
-    [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking."""
+    [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking;
+    ``device``: the device type the job runs on (default: this machine's)."""
     degrees = resolve_degrees(par, world)
     kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
     _check_optimizer_layout(optimizer, kind, par, degrees)
@@ -315,7 +324,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
     zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"] * degrees["cp"])
-    _check_model(model, args, degrees, par, tr, document_masking)
+    _check_model(model, args, degrees, par, tr, document_masking, device or device_type())
     _check_features(par, tr, zero, degrees["tp"])
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]

@@ -53,7 +53,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
-                         cfg.data.document_masking)
+                         cfg.data.document_masking, device)
     return lay, model, args
 
 

@@ -38,6 +38,8 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
                 dp = world // (tp * pp * cp)
                 if global_batch % dp or seq % (2 * cp * tp):
                     continue
+                if cp > 1 and _context_method(args, cp, tp) == "ring" and seq % (64 * cp):
+                    continue  # (CUDA's kernel: half-chunks of 32 tokens; see resolve_layout)
                 yield tp, pp, cp, dp
 
 
