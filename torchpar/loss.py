@@ -1,8 +1,9 @@
 """The training loss: the summed token cross-entropy, and auxiliary terms beside it.
 
 Everything here is a sum over the tokens of one forward (a microbatch), like the cross-entropy:
-the trainer multiplies each by the same ``scale`` (data-parallel degree over the step's global
-tokens), so any term is averaged right under accumulation, data parallelism and pipelining.
+the trainer multiplies each by the same ``scale`` (the ranks whose gradients are averaged, dp x cp,
+over the step's global tokens), so any term is averaged right under accumulation, data and context
+parallelism and pipelining.
 
 Two ways to add a term:
 

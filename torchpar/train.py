@@ -83,7 +83,8 @@ class Trainer:
         self.settled = (float("nan"), float("nan"))  # (loss, grad norm) of the last step read
         self.settled_terms: dict[str, float] = {}  # its auxiliary loss terms, per token
         self.val_losses: list[tuple[int, float]] = []  # (step, held-out loss) of this run
-        # The rank that holds a complete copy of the loss: last stage, first TP rank (one per dp rank).
+        # The ranks whose loss counts: last stage, first TP rank (one per dp rank and, with context
+        # parallelism, per part of the sequences).
         pipeline = self.model.pipeline
         self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,

@@ -151,6 +151,6 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         trainer.close()
     return {"startup_bytes": startup, "save_added_bytes": save, "staged_bytes": staging.nbytes(),
             "resume_added_bytes": resume, "state_bytes": state, "equal_after_resume": same,
-            "predicted": predicted, "elements": saved.total, "dp": lay.dp,
+            "predicted": predicted, "elements": saved.total, "dp": lay.grad_ranks,
             "shard_elements": saved.shard_starts[-1],
             "bucket_bytes": 4 * max(bucket_elements(lay), *(b - a for a, b in saved.buckets))}

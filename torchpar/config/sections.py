@@ -204,7 +204,8 @@ class Parallelism:
         "alltoall", "How attention sees the whole sequence under context parallelism: 'alltoall' trades the "
         "sequence split for a head split around attention (heads and KV heads, per TP rank, must divide by "
         "the degree); 'ring' keeps the heads and passes key/value blocks around the ranks, merging partial "
-        "attention by log-sum-exp (any head count; no document masking).", ("alltoall", "ring"))
+        "attention by log-sum-exp (any head count; no document masking; on GPUs seq_len a multiple of 64 x "
+        "the degree).", ("alltoall", "ring"))
     zero_stage: int = opt(
         0,
         "0: DDP; 1: + optimizer states sharded; 2: + gradients sharded; 3: + parameters sharded (FSDP2).",

@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import DocumentSpans, ModelAdapter, SeededInit, attention, document_layout
+from torchpar.models.common import (
+    DocumentSpans,
+    ModelAdapter,
+    SeededInit,
+    SequenceShard,
+    attention,
+    document_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,8 @@ class GPT2(SeededInit):
         if self.args.tie_embeddings and self.wte is not None and self.lm_head is not None:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                documents: torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
         # (the compute dtype: the table's on the first stage, the incoming hidden states' after it)

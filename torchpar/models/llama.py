@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import DocumentSpans, ModelAdapter, SeededInit, attention, document_layout
+from torchpar.models.common import (
+    DocumentSpans,
+    ModelAdapter,
+    SeededInit,
+    SequenceShard,
+    attention,
+    document_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,8 @@ class Transformer(SeededInit):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                documents: torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]

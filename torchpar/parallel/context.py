@@ -5,14 +5,16 @@ Load balance: a sequence of S tokens is cut into 2 x cp chunks and rank r holds 
 same number of (query, key) pairs. Everything else in a block is per token, so only attention
 talks to the other ranks, in one of two ways (``parallelism.context_parallel_method``):
 
-* ``alltoall``: an all-to-all trades the sequence split for a head split (each rank then holds
-  every token of 1/cp of the heads), attention runs as on one device — per-document masking and
-  grouped-query heads included — and a second all-to-all trades back. Two all-to-alls of q, k, v
-  and the output per block; heads (and KV heads, per TP rank) must divide by cp.
+* ``alltoall``: one all-to-all trades the sequence split of q, k and v for a head split (each
+  rank then holds every token of 1/cp of the heads), attention runs as on one device —
+  per-document masking and grouped-query heads included — and a second all-to-all trades the
+  output back; heads (and KV heads, per TP rank) must divide by cp.
 * ``ring``: the heads stay; key/value blocks pass around the ranks (cp - 1 hops) while each rank
   merges its queries' partial attention by log-sum-exp. torch's templated ring forward and
-  backward (private, called only in :func:`_ring_attention`) drive the device's flash kernel:
-  on CPU the CPU flash op, on CUDA the memory-efficient one. One causal mask over the window.
+  backward (private, called only in the ``torchpar::ring_attention`` op below) drive the device's
+  attention kernel: on CPU the CPU flash op, on CUDA the memory-efficient one. One causal mask
+  over the window. Being one op, selective recomputation keeps its merged output (as it keeps a
+  fused attention's) rather than every hop's partial result.
 
 The model never sees a process group: a forward pre-hook (:func:`apply_context_parallel`) turns
 the full-length ``documents`` input (or none) into a :class:`ContextShard`, which gives the model
@@ -27,6 +29,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
 from torchpar.models.common import SequenceShard, attention, document_layout
@@ -66,19 +69,21 @@ class ContextShard(SequenceShard):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.method == "ring":
             return _ring_attention(q, k, v, self.mesh)
-        q, k, v = (self._to_heads(t) for t in (q, k, v))  # [b, h/cp, S, hd]
+        q, k, v = self._to_heads(q, k, v)  # [b, h/cp, S, hd], [b, h_kv/cp, S, hd] x 2
         return self._to_sequence(attention(q, k, v, self.mask))
 
-    def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """[b, h, s, hd] (this rank's tokens, all its heads) -> [b, h/cp, cp*s, hd] (the whole
-        sequence in order, this rank's share of the heads)."""
-        b, h, s, hd, cp = *t.shape, self.cp
-        send = t.reshape(b, cp, h // cp, s, hd).movedim(1, 0).contiguous()  # head group j -> rank j
+    def _to_heads(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``ts`` [b, h_i, s, hd] (this rank's tokens, all its heads) -> [b, h_i/cp, cp*s, hd]
+        (the whole sequence in order, this rank's share of the heads), in one all-to-all."""
+        b, _, s, hd = ts[0].shape
+        cp, heads = self.cp, [t.shape[1] // self.cp for t in ts]
+        # head group j of every tensor -> rank j (the cat is the one copy)
+        send = torch.cat([t.reshape(b, cp, n, s, hd).movedim(1, 0) for t, n in zip(ts, heads)], dim=2)
         got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group())
-        got = got.view(cp, b, h // cp, 2, s // 2, hd)  # from rank j: chunks j and 2cp-1-j
-        heads = got[:, :, :, 0].movedim(0, 2).flatten(2, 3)  # chunks 0 .. cp-1
-        tails = got[:, :, :, 1].flip(0).movedim(0, 2).flatten(2, 3)  # chunks cp .. 2cp-1
-        return torch.cat([heads, tails], dim=2)
+        got = got.view(cp, b, sum(heads), 2, s // 2, hd)  # from rank j: chunks j and 2cp-1-j
+        front = got[:, :, :, 0].movedim(0, 2).flatten(2, 3)  # chunks 0 .. cp-1
+        back = got[:, :, :, 1].flip(0).movedim(0, 2).flatten(2, 3)  # chunks cp .. 2cp-1
+        return torch.cat([front, back], dim=2).split(heads, dim=1)
 
     def _to_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`_to_heads`."""
@@ -139,33 +144,51 @@ def _ring_options():
         opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method = saved
 
 
-class _Ring(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mesh):
-        forward, kwargs, *_ = _ring_kernels(q.device.type)
-        with _ring_options() as ring:
-            out, lse, *rest = ring._templated_ring_attention(mesh.get_group(), 2, forward, q, k, v,
-                                                             is_causal=True, **kwargs)
-        ctx.mesh, ctx.rest = mesh, rest  # (CUDA: the dropout seeds, unused at p = 0)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+@torch.library.custom_op("torchpar::ring_attention", mutates_args=())
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [b, h, s, hd] of this rank, ``group`` the cp group's name -> (output, log-sum-exp,
+    and CUDA's dropout seed and offset (unused at p = 0; empty on CPU))."""
+    forward, kwargs, *_ = _ring_kernels(q.device.type)
+    with _ring_options() as ring:
+        out, lse, *rest = ring._templated_ring_attention(_resolve_process_group(group), 2, forward, q, k, v,
+                                                         is_causal=True, **kwargs)
+    seed, offset = rest if rest else (q.new_empty(0), q.new_empty(0))
+    return out, lse, seed, offset
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        _, _, backward, name, kwargs = _ring_kernels(q.device.type)
-        if ctx.rest:
-            kwargs = {**kwargs, "philox_seed": ctx.rest[0], "philox_offset": ctx.rest[1]}
-        with _ring_options() as ring:
-            dq, dk, dv, *_ = ring._templated_ring_attention_backward(
-                ctx.mesh.get_group(), 2, backward, grad_out.contiguous(), name, q, k, v, out, lse,
-                is_causal=True, **kwargs)
-        return dq, dk, dv, None
+
+@ring_attention.register_fake
+def _(q, k, v, group):
+    b, h, s, _ = q.shape
+    lse_len = -(-s // 32) * 32 if q.device.type == "cuda" else s  # (CUDA's kernel pads it)
+    empty = q.new_empty(0) if q.device.type != "cuda" else q.new_empty((), dtype=torch.int64)
+    return torch.empty_like(q), q.new_empty((b, h, lse_len), dtype=torch.float32), empty, empty.clone()
+
+
+def _ring_context(ctx, inputs, output) -> None:
+    q, k, v, ctx.group = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _ring_backward(ctx, grad_out, *_):
+    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    _, _, backward, name, kwargs = _ring_kernels(q.device.type)
+    if q.device.type == "cuda":
+        kwargs = {**kwargs, "philox_seed": seed, "philox_offset": offset}
+    with _ring_options() as ring:
+        dq, dk, dv, *_ = ring._templated_ring_attention_backward(
+            _resolve_process_group(ctx.group), 2, backward, grad_out.contiguous(), name, q, k, v, out, lse,
+            is_causal=True, **kwargs)
+    return dq, dk, dv, None
+
+
+ring_attention.register_autograd(_ring_backward, setup_context=_ring_context)
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh) -> torch.Tensor:
     """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k and v
     [b, h_kv, s, hd], each rank's two chunks of the sequence -> [b, h, s, hd]."""
-    if k.shape[1] != q.shape[1]:  # the flash kernels take as many KV heads as query heads
+    if k.shape[1] != q.shape[1]:  # the kernels take as many KV heads as query heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return _Ring.apply(q.contiguous(), k.contiguous(), v.contiguous(), mesh)
+    group = mesh.get_group().group_name
+    return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0]

@@ -2,15 +2,16 @@
 reduced bucket by bucket while backward still runs.
 
 The buffer holds this rank's parameters in the compute dtype, in model order, padded to a multiple
-of the dp_shard degree N, cut into buckets of ``bucket_mb`` (multiples of N elements; a parameter
-may straddle two). Rank r owns the r-th N-th of every bucket: its optimizer updates those pieces of
-an fp32 master (the buffer itself in an fp32 run), so each collective is one call per bucket. An
-optimizer that needs whole parameters (Muon, Adafactor) gets buckets laid out so that each N-th
-holds whole ones (:func:`flat_layout`), and each owned parameter shaped like itself.
+of N = dp_shard x cp (the ranks ZeRO shards over), cut into buckets of ``bucket_mb`` (multiples of
+N elements; a parameter may straddle two). Rank r owns the r-th N-th of every bucket: its
+optimizer updates those pieces of an fp32 master (the buffer itself in an fp32 run), so each
+collective is one call per bucket. An optimizer that needs whole parameters (Muon, Adafactor) gets
+buckets laid out so that each N-th holds whole ones (:func:`flat_layout`), and each owned
+parameter shaped like itself.
 
 - backward: a parameter's post-accumulate-grad hook (last micro-step; with a pipeline, last
   microbatch) copies its gradient into its bucket(s) and drops it. A full bucket is reduced
-  asynchronously — all-reduce over dp (stages 0, 1), or reduce-scatter over dp_shard into the owned
+  asynchronously — all-reduce over dp x cp (stages 0, 1), or reduce-scatter over the N into the owned
   piece (stage 2, which frees the bucket once reduced: the whole gradient never exists) — in one
   fixed order on every rank, last bucket first;
 - ``reduce_gradients``: what backward did not reduce (split-backward schedules, unused parameters)

@@ -6,8 +6,8 @@ state dicts use, so that any layout loads what any other saved. A rank's values 
 its share of the flat buffer's owned pieces: contiguous runs of the parameter's flattened values,
 which DCP takes as a few boxes each (part of a row, whole rows, part of a row). Each rank saves and
 loads exactly those, in place: nothing is gathered, and a save or a resume holds no more than the
-steady state. Ranks holding the same piece (every dp rank at stage 0, the dp_replicate ranks above
-it) each save a different part of it, so the bytes a save copies to the host do not grow with them.
+steady state. Ranks holding the same piece (every dp x cp rank at stage 0, the dp_replicate ranks
+above it) each save a different part of it, so the bytes a save copies to the host do not grow with them.
 """
 
 from __future__ import annotations

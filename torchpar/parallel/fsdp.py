@@ -20,8 +20,9 @@ from torchpar.parallel.zero import (
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool, cpu_offload: bool) -> None:
     """ZeRO-3: each block is one all-gather / reduce-scatter unit; the root takes the rest
-    (embedding, final norm, head). ``dp_mesh`` is 1-D (dp_shard) or 2-D (dp_replicate, dp_shard)
-    for HSDP, where FSDP2 shards inside dp_shard and all-reduces across dp_replicate."""
+    (embedding, final norm, head). ``dp_mesh`` is 1-D (dp_shard, or dp_shard_cp with context
+    parallelism) or 2-D (dp_replicate and that) for HSDP, where FSDP2 shards inside the second
+    dimension and all-reduces across dp_replicate."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Pinned host memory needs an accelerator; on a CPU-only run offload keeps the same code path

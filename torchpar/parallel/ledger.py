@@ -41,6 +41,10 @@ def _shard_times_n(args, n):  # functional all-gather: the input is this rank's 
     return _nbytes(args[0]) * n
 
 
+def _ring_hops(args, n):  # torchpar's ring attention (q, k, v, group name): n - 1 key/value hops forward
+    return (n - 1) * (_nbytes(args[1]) + _nbytes(args[2]))
+
+
 def _to_others(args, n):  # functional all-to-all (input, output splits, input splits, group name)
     rows, splits = args[0].shape[0], args[2]
     mine = splits[dist.get_rank(dist.distributed_c10d._resolve_process_group(args[3]))]
@@ -58,7 +62,11 @@ OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first
        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
        "reduce_scatter_tensor": ("reduce_scatter", _first), "send": ("send", _first),
        "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first),
-       "all_to_all_single": ("all_to_all", _to_others)}
+       "all_to_all_single": ("all_to_all", _to_others),
+       # one op whose hops the ledger does not see one by one (its backward's it does)
+       "ring_attention": ("all_to_all", _ring_hops)}
+# Namespaces of the ops the ledger counts: c10d's, the functional collectives', torchpar's ring.
+COUNTED = ("c10d", "_c10d_functional", "torchpar")
 # The mesh's flattened views (torchpar.parallel.layout.Layout.build_mesh).
 FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
 # Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
@@ -122,13 +130,13 @@ class CommLedger(TorchDispatchMode):
             return NotImplemented
         # Point-to-point sends are not timed: waiting for one at its issue, before this rank posts
         # its receives, would deadlock a pipeline schedule (its waits show in the measured bubble).
-        timed = (self.synchronize is not None and func.namespace.startswith(("c10d", "_c10d_functional"))
+        timed = (self.synchronize is not None and func.namespace.startswith(COUNTED)
                  and OPS.get(func._opname, ("send",))[0] != "send")
         if timed:
             self.synchronize()
             t0 = time.perf_counter()
         out = func(*args, **kwargs)
-        if func.namespace.startswith(("c10d", "_c10d_functional")):
+        if func.namespace.startswith(COUNTED):
             op = func._opname
             if op in OPS:
                 kind, payload = OPS[op]

@@ -26,6 +26,7 @@ KEPT_OPS = (
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "torch_attn._varlen_attn.default",  # document masking on CUDA (registered by torch.nn.attention.varlen)
+    "torchpar.ring_attention.default",  # context parallelism's ring (registered by torchpar.parallel.context)
     "_c10d_functional.all_reduce.default", "_c10d_functional.reduce_scatter_tensor.default",
 )
 

@@ -174,12 +174,13 @@ def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = 
     of ``seq`` tokens. Under context parallelism a rank holds seq / cp tokens of each, and its
     attention keeps as much as a fused kernel over them: all-to-all attention keeps q, k, v, the
     output and the log-sum-exp of seq tokens and 1/cp of the heads; ring attention keeps its
-    own, with the KV heads repeated to the query heads (the flash kernels take no grouped heads)."""
+    own, with the KV heads repeated to the query heads (the kernels take no grouped heads; under
+    recomputation the repeated copies are made again)."""
     # Everything held is linear in the batch: traced for one sequence.
     local = seq // lay.cp
     held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, local)[part]
     extra = 0.0
-    if part == "block" and lay.cp > 1 and lay.cp_method == "ring" and policy != "full":
+    if part == "block" and lay.cp > 1 and lay.cp_method == "ring" and policy == "none":
         extra = 2 * local * (args.n_heads - args.n_kv_heads) * args.head_dim * lay.param_dtype_bytes / lay.tp
     return batch * (divide(held, lay, policy) + extra)
 

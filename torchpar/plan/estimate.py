@@ -383,9 +383,12 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int]) -> 
     the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
     the key/value block cp-1 times in forward (KV heads repeated to the query heads) and in
     backward, and the key/value gradients (fp32) cp times. A block that recomputation wraps runs
-    its forward's exchanges again (selective recomputation keeps attention's output, not theirs)."""
+    its forward's exchanges again — except the ring's under selective recomputation, which keeps
+    the ring's output as it keeps a fused attention's (the all-to-alls' results it does not keep)."""
     c, act = lay.cp, lay.param_dtype_bytes
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
+    if policy == "selective" and lay.cp_method == "ring":
+        policy = "none"
     again = sum(recomputed(i, policy, every) for i in blocks)
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2  # input- and weight-gradient passes each recompute the block
