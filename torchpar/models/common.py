@@ -104,6 +104,11 @@ class SequenceShard(ABC):
         rank's keys: q [b, h, s_local, hd], k and v [b, h_kv, s_local, hd] -> [b, h, s_local, hd]."""
 
 
+# What a model's ``documents`` input and attention's mask may be (see document_layout, attention).
+Documents = torch.Tensor | SequenceShard | None
+Mask = DocumentSpans | torch.Tensor | SequenceShard | None
+
+
 def varlen_layout(spans: DocumentSpans) -> tuple[torch.Tensor, int]:
     """The sequences of :func:`pack`'s layout: cu_seqlens [n + 1] int32 on the host (row r's
     document starting at c starts at r*s + c; then b*s) and the longest document."""
@@ -154,8 +159,8 @@ def _varlen_fails(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def document_layout(documents: torch.Tensor | SequenceShard, dtype: torch.dtype, device: torch.device
-                    ) -> tuple[torch.Tensor, DocumentSpans | torch.Tensor | SequenceShard]:
+def document_layout(documents: torch.Tensor | SequenceShard, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, Mask]:
     """documents [b, s]: each token's document index, non-decreasing along a row (a packed window),
     best on the host (reading the spans from a device would wait for it). Returns each token's
     position inside its document [b, s] on ``device`` and what :func:`attention` takes to keep
@@ -193,8 +198,7 @@ def _spans(starts_here: torch.Tensor) -> DocumentSpans:
     return DocumentSpans(tuple((*row.nonzero().flatten().tolist(), s) for row in starts_here))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: DocumentSpans | torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:
     """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
     :func:`document_layout` = causal inside each document; a :class:`SequenceShard` = over the

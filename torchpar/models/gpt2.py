@@ -19,14 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import (
-    DocumentSpans,
-    ModelAdapter,
-    SeededInit,
-    SequenceShard,
-    attention,
-    document_layout,
-)
+from torchpar.models.common import Documents, Mask, ModelAdapter, SeededInit, attention, document_layout
 
 
 @dataclass(frozen=True)
@@ -82,7 +75,7 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(args.dim, args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor, mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = self.query(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, h, s, hd]
@@ -113,7 +106,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
@@ -141,8 +134,7 @@ class GPT2(SeededInit):
         if self.args.tie_embeddings and self.wte is not None and self.lm_head is not None:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, x: torch.Tensor,
-                documents: torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
         # (the compute dtype: the table's on the first stage, the incoming hidden states' after it)

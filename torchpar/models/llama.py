@@ -17,14 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import (
-    DocumentSpans,
-    ModelAdapter,
-    SeededInit,
-    SequenceShard,
-    attention,
-    document_layout,
-)
+from torchpar.models.common import Documents, Mask, ModelAdapter, SeededInit, attention, document_layout
 
 
 @dataclass(frozen=True)
@@ -126,7 +119,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
+                mask: Mask = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h, hd]
@@ -158,7 +151,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocumentSpans | torch.Tensor | None = None) -> torch.Tensor:
+                mask: Mask = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -190,8 +183,7 @@ class Transformer(SeededInit):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: torch.Tensor,
-                documents: torch.Tensor | SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents = None) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
         each token's document [b, s] to keep attention inside (positions restart per document)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
