@@ -12,7 +12,7 @@ from torchpar.console import progress
 from torchpar.data import build_dataloader
 from torchpar.loss import cross_entropy_sum
 from torchpar.parallel import compute_context
-from torchpar.parallel.context import shard_sequence
+from torchpar.parallel.context import inputs_and_targets
 from torchpar.parallel.zero import full_value
 
 
@@ -34,7 +34,7 @@ def held_out_loss(trainer) -> float:
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
             kwargs = trainer.forward_kwargs(rows[:, :-1])  # from the host copy: no device sync
             rows = rows.to(trainer.device, non_blocking=True)
-            inputs, targets = (shard_sequence(t, lay) for t in (rows[:, :-1], rows[:, 1:]))
+            inputs, targets = inputs_and_targets(rows, lay)
             if pipeline is not None:
                 loss_sum += full_value(pipeline.forward_only(inputs, targets, **kwargs))
             else:

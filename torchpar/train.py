@@ -24,7 +24,7 @@ from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
-from torchpar.parallel.context import shard_sequence
+from torchpar.parallel.context import inputs_and_targets
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
@@ -188,7 +188,7 @@ class Trainer:
                 kwargs = self.forward_kwargs(torch.cat(hosts)[:, :-1])
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
-                inputs, targets = (shard_sequence(t, self.layout) for t in (batch[:, :-1], batch[:, 1:]))
+                inputs, targets = inputs_and_targets(batch, self.layout)
                 loss_sum += self.model.pipeline.step(inputs, targets, scale, **kwargs)
         else:
             for micro in range(self.layout.accum):
@@ -196,7 +196,7 @@ class Trainer:
                     host = next(batches)
                     batch = host.to(self.device, non_blocking=True)
                 # (this rank's part of each sequence under context parallelism; documents stay whole)
-                inputs, targets = (shard_sequence(t, self.layout) for t in (batch[:, :-1], batch[:, 1:]))
+                inputs, targets = inputs_and_targets(batch, self.layout)
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
                     kwargs = self.forward_kwargs(host[:, :-1])  # (the logits must not outlive the loss)

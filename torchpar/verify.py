@@ -17,7 +17,7 @@ from torchpar.checkpoint.files import complete_checkpoints, read_manifest
 from torchpar.loss import cross_entropy_sum
 from torchpar.optim import OptimizerFactory, ensure_state
 from torchpar.parallel import _local_part, compute_context, materialize, parallelize
-from torchpar.parallel.context import shard_sequence
+from torchpar.parallel.context import inputs_and_targets
 from torchpar.parallel.flat import bucket_elements
 from torchpar.parallel.recompute import recomputed
 from torchpar.parallel.zero import local, nbytes
@@ -41,7 +41,7 @@ def measured_activations(model, args, lay, batch: int, seq: int, seed: int = 0) 
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
     tags = {module: ("rest", None), **{block: ("block", int(i)) for i, block in module.layers.items()}}
     tracker = LiveStorages()
-    inputs, targets = (shard_sequence(t, lay) for t in (tokens[:, :-1], tokens[:, 1:]))  # (cp: a part)
+    inputs, targets = inputs_and_targets(tokens, lay)  # (under cp: this rank's part)
     with tagged(tracker, tags), compute_context(lay), tracker:
         loss = cross_entropy_sum(module(inputs), targets)
     held = tracker.live()

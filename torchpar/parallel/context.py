@@ -51,6 +51,11 @@ def shard_sequence(t: torch.Tensor, layout) -> torch.Tensor:
     return t[:, _order(layout.cp, layout.coordinate("cp"), t.shape[1], t.device)]
 
 
+def inputs_and_targets(rows: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows [b, S + 1] -> this rank's inputs and targets (each input's next token) [b, S / cp]."""
+    return shard_sequence(rows[:, :-1], layout), shard_sequence(rows[:, 1:], layout)
+
+
 class ContextShard(SequenceShard):
     """The part of each sequence this rank holds, as the model sees it (one per forward)."""
 
@@ -72,7 +77,7 @@ class ContextShard(SequenceShard):
         q, k, v = self._to_heads(q, k, v)  # [b, h/cp, S, hd], [b, h_kv/cp, S, hd] x 2
         return self._to_sequence(attention(q, k, v, self.mask))
 
-    def _to_heads(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+    def _to_heads(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of ``ts`` [b, h_i, s, hd] (this rank's tokens, all its heads) -> [b, h_i/cp, cp*s, hd]
         (the whole sequence in order, this rank's share of the heads), in one all-to-all."""
         b, _, s, hd = ts[0].shape

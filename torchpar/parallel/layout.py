@@ -231,7 +231,10 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
 
 def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, device: str) -> None:
     tp = degrees["tp"]
-    _check_context(args, degrees, par, tr, document_masking, device)
+    problem = context_problem(args, tr.seq_len, degrees["cp"], tp, par.sequence_parallel,
+                              par.context_parallel_method, document_masking, device)
+    if problem:
+        raise ConfigError(problem)
     if tp > 1:
         for what, n in model.tp_divisors(args).items():
             if n % tp:
@@ -250,36 +253,37 @@ def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, de
         )
 
 
-def _check_context(args, degrees: dict, par, tr, document_masking: bool, device: str) -> None:
-    """Context parallelism cuts each sequence into 2 x cp chunks (head-tail); all-to-all attention
-    splits every TP rank's heads, KV heads included, over cp."""
-    cp, tp = degrees["cp"], degrees["tp"]
+def context_problem(args, seq: int, cp: int, tp: int, sequence_parallel: bool, method: str,
+                    document_masking: bool, device: str) -> str | None:
+    """Why context parallelism of degree ``cp`` by ``method`` cannot run this model on sequences of
+    ``seq`` tokens (None: it can) — the trainer's check and the planner's search alike. Each
+    sequence is cut into 2 x cp chunks (head-tail); all-to-all attention splits every TP rank's
+    heads, KV heads included, over cp."""
     if cp == 1:
-        return
-    if tr.seq_len % (2 * cp * (tp if par.sequence_parallel else 1)):
-        sp = f" x tp {tp} (sequence parallelism)" if tp > 1 and par.sequence_parallel else ""
-        raise ConfigError(
-            f"parallelism.context_parallel_degree = {cp} cuts training.seq_len = {tr.seq_len} into 2 x {cp} "
-            f"chunks{sp}: make seq_len a multiple of {2 * cp * (tp if par.sequence_parallel else 1)}")
-    if par.context_parallel_method == "alltoall":
+        return None
+    chunks = 2 * cp * (tp if sequence_parallel else 1)
+    if seq % chunks:
+        sp = f" x tp {tp} (sequence parallelism)" if tp > 1 and sequence_parallel else ""
+        return (f"parallelism.context_parallel_degree = {cp} cuts training.seq_len = {seq} into 2 x {cp} "
+                f"chunks{sp}: make seq_len a multiple of {chunks}")
+    if method == "alltoall":
         for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
             if n % (cp * tp):
-                raise ConfigError(
-                    f"parallelism.context_parallel_method = 'alltoall' splits the model's {what} ({n}) over "
-                    f"context_parallel_degree {cp} x tensor_parallel_degree {tp}; choose degrees whose "
-                    "product divides it, or context_parallel_method = 'ring'")
-    elif device == "cuda" and tr.seq_len % (64 * cp):
+                return (f"parallelism.context_parallel_method = 'alltoall' splits the model's {what} ({n}) "
+                        f"over context_parallel_degree {cp} x tensor_parallel_degree {tp}; choose degrees "
+                        "whose product divides it, or context_parallel_method = 'ring'")
+    elif device == "cuda" and seq % (64 * cp):
         # torch's ring merges each block's log-sum-exp by halves of the local sequence; CUDA's
         # memory-efficient kernel pads its log-sum-exp to a multiple of 32 tokens.
-        raise ConfigError(
-            f"parallelism.context_parallel_method = 'ring' on GPUs needs training.seq_len = {tr.seq_len} to "
-            f"be a multiple of 64 x context_parallel_degree = {64 * cp} (each rank's half-chunks a multiple "
-            "of 32 tokens, as CUDA's attention kernel pads them); change seq_len, or use 'alltoall'")
+        return (f"parallelism.context_parallel_method = 'ring' on GPUs needs training.seq_len = {seq} to "
+                f"be a multiple of 64 x context_parallel_degree = {64 * cp} (each rank's half-chunks a "
+                "multiple of 32 tokens, as CUDA's attention kernel pads them); change seq_len, or use "
+                "'alltoall'")
     elif document_masking:
-        raise ConfigError(
-            "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
-            "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "
-            "kept), or document_masking = false")
+        return ("parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring "
+                "attention here keeps one causal mask over the window; use context_parallel_method = "
+                "'alltoall' (documents kept), or document_masking = false")
+    return None
 
 
 def _check_features(par, tr, zero: int, tp: int) -> None:
@@ -320,10 +324,10 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     degrees = resolve_degrees(par, world)
     kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
     _check_optimizer_layout(optimizer, kind, par, degrees)
-    if par.zero_stage in (1, 2) and degrees["dp_shard"] * degrees["cp"] == 1:
+    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"] * degrees["cp"])
+    if zero != par.zero_stage:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
-    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"] * degrees["cp"])
     _check_model(model, args, degrees, par, tr, document_masking, device or device_type())
     _check_features(par, tr, zero, degrees["tp"])
     accum = grad_accum_steps(

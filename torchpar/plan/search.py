@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.parallel.layout import Layout
+from torchpar.parallel.layout import Layout, context_problem
 from torchpar.parallel.pipeline import MAX_MICROBATCHES, SPLIT_BACKWARD, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
 from torchpar.plan.estimate import Plan, micro_steps, plan
@@ -25,8 +25,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
-    """(tp, pp, cp, dp) that divide the world, the model, the batch and (cp) the sequence; TP
-    inside a node."""
+    """(tp, pp, cp, context-parallel method, dp) that divide the world, the model, the batch and
+    (cp) the sequence; TP inside a node. A cp > 1 gets all-to-all where the heads split (exact, two
+    exchanges a block), else ring; on GPUs, with sequence parallelism, as the trainer would."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         if any(n % tp for n in model.tp_divisors(args).values()):
@@ -36,19 +37,13 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
                 continue
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
-                if global_batch % dp or seq % (2 * cp * tp):
-                    continue
-                if cp > 1 and _context_method(args, cp, tp) == "ring" and seq % (64 * cp):
-                    continue  # (CUDA's kernel: half-chunks of 32 tokens; see resolve_layout)
-                yield tp, pp, cp, dp
+                method = next((m for m in ("alltoall", "ring")
+                               if not context_problem(args, seq, cp, tp, True, m, False, "cuda")), None)
+                if global_batch % dp == 0 and method is not None:
+                    yield tp, pp, cp, method, dp
 
 
-def _context_method(args, cp: int, tp: int) -> str:
-    """All-to-all where the heads split over cp x tp (exact, two exchanges a block), else ring."""
-    return "alltoall" if not (args.n_heads % (cp * tp) or args.n_kv_heads % (cp * tp)) else "ring"
-
-
-def _layouts(model, args, tp: int, pp: int, cp: int, dp: int, per_dp: int, param_dtype: str,
+def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
              left_out: list):
     """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
     with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
@@ -59,7 +54,7 @@ def _layouts(model, args, tp: int, pp: int, cp: int, dp: int, per_dp: int, param
             continue  # nothing to shard: the same as zero 0
         searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
         for (ac, every), mbs in searched:
-            common = dict(dp_shard=dp, tp=tp, cp=cp, cp_method=_context_method(args, cp, tp), zero_stage=zero,
+            common = dict(dp_shard=dp, tp=tp, cp=cp, cp_method=method, zero_stage=zero,
                           cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
                           param_dtype=param_dtype)
@@ -87,8 +82,9 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 
     left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
-             for tp, pp, cp, dp in _degrees(model, args, cluster, global_batch, seq)
-             for lay in _layouts(model, args, tp, pp, cp, dp, global_batch // dp, param_dtype, left_out)]
+             for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq)
+             for lay in _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype,
+                                 left_out)]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")
