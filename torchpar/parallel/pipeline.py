@@ -45,9 +45,13 @@ MAX_MICROBATCHES = 256
 def schedule_order(
     name: str, pp: int, n_microbatches: int, stages_per_rank: int
 ) -> tuple[dict[int, list], int]:
-    """Build the real torch schedule for rank 0 on a fake process group and return its order."""
+    """Build the real torch schedule for rank 0 on a fake process group and return its order.
+    Inside a running job (a default group exists) the fake group stands apart from it: no group is
+    made on the job's ranks (which would be a collective every rank must join)."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
     from torch import nn
+    from torch._C._distributed_c10d import FakeProcessGroup
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -56,8 +60,11 @@ def schedule_order(
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+        group = None
+    else:  # this process as rank 0 of a fake group of pp ranks, known to c10d for the stages' queries
+        group = FakeProcessGroup._create_internal(rank=0, world_size=pp)
+        c10d._world.pg_group_ranks[group] = {dist.get_rank(): 0}
     try:
-        group = dist.new_group(list(range(pp))) if not created else None
         stages = [PipelineStage(nn.Linear(1, 1), s, num_stages, "cpu", group=group)
                   for s in stage_ids(pp, 0, name, stages_per_rank)]
         cls = get_schedule_class(name)
@@ -67,6 +74,8 @@ def schedule_order(
     finally:
         if created:
             dist.destroy_process_group()
+        else:
+            del c10d._world.pg_group_ranks[group]
 
 
 def stages_per_rank(par) -> int:
