@@ -389,6 +389,23 @@ def cap_memory(gib: float) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device_index())
 
 
+def host_memory() -> float:
+    """Bytes of this host's memory."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def local_world_size(world: int) -> int:
+    """Ranks on this host: LOCAL_WORLD_SIZE (torchrun's, or srun's once adopted), else ``world``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def device_memory() -> float | None:
+    """Bytes of this process's GPU; None on the CPU."""
+    if device_type() == "cuda":
+        return float(torch.cuda.get_device_properties(device_index()).total_memory)
+    return None
+
+
 def reset_peak_memory() -> None:
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -186,15 +186,17 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
     return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
 
 
-def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float) -> float:
+def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float, overlap: bool = True) -> float:
     """Communication time the step waits for. ZeRO 0-2 overlap their reductions with backward
     and their gathers with forward (:func:`_flat_exposed`); FSDP2 overlaps with compute; TP
     collectives and context parallelism's exchanges sit on the critical path; pipeline sends
-    are mostly hidden (counted fully)."""
+    are mostly hidden (counted fully). Without ``overlap`` (a CPU) all of it is waited for."""
     dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate", "dp_cp",
                                                                "dp_shard_cp"))
     exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "cp", "pp", "world"))
-    if lay.zero_stage == 3:
+    if not overlap:
+        exposed += dp_s
+    elif lay.zero_stage == 3:
         exposed += max(0.0, dp_s - compute)
     elif lay.grad_ranks > 1:
         exposed += _flat_exposed(model, args, lay, comm, compute)
@@ -220,8 +222,12 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
     compute = flops / lay.world / (cluster.peak_flops * efficiency) + _elementwise_recompute_s(
         model, args, lay, seq, cluster) + optimizer_seconds(model, args, lay, cluster, efficiency)
-    bubble = pipeline_bubble(lay, micro_steps(lay)[1], actions)
-    step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute)
+    n_micro = micro_steps(lay)[1]
+    # A measured machine's fixed costs: each forward + backward of the busiest rank's blocks.
+    compute += n_micro * (max(split_of(model, args, lay)) * lay.stages_per_rank * cluster.block_overhead
+                          + cluster.forward_overhead)
+    bubble = pipeline_bubble(lay, n_micro, actions)
+    step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
     # Offload moves the state into the node's CPU memory, which its ranks share.
@@ -256,11 +262,50 @@ def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
 
 
 class _Sent(dict):
-    """Bytes sent per rank per step, by mesh dimension."""
+    """Bytes sent per rank per step, by mesh dimension; and by (dimension, kind, ranks) the bytes and
+    the number of collectives (what a measured machine's latency is charged on)."""
 
-    def add(self, dim: str, kind: str, payload: float, n: int, times: float = 1) -> None:
+    def __init__(self):
+        super().__init__()
+        self.by_kind: dict[tuple[str, str, int], list[float]] = {}  # -> [bytes, calls]
+
+    def add(self, dim: str, kind: str, payload: float, n: int, times: float = 1, calls: int = 1) -> None:
+        """``times`` collectives of ``payload`` (a ring's payload: RING_FACTOR says what one rank
+        sends), each issued as ``calls`` pieces of the same total (buckets; or micro-steps, where
+        ``payload`` is the step's)."""
         if n > 1:
-            self[dim] = self.get(dim, 0.0) + times * RING_FACTOR[kind](n) * payload
+            sent = times * RING_FACTOR[kind](n) * payload
+            self[dim] = self.get(dim, 0.0) + sent
+            entry = self.by_kind.setdefault((dim, kind, n), [0.0, 0.0])
+            entry[0] += sent
+            entry[1] += times * calls
+
+    def seconds(self, dim: str, link: str, bw: float, cluster: Cluster) -> float:
+        """Time of ``dim``'s traffic: measured latency and bandwidth of each collective where the
+        machine was probed (the probed group of the same size and link, else the nearest size),
+        else the bytes over the link's datasheet bandwidth."""
+        if not cluster.collectives:
+            return self[dim] / bw
+        total = 0.0
+        for (d, kind, n), (sent, calls) in self.by_kind.items():
+            if d != dim:
+                continue
+            latency, rate = _measured(cluster.collectives, "intra" if link == "intra-node" else "inter", n,
+                                      kind, bw)
+            total += calls * latency + sent / rate
+        return total
+
+
+def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[float, float]:
+    """(latency, bandwidth) of ``kind`` on ``n`` ranks over ``link`` from a probe's table: that
+    group size, else the nearest probed on that link (else on any link), else (0, ``bw``)."""
+    sizes = [(int(key.split(":")[1]), key) for key in table if kind in table[key]]
+    if not sizes:
+        return 0.0, bw
+    same = [s for s in sizes if s[1].startswith(link)] or sizes
+    key = min(same, key=lambda s: (abs(s[0] - n), -s[0]))[1]
+    latency, rate = table[key][kind]
+    return latency, rate
 
 
 def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, layers: int, first: bool,
@@ -295,19 +340,19 @@ def _reduce_bytes(lay: Layout) -> int:
     return 2 if lay.reduce_dtype == "bfloat16" else 4
 
 
-def _flat_zero(sent: _Sent, lay: Layout, elements: int) -> None:
-    """ZeRO 0-2: the padded buffer's gradients (``elements``) reduced once per step (bucket by
-    bucket, the same bytes) in the reduction dtype, and the updated pieces all-gathered in the
-    compute dtype."""
-    n, r = lay.shard_ranks, lay.dp_replicate
-    grads = _reduce_bytes(lay) * elements
+def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
+    """ZeRO 0-2: the padded buffer's gradients (``bounds[-1]`` elements) reduced once per step,
+    bucket by bucket, in the reduction dtype, and the updated pieces all-gathered in the compute
+    dtype (in the same buckets)."""
+    n, r, buckets = lay.shard_ranks, lay.dp_replicate, len(bounds) - 1
+    grads = _reduce_bytes(lay) * bounds[-1]
     if lay.zero_stage == 2:
-        sent.add(lay.shard_dim, "reduce_scatter", grads, n)
-        sent.add("dp_replicate", "all_reduce", grads / n, r)
+        sent.add(lay.shard_dim, "reduce_scatter", grads, n, calls=buckets)
+        sent.add("dp_replicate", "all_reduce", grads / n, r, calls=buckets)
     else:
-        sent.add(lay.reduce_dim, "all_reduce", grads, lay.grad_ranks)
+        sent.add(lay.reduce_dim, "all_reduce", grads, lay.grad_ranks, calls=buckets)
     if lay.zero_stage in (1, 2):
-        sent.add(lay.shard_dim, "all_gather", lay.param_dtype_bytes * elements, n)
+        sent.add(lay.shard_dim, "all_gather", lay.param_dtype_bytes * bounds[-1], n, calls=buckets)
 
 
 def _fsdp(
@@ -377,7 +422,7 @@ def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> No
             sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
 
 
-def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int]) -> None:
+def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
     """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
     through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
     the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
@@ -396,11 +441,11 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int]) -> 
     head = tokens * args.head_dim / lay.tp
     if lay.cp_method == "alltoall":
         qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
-        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes)
+        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=n_micro)
     else:
         kv = 2 * head * args.n_heads
-        sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1))
-        sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c)
+        sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)
+        sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
 
 
 def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
@@ -425,19 +470,19 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     if lay.cp > 1:
         starts = [0, *itertools.accumulate(split)]
         blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]
-        _context(sent, args, lay, micro_batch * seq * n_micro, blocks)
+        _context(sent, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.grad_ranks > 1:
         local = rank_params(model, args, lay, pp_rank)
         if lay.zero_stage == 3:
             _fsdp(sent, model, args, lay, local, layers, first)
         else:
-            _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3][-1])
+            _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
         # gradients); a rank sends from each of its stages that has a neighbour.
         hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes
-        sent["pp"] = sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro * hidden
+        sent.add("pp", "send", hidden, lay.pp, sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro)
     # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.
     t, c, n = lay.tp, lay.cp, lay.dp_shard
@@ -447,5 +492,5 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     out = {}
     for dim, b in sent.items():
         link, bw = _link(cluster, *stride[dim])
-        out[dim] = {"bytes": b, "seconds": b / bw, "link": link}
+        out[dim] = {"bytes": b, "seconds": sent.seconds(dim, link, bw, cluster), "link": link}
     return out

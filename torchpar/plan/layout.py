@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
@@ -25,6 +25,14 @@ class Cluster:
     host_memory: float  # bytes of CPU memory per node (what CPU offload fills)
     nodes: int = 1
     memory_bw: float = 2e12  # bytes/s of device memory (HBM), what elementwise recomputation costs
+    # Measured collectives (torchpar.plan.probe): {"intra:4": {"all_reduce": [latency s, bytes/s], ...}};
+    # None: the datasheet bandwidths above, no latency.
+    collectives: dict | None = field(default=None, compare=False, hash=False)
+    # Measured fixed costs of the model's forward + backward (probe): per block, and per forward
+    # (embedding, head, loss, the step's own); 0 for the presets, whose step is FLOPs alone.
+    block_overhead: float = 0.0
+    forward_overhead: float = 0.0
+    overlap: bool = True  # communication overlaps compute as designed (False: a CPU, where gloo computes)
 
     @property
     def world(self) -> int:

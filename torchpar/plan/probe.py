@@ -1,0 +1,271 @@
+"""The machine at hand, measured: what the step-time model needs, for planning the job that runs here.
+
+Every rank measures at once (ranks that share cores or a memory bus slow each other, as they will
+in training), and the slowest rank's figure is kept, since a step waits for it:
+
+- matmul throughput in the compute dtype, at the model's width (FLOP/s per rank), and the rate the
+  model itself reaches (one block's forward and backward with embedding, head and loss, on one
+  sequence): the planner's compute term uses the latter, which counts what matmuls leave out;
+- device memory bandwidth (a large copy, read + write);
+- for groups of every size that divides the world (consecutive ranks; across nodes also the
+  group of one rank per node), each collective the layouts use (all-reduce, all-gather,
+  reduce-scatter, all-to-all, send/recv) at three sizes, fitted to ``seconds = latency + bytes /
+  bandwidth``, where bytes are what the planner and the communication ledger count for that
+  collective (RING_FACTOR x payload).
+
+The figures are cached per host and job shape (world, ranks per node, device, dtype, width), so
+a probe costs its few seconds once. The datasheet presets (``PRESETS``) stay for clusters one is
+not on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchpar import device as dev
+from torchpar.parallel.ledger import RING_FACTOR
+from torchpar.plan.layout import Cluster
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
+VERSION = 3  # of the cache's format and of what is measured
+
+
+def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
+    """(bytes of each rank's buffer, back-to-back calls timed together): small sizes (latency) to
+    large (bandwidth); many calls of the small ones, so that one late rank does not set the figure.
+    The same on every rank (the calls are collectives)."""
+    if device_type == "cpu":
+        return (2**12, 16), (2**15, 8), (2**18, 4), (2**21, 2), (2**23, 1)
+    return (2**16, 16), (2**20, 8), (2**24, 2), (2**27, 1)
+
+
+def cache_folder() -> Path:
+    """$TORCHPAR_CACHE, else $XDG_CACHE_HOME/torchpar, else ~/.cache/torchpar."""
+    if os.environ.get("TORCHPAR_CACHE"):
+        return Path(os.environ["TORCHPAR_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchpar"
+
+
+def _timed(fn, sync, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after two warm-up runs."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
+    """FLOP/s of a (rows x dim) @ (dim x 4 dim) matmul, the shape of a block's first MLP matmul."""
+    rows = 512 if device.type == "cpu" else 8192
+    a = torch.randn(rows, dim, dtype=dtype, device=device)
+    b = torch.randn(dim, 4 * dim, dtype=dtype, device=device)
+    seconds = _timed(lambda: a @ b, dev.synchronize, 11)
+    return 2 * rows * dim * 4 * dim / seconds
+
+
+def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[float, float, float]:
+    """(FLOP/s, seconds per block, seconds per forward) of a forward and backward of the model cut
+    to one block (with embedding, head and loss) on one and on four sequences of ``seq`` tokens,
+    and cut to two blocks on one: ``seconds = per forward + blocks x per block + FLOPs / rate``
+    (FLOPs as the adapter counts them). It is what a matmul's rate leaves out: attention,
+    elementwise work, the head's shape, and the fixed cost of running a block and a micro-step
+    (launches, hooks), which dominates small models and micro-batches."""
+    runs = {}
+    for blocks, batch in ((1, 1), (1, 4), (2, 1)):
+        cut = dataclasses.replace(args, n_layers=blocks)
+        module = model.build(cut).to(device=device, dtype=dtype)
+        module.init_weights(0, buffer_device=device)  # (uninitialized memory may hold slow denormals)
+        tokens = torch.randint(0, cut.vocab_size, (batch, seq + 1), device=device)
+
+        def step(module=module, tokens=tokens):
+            logits = module(tokens[:, :-1]).flatten(0, 1).float()
+            torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()).backward()
+        flops = model.flops_per_token(cut, seq) * seq * batch
+        runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 5))
+    (f1, t1), (f4, t4), (f2, t2) = runs[1, 1], runs[1, 4], runs[2, 1]
+    rate = (f4 - f1) / (t4 - t1) if t4 > t1 else f4 / t4  # four sequences against one: the marginal rate
+    forward = max(0.0, t1 - f1 / rate)
+    block = max(0.0, t2 - t1 - (f2 - f1) / rate)  # a second block against one
+    return rate, block, min(forward, t1)
+
+
+def _memory_bw(device: torch.device) -> float:
+    """Bytes/s of a large copy (each byte read and written)."""
+    n = (2**23 if device.type == "cpu" else 2**28) // 4
+    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
+    return 2 * 4 * n / _timed(lambda: dst.copy_(src), dev.synchronize, 7)
+
+
+def _partitions(world: int, per_node: int) -> list[tuple[str, list[list[int]]]]:
+    """(link, groups) of every partition of the ranks probed: consecutive ranks in groups of each
+    size that divides the world, and across nodes one rank per node. Each rank is in one group of a
+    partition, and the groups run at once, as a mesh dimension's do. 'intra' when each group fits
+    in one node."""
+    out = []
+    for n in range(2, world + 1):
+        if world % n == 0:
+            groups = [list(range(start, start + n)) for start in range(0, world, n)]
+            out.append(("intra" if all(g[0] // per_node == g[-1] // per_node for g in groups) else "inter",
+                        groups))
+    if world // per_node > 1 and per_node > 1:
+        out.append(("inter", [list(range(first, world, per_node)) for first in range(per_node)]))
+    return out
+
+
+def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):
+    """(the operation, the bytes the planner counts for it) on ``group`` of ``n`` ranks."""
+    elems = nbytes // 4
+    x = torch.ones(elems, device=device)
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(x, group=group)), RING_FACTOR[kind](n) * nbytes
+    if kind == "all_gather":
+        out = torch.empty(n * elems, device=device)
+        return (lambda: dist.all_gather_into_tensor(out, x, group=group)), RING_FACTOR[kind](n) * n * nbytes
+    if kind == "reduce_scatter":
+        big, out = torch.ones(n * elems, device=device), torch.empty(elems, device=device)
+        return (lambda: dist.reduce_scatter_tensor(out, big, group=group)), RING_FACTOR[kind](n) * n * nbytes
+    if kind == "all_to_all":
+        elems -= elems % n
+        x, out = torch.ones(elems, device=device), torch.empty(elems, device=device)
+        return (lambda: dist.all_to_all_single(out, x, group=group)), 4 * elems * (n - 1) / n
+    # send: each rank sends to the next in the group and receives from the one before, as a
+    # pipeline's stages pass activations on
+    me = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group)
+    i = ranks.index(me)
+    nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    buf = torch.empty(elems, device=device)
+
+    def exchange():
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, buf, prv)]):
+            w.wait()
+    return exchange, float(nbytes)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of ``seconds = latency + bytes / bandwidth`` through
+    ``points`` (bytes, seconds), by least squares of the relative error (so that the small sizes
+    set the latency and the large ones the bandwidth); latency at least 0."""
+    w = [1 / y**2 for _, y in points]
+    sw, sx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sy, sxy = sum(wi * y for wi, (_, y) in zip(w, points)), sum(wi * x * y for wi, (x, y) in zip(w, points))
+    det = sw * sxx - sx * sx
+    latency, slope = (sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det
+    if slope <= 0:  # all latency (noise): the largest size's rate
+        x, y = max(points)
+        return min(y for _, y in points), x / y
+    if latency < 0:  # no measurable latency: bandwidth alone, still by relative error
+        return 0.0, sxx / sxy
+    return latency, 1 / slope
+
+
+def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
+    """Every rank measures; returns the slowest rank's figures (the same dict on every rank)."""
+    device = dev.local_device()
+    world, me = dist.get_world_size(), dist.get_rank()
+    sizes = _sizes(device.type)
+    dist.barrier()
+    flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
+    achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
+    keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
+    for link, groups in _partitions(world, per_node):
+        made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)
+        mine = next(g for g, ranks in zip(made, groups) if me in ranks)
+        n = len(groups[0])
+        for kind in KINDS:
+            for size, calls in sizes:
+                op, nbytes = _collective(kind, mine, n, size, device)
+                keys.append((f"{link}:{n}", kind))
+                counted.append(nbytes)
+                times.append(_timed(lambda: [op() for _ in range(calls)], dev.synchronize, 3) / calls)
+        for g in made:
+            dist.destroy_process_group(g)
+    # The slowest rank's figures, in one all-reduce: MAX of times and of the rates' negatives.
+    worst = torch.tensor([-flops, -bw, -achieved, per_block, per_forward, *times], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    worst = worst.tolist()
+    table: dict[str, dict[str, list[float]]] = {}
+    for i in range(0, len(keys), len(sizes)):
+        group, kind = keys[i]
+        points = list(zip(counted[i:i + len(sizes)], worst[5 + i:5 + i + len(sizes)]))
+        table.setdefault(group, {})[kind] = list(fit(points))
+    return {"matmul_flops": -worst[0], "memory_bw": -worst[1], "model_flops": -worst[2],
+            "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "collectives": table}
+
+
+def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int) -> str:
+    shape = [VERSION, socket.gethostname(), dev.device_name(), str(dtype), model.name, repr(args), seq, world,
+             per_node, dist.get_backend(), torch.__version__, torch.get_num_threads()]
+    return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+
+def probe(dtype: torch.dtype, model, args, seq: int, folder: Path | None = None, fresh: bool = False) -> dict:
+    """The machine's figures (see the module's doc) for adapter ``model`` with ``args`` at
+    ``seq``-token sequences in ``dtype``, measured on every rank of the default group or read
+    from rank 0's cache; the same dict on every rank. A collective: every rank calls it."""
+    world = dist.get_world_size()
+    per_node = dev.local_world_size(world)
+    path = (folder or cache_folder()) / f"machine-{_key(dtype, model, args, seq, world, per_node)}.json"
+    found = [None]
+    if dist.get_rank() == 0 and path.exists() and not fresh:
+        try:
+            found = [json.loads(path.read_text())]
+        except (OSError, ValueError):
+            found = [None]  # unreadable: measured again, and rewritten
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        return {**found[0], "cached": str(path)}
+    t0 = time.perf_counter()
+    figures = _measure(dtype, model, args, seq, per_node)
+    figures.update(world=world, per_node=per_node, host_memory=dev.host_memory(), dtype=str(dtype), seq=seq,
+                   device=dev.device_name(), probe_s=time.perf_counter() - t0,
+                   device_memory=dev.device_memory() or dev.host_memory() / per_node)
+    if dist.get_rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(figures, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache costs the next job a probe, nothing else
+    return {**figures, "cached": ""}
+
+
+def cluster_of(figures: dict, memory: float | None = None) -> Cluster:
+    """The planner's description of the probed machine: the rate the model's own forward and
+    backward reached as the peak (so plan with efficiency 1) and their fixed costs, its
+    collectives' latency and bandwidth; on a CPU no overlap of communication with compute (gloo
+    works on the cores that compute); ``memory``: bytes a rank may use (default: the device's)."""
+    per_node, world = figures["per_node"], figures["world"]
+    table = figures["collectives"]
+
+    def bandwidth(link: str) -> float:
+        rates = [bw for key, kinds in table.items() if key.startswith(link) for _, bw in kinds.values()]
+        return min(rates) if rates else 1e12
+
+    return replace(Cluster(per_node, memory or figures["device_memory"], figures["model_flops"],
+                           bandwidth("intra"), bandwidth("inter"), figures["host_memory"], world // per_node,
+                           figures["memory_bw"]), collectives=table,
+                   block_overhead=figures["block_overhead_s"], forward_overhead=figures["forward_overhead_s"],
+                   overlap=figures["device"] != "CPU")
