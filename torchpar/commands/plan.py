@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 from torchpar.config import load_config
 from torchpar.console import ArgumentParser, at_least
@@ -59,6 +61,10 @@ def _parser():
                     "picture torchpar drew is redrawn; any other existing file only with --overwrite)")
     add_overwrite(ap)
     ap.add_argument("--seeds", action="store_true", help="recompute the tutorials' worked examples")
+    ap.add_argument("--launch", action="store_true",
+                    help="with --config and --nproc: train that job on this machine with the layout the "
+                    "planner picks for it here (run_train.sh with --parallelism.layout auto: this machine "
+                    "measured, the candidates printed, the best launched)")
     return ap
 
 
@@ -93,6 +99,21 @@ def _cluster(a) -> Cluster:
                    c.memory_bw)
 
 
+def _launch(a) -> int:
+    """``--launch``: run_train.sh with this config, --nproc ranks and layout = auto (it replaces
+    this process)."""
+    script = Path(__file__).resolve().parents[2] / "run_train.sh"
+    if not a.config or not a.nproc:
+        raise ConfigError("--launch trains a job: give --config FILE and --nproc N (ranks on this machine)")
+    if not script.exists():
+        raise ConfigError(f"--launch starts {script}, which this installation lacks: run from a checkout of "
+                          "torchpar, or run_train.sh with --parallelism.layout auto yourself")
+    load_config(a.config, ["--parallelism.layout", "auto"])  # a bad config: one line here, not on every rank
+    env = {**os.environ, "NGPU": str(a.nproc), "CONFIG_FILE": str(Path(a.config).resolve())}
+    os.execve(str(script), [str(script), "--parallelism.layout", "auto"], env)
+    return 0  # (not reached)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     cluster = _cluster(a)
@@ -112,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k:<34} {v:,.4g}" if isinstance(v, float) else f"  {k:<34} {v:,}")
             print(f"  note:  {e['note']}\n")
         return 0
+    if a.launch:
+        return _launch(a)
     if a.config:
         cfg = load_config(a.config, [])
         lay, model, args = layout_from_config(cfg, a.nproc or cluster.world, "cuda")

@@ -19,7 +19,9 @@ from torchpar import device as dev
 from torchpar.config import help_text, load_config, to_toml
 from torchpar.errors import ConfigError, Preempted, SaveFailed, TrainingStopped
 from torchpar.plan import check_memory_cap, predict_for_trainer
+from torchpar.plan.compare import StepCheck
 from torchpar.preflight import claim_folders, preflight, verify_contents
+from torchpar.tools.auto_layout import auto_layout, plan_candidates, room_of
 from torchpar.train import Trainer
 
 
@@ -30,17 +32,23 @@ def main(argv: list[str]) -> int:
     if print_config:
         print(to_toml(cfg))
         return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if check:  # run_train.sh calls this once before torchrun starts any rank
-        pre = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.parallelism.layout == "auto":  # the layout that fits best by memory alone stands in
+            cfg = plan_candidates(cfg, world, room_of(cfg, world), keep=1)[0][0].cfg
+        pre = preflight(cfg, world)
         check_memory_cap(cfg, pre.layout, pre.model, pre.args)
         verify_contents(cfg, pre)
         if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
             claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
         return 0
 
-    trainer = None
+    trainer, figures = None, None
     try:
-        trainer = Trainer(cfg, on_first_step=predict_for_trainer, check_layout=check_memory_cap)
+        if cfg.parallelism.layout == "auto":
+            cfg, figures = auto_layout(cfg, world)
+        trainer = Trainer(cfg, on_first_step=predict_for_trainer, check_layout=check_memory_cap,
+                          on_logged_step=StepCheck(figures))
         trainer.signals.install()
         trainer.train()  # closes the trainer at its end
     except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step

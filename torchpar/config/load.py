@@ -218,6 +218,15 @@ def validate(cfg: JobConfig) -> None:
                            ("head_lr_mult", o.head_lr_mult >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
+    p = cfg.parallelism
+    if p.auto_trials < 0 or p.auto_trial_steps < 2:
+        raise ConfigError("parallelism.auto_trials must be >= 0 and auto_trial_steps >= 2 (the first step "
+                          f"warms up; got {p.auto_trials}, {p.auto_trial_steps})")
+    if p.auto_trials and p.layout != "auto":
+        raise ConfigError(f"parallelism.auto_trials = {p.auto_trials} needs parallelism.layout = 'auto'")
+    if not cfg.metrics.prediction_margin >= 0:
+        raise ConfigError(f"metrics.prediction_margin must be >= 0 (0 = never warn), got "
+                          f"{cfg.metrics.prediction_margin}")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
         raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)

@@ -191,6 +191,17 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
+    layout: str = opt(
+        "manual", "'auto': the planner picks the degrees, ZeRO stage, recomputation, micro-batch and "
+        "pipeline schedule for this world size, global batch, seq_len and device memory (or "
+        "training.memory_cap_gib), from a measurement of this machine (cached per host), and prints the "
+        "candidates; leave the fields it sets at their defaults. 'manual': the fields below as given.",
+        ("manual", "auto"))
+    auto_trials: int = opt(
+        0, "With layout = 'auto': train the planner's best k layouts for auto_trial_steps steps each in "
+        "this job, before the run, and keep the fastest measured (the log says whether the trials agreed "
+        "with the planner); 0 = launch the planner's best.")
+    auto_trial_steps: int = opt(4, "Steps of each trial (the first, which warms up, is not timed).")
     data_parallel_replicate_degree: int = opt(1, "Data-parallel replicas (HSDP outer dimension).")
     data_parallel_shard_degree: int = opt(
         -1, "Ranks that shard ZeRO state inside a replica; -1 = the ranks left over."
@@ -254,6 +265,11 @@ class Metrics:
     log_step_breakdown: bool = opt(
         True, "On logged steps, time data loading, forward+backward, gradient reduction and clipping, and "
         "the optimizer step (the device is synchronized at their borders on those steps only).")
+    prediction_margin: float = opt(
+        1.0, "Warn once when the measured step time and the planner's prediction for this machine differ by "
+        "more than this share of the smaller (1.0: a factor of 2 either way), naming the term (compute, "
+        "communication, pipeline bubble) that is off most; 0 = never warn. Both are logged on every logged "
+        "step either way (predicted_step_s, measured_step_s and their terms).")
     log_communication: bool = opt(
         False, "On logged steps after the first, count the bytes each mesh dimension sends (a dispatch-mode "
         "ledger that slows the steps it counts); the planner's prediction is logged at step 1.")

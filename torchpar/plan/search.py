@@ -24,10 +24,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
+def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device: str = "cuda"):
     """(tp, pp, cp, context-parallel method, dp) that divide the world, the model, the batch and
     (cp) the sequence; TP inside a node. A cp > 1 gets all-to-all where the heads split (exact, two
-    exchanges a block), else ring; on GPUs, with sequence parallelism, as the trainer would."""
+    exchanges a block), else ring; on ``device``, with sequence parallelism, as the trainer would."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         if any(n % tp for n in model.tp_divisors(args).values()):
@@ -38,18 +38,19 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int):
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 method = next((m for m in ("alltoall", "ring")
-                               if not context_problem(args, seq, cp, tp, True, m, False, "cuda")), None)
+                               if not context_problem(args, seq, cp, tp, True, m, False, device)), None)
                 if global_batch % dp == 0 and method is not None:
                     yield tp, pp, cp, method, dp
 
 
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
-             left_out: list):
-    """Every layout of these degrees: ZeRO stage and offload, recomputation, micro-batch and,
-    with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
-    left out (their schedules take too long to build) and counted in ``left_out``."""
+             left_out: list, offload_too: bool = True, optimizer=None):
+    """Every layout of these degrees: ZeRO stage and (``offload_too``) offload, recomputation,
+    micro-batch and, with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES
+    microbatches are left out (their schedules take too long to build) and counted in ``left_out``."""
 
-    for zero, offload in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+    stages = ((0, False), (1, False), (2, False), (3, False)) + ((3, True),) * offload_too
+    for zero, offload in stages:
         if zero in (1, 2, 3) and dp * cp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
         searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
@@ -57,7 +58,7 @@ def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_d
             common = dict(dp_shard=dp, tp=tp, cp=cp, cp_method=method, zero_stage=zero,
                           cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
-                          param_dtype=param_dtype)
+                          param_dtype=param_dtype, optimizer=optimizer)
             if pp == 1:
                 yield Layout(**common, local_batch_size=mbs, accum=per_dp // mbs, microbatch_size=mbs)
                 continue
@@ -76,15 +77,16 @@ def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_d
 
 
 def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
-           efficiency: float = 0.5) -> list[Plan]:
+           efficiency: float = 0.5, device: str = "cuda", optimizer=None) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
-    ranked by estimated tokens/s (layouts that fit first)."""
+    ranked by estimated tokens/s (layouts that fit first); for a job on ``device`` (CPU offload
+    only on GPUs) with ``optimizer`` (the [optimizer] section; None: AdamW)."""
 
     left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
-             for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq)
+             for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device)
              for lay in _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype,
-                                 left_out)]
+                                 left_out, device == "cuda", optimizer)]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")

@@ -1,0 +1,282 @@
+"""``parallelism.layout = "auto"``: the planner picks the layout for the machine at hand.
+
+    candidates = plan_candidates(cfg, world, figures)    # every layout that fits, ranked
+    cfg = auto_layout(cfg, world)                         # before the Trainer, on every rank
+
+The planner ranks every layout of the job (degrees, ZeRO stage, recomputation, micro-batch and
+pipeline schedule) by predicted step time on this machine, measured by ``torchpar.plan.probe``
+(cached per host), and keeps those that fit the device memory (or ``training.memory_cap_gib``)
+and that the trainer accepts. With ``parallelism.auto_trials = k`` the k best are trained for a
+few steps each in this job, and the fastest measured is kept: the planner prunes, the trials
+decide. Whether a layout fits is arithmetic, so "nothing fits" is one line before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchpar import device as dev
+from torchpar.config import JobConfig
+from torchpar.device import compute_dtype
+from torchpar.errors import ConfigError
+from torchpar.models import adapter, model_args
+from torchpar.plan.compare import step_terms
+from torchpar.plan.estimate import Plan, plan
+from torchpar.plan.layout import Cluster, layout_from_config
+from torchpar.plan.probe import cluster_of, probe
+from torchpar.plan.search import describe_layout, search
+from torchpar.preflight import preflight
+from torchpar.train import Trainer
+
+SHOWN = 5  # candidates printed
+HEADROOM = 0.9  # of the device's memory a layout may plan to use (a cap is used whole)
+
+
+def global_batch(cfg: JobConfig, world: int) -> int:
+    """The global batch a chosen layout keeps: training.global_batch_size, or (0) local_batch_size x
+    the world, the batch of plain data parallelism over every rank."""
+    tr = cfg.training
+    return tr.global_batch_size or tr.local_batch_size * world
+
+
+def config_of(cfg: JobConfig, lay: dict, world: int) -> JobConfig:
+    """``cfg`` with a planned layout's fields ([parallelism] and the batch and recomputation of
+    [training]) and layout = 'manual'."""
+    pp = lay["pp"]
+    par = replace(cfg.parallelism, layout="manual", auto_trials=0,
+                  data_parallel_replicate_degree=lay["dp_replicate"],
+                  data_parallel_shard_degree=lay["dp_shard"], tensor_parallel_degree=lay["tp"],
+                  pipeline_parallel_degree=pp, context_parallel_degree=lay["cp"],
+                  context_parallel_method=lay["cp_method"], zero_stage=lay["zero_stage"],
+                  cpu_offload=lay["cpu_offload"], sequence_parallel=True, loss_parallel=True,
+                  pipeline_parallel_schedule=lay["schedule"] if pp > 1 else "1F1B",
+                  pipeline_parallel_microbatch_size=lay["microbatch_size"] if pp > 1 else 1,
+                  pipeline_parallel_stages_per_rank=lay["stages_per_rank"] if pp > 1 else 0,
+                  pipeline_parallel_layers_per_stage=[])
+    tr = replace(cfg.training, local_batch_size=lay["local_batch_size"],
+                 global_batch_size=global_batch(cfg, world),
+                 activation_checkpoint=lay["activation_checkpoint"],
+                 activation_checkpoint_every=lay["activation_checkpoint_every"])
+    return replace(cfg, parallelism=par, training=tr)
+
+
+def overrides_of(cfg: JobConfig) -> list[str]:
+    """The command-line overrides that give ``cfg``'s layout by hand (to pin what auto chose)."""
+    p, t = cfg.parallelism, cfg.training
+    out = [f"--parallelism.data_parallel_shard_degree {p.data_parallel_shard_degree}",
+           f"--parallelism.tensor_parallel_degree {p.tensor_parallel_degree}",
+           f"--parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
+           f"--parallelism.context_parallel_degree {p.context_parallel_degree}",
+           f"--parallelism.zero_stage {p.zero_stage}", f"--training.local_batch_size {t.local_batch_size}",
+           f"--training.global_batch_size {t.global_batch_size}",
+           f"--training.activation_checkpoint {t.activation_checkpoint}"]
+    if p.context_parallel_degree > 1:
+        out.append(f"--parallelism.context_parallel_method {p.context_parallel_method}")
+    if t.activation_checkpoint_every > 1:
+        out.append(f"--training.activation_checkpoint_every {t.activation_checkpoint_every}")
+    if p.cpu_offload:
+        out.append("--parallelism.cpu_offload true")
+    if p.pipeline_parallel_degree > 1:
+        out += [f"--parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule}",
+                f"--parallelism.pipeline_parallel_microbatch_size {p.pipeline_parallel_microbatch_size}",
+                f"--parallelism.pipeline_parallel_stages_per_rank {p.pipeline_parallel_stages_per_rank}"]
+    return out
+
+
+def replaced_fields(cfg: JobConfig) -> list[str]:
+    """The layout fields ``cfg`` sets away from their defaults, which layout = 'auto' replaces."""
+    par, default = cfg.parallelism, type(cfg.parallelism)()
+    fixed = ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+             "pipeline_parallel_degree", "context_parallel_degree", "zero_stage", "cpu_offload",
+             "pipeline_parallel_microbatch_size", "pipeline_parallel_stages_per_rank",
+             "pipeline_parallel_layers_per_stage")
+    return [f"parallelism.{name} = {getattr(par, name)!r}" for name in fixed
+            if getattr(par, name) != getattr(default, name)]
+
+
+def device_memory(cfg: JobConfig, per_node: int) -> float:
+    """Bytes a rank's layout may plan to fill: training.memory_cap_gib (whole), else the device's
+    (GPU) or this host's memory shared by its ranks (CPU), less headroom."""
+    if cfg.training.memory_cap_gib > 0:
+        return cfg.training.memory_cap_gib * 2**30 / HEADROOM  # plan() keeps HEADROOM of it
+    return dev.device_memory() or dev.host_memory() / per_node
+
+
+@dataclasses.dataclass
+class Candidate:
+    plan: Plan
+    cfg: JobConfig  # the job with this layout
+    measured_s: float | None = None  # a trial's median step time
+
+    @property
+    def name(self) -> str:
+        return describe_layout(self.plan.layout)
+
+
+def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SHOWN) -> tuple[list, list]:
+    """(the ``keep`` fastest predicted layouts that fit and that the trainer accepts, as
+    Candidates; the plans of those that do not fit). ConfigError naming the memory needed when
+    none fits."""
+    model, args = adapter(cfg.model.name), model_args(cfg.model)
+    device = dev.device_type()
+    dtype = compute_dtype(cfg.training.mixed_precision_param, device)
+    batch, seq = global_batch(cfg, world), cfg.training.seq_len
+    plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer)
+    if not plans:
+        raise ConfigError(f"parallelism.layout = 'auto': no layout divides {world} rank(s), the model and "
+                          f"the global batch of {batch}; change the rank count or training.global_batch_size")
+    out, refused = [], []
+    for p in (p for p in plans if p.fits):
+        job = config_of(cfg, p.layout, world)
+        try:
+            lay = layout_from_config(job, world, device)[0]
+        except ConfigError as e:
+            refused.append(str(e))
+            continue
+        out.append(Candidate(plan(model, args, lay, cluster, seq, 1.0), job))
+        if len(out) == keep:
+            break
+    if not out:
+        smallest = min(plans, key=lambda p: _peak(p))
+        why = f"; the trainer refused the rest ({refused[0]})" if refused else ""
+        raise ConfigError(
+            f"parallelism.layout = 'auto': no layout of {cfg.model.name} {cfg.model.flavor} fits {world} "
+            f"rank(s) of {HEADROOM * cluster.memory / 2**30:.2f} GiB at seq_len {seq} and global batch "
+            f"{batch}: the smallest ({describe_layout(smallest.layout)}) needs "
+            f"{_peak(smallest) / 2**30:.2f} GiB{why}. Add ranks, raise training.memory_cap_gib, or shorten "
+            "training.seq_len")
+    return out, [p for p in plans if not p.fits]
+
+
+def _peak(p: Plan) -> float:
+    m = p.memory
+    return max(m["total_bytes"], m["startup_peak"], m["checkpoint_peak"])
+
+
+def why_slower(p: Plan, best: Plan) -> str:
+    """How much slower ``p`` is predicted than ``best``, and the term that makes most of it."""
+    a, b = step_terms(p), step_terms(best)
+    term = max(a, key=lambda k: a[k] - b[k])
+    return f"+{100 * (p.step_s / best.step_s - 1):.0f}% step ({term} +{1e3 * (a[term] - b[term]):.1f} ms)"
+
+
+def machine(figures: dict, cluster: Cluster) -> str:
+    """One line of what the probe measured."""
+    largest = max(figures["collectives"], key=lambda k: int(k.split(":")[1]), default=None)
+    coll = ""
+    if largest is not None:
+        lat, bw = figures["collectives"][largest]["all_reduce"]
+        coll = f", all-reduce over {largest.split(':')[1]} ranks {1e6 * lat:.0f} us + {bw / 1e9:.2f} GB/s"
+    source = (f"cached in {figures['cached']}" if figures.get("cached")
+              else f"probed in {figures['probe_s']:.1f} s")
+    return (f"this machine ({source}): matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, the "
+            f"model's forward and backward {cluster.peak_flops / 1e9:.1f}, memory "
+            f"{cluster.memory_bw / 1e9:.1f} GB/s{coll}")
+
+
+def report(cands: list[Candidate], unfit: list[Plan], chosen: Candidate) -> str:
+    """The candidates with predicted (and measured) step time and memory, and why each lost."""
+    best = cands[0].plan
+    lines = [f"  {'#':>2}  {'layout':<84} {'predicted':>10} {'measured':>9} {'memory':>10}"]
+    for i, c in enumerate(cands, 1):
+        measured = f"{c.measured_s:.3f} s" if c.measured_s is not None else "-"
+        if c is chosen:
+            verdict = "chosen"
+        elif c.measured_s is not None and chosen.measured_s is not None:
+            verdict = f"measured +{100 * (c.measured_s / chosen.measured_s - 1):.0f}%"
+        else:
+            verdict = why_slower(c.plan, best)
+        lines.append(f"  {i:>2}  {c.name:<84} {c.plan.step_s:>8.3f} s {measured:>9} "
+                     f"{_peak(c.plan) / 2**30:>6.3f} GiB  {verdict}")
+    if unfit:
+        faster = [p for p in unfit if p.step_s < best.step_s]
+        if faster:
+            f = min(faster, key=lambda p: p.step_s)
+            lines.append(f"  faster but does not fit: {describe_layout(f.layout)}: {f.step_s:.3f} s, needs "
+                         f"{_peak(f) / 2**30:.3f} GiB")
+    return "\n".join(lines)
+
+
+def _trial_config(cfg: JobConfig, steps: int, folder: Path) -> JobConfig:
+    """``cfg`` cut down to a trial: ``steps`` steps, each logged, in ``folder``; no checkpoint,
+    evaluation, profiling or external sinks."""
+    return replace(
+        cfg, training=replace(cfg.training, steps=steps),
+        checkpoint=replace(cfg.checkpoint, enable=False),
+        validation=replace(cfg.validation, enable=False),
+        metrics=replace(cfg.metrics, log_freq=1, enable_tensorboard=False, enable_wandb=False,
+                        log_communication=False, prediction_margin=0.0),
+        profiling=replace(cfg.profiling, enable_profiling=False, enable_memory_snapshot=False),
+        job=replace(cfg.job, dump_folder=str(folder)))
+
+
+def trial(cfg: JobConfig, steps: int, folder: Path) -> float:
+    """Train ``cfg`` for ``steps`` steps in this process group; the median step time of the steps
+    after the first (rank 0's log, the same figure on every rank)."""
+    trainer = Trainer(_trial_config(cfg, steps, folder))
+    trainer.train()
+    median = [None]
+    if dist.get_rank() == 0:
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        tokens = trainer.global_tokens
+        median = [statistics.median(tokens / r["tokens_per_sec"] for r in records
+                                    if "tokens_per_sec" in r and r["step"] > 1)]
+    del trainer
+    if dev.device_type() == "cuda":
+        torch.cuda.empty_cache()  # the next trial's layout starts from an empty device
+    dist.broadcast_object_list(median, src=0)
+    return median[0]
+
+
+def room_of(cfg: JobConfig, world: int) -> Cluster:
+    """This machine's memory (device_memory) and shape, without a measurement: enough to tell
+    which layouts fit."""
+    per_node = dev.local_world_size(world)
+    return Cluster(per_node, device_memory(cfg, per_node), 1e12, 1e11, 1e10, dev.host_memory(),
+                   max(1, world // per_node))
+
+
+def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]:
+    """The job with the layout 'auto' chose, and the probe's figures of this machine (for the
+    run's own prediction). Every rank calls it (it probes and may run trials);
+    rank 0 prints the candidates (through ``say``). Raises ConfigError before any collective
+    when no layout fits or the config is wrong."""
+    dev.adopt_slurm_environment()
+    room = room_of(cfg, world)
+    cands, _ = plan_candidates(cfg, world, room, keep=1)  # memory alone: nothing measured yet
+    preflight(cands[0].cfg, world)  # every other check, before the probe's collectives
+    dev.init_distributed(cfg.comm.timeout_s, dev.device_type() == "cuda", cfg.training.tf32)
+    rank = dist.get_rank()
+    dtype = getattr(torch, compute_dtype(cfg.training.mixed_precision_param))
+    figures = probe(dtype, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len)
+    cluster = replace(cluster_of(figures, room.memory), host_memory=room.host_memory)
+    trials = cfg.parallelism.auto_trials
+    cands, unfit = plan_candidates(cfg, world, cluster, max(SHOWN, trials))
+    if rank == 0:
+        say(f"torchpar: layout = 'auto': {machine(figures, cluster)}")
+        if replaced_fields(cfg):
+            say("torchpar: layout = 'auto' replaces " + ", ".join(replaced_fields(cfg)))
+    chosen = cands[0]
+    if trials:
+        base = Path(cfg.job.dump_folder) / "auto_trials"
+        for i, c in enumerate(cands[:trials]):
+            if rank == 0:
+                say(f"torchpar: trial {i + 1}/{min(trials, len(cands))}: {c.name}")
+            c.measured_s = trial(c.cfg, cfg.parallelism.auto_trial_steps, base / f"trial_{i + 1}")
+        chosen = min((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)
+    if rank == 0:
+        say(report(cands, unfit, chosen))
+        if trials:
+            agreed = chosen is cands[0]
+            say("torchpar: the trials agreed with the planner" if agreed else
+                f"torchpar: the trials disagreed with the planner: its first choice measured "
+                f"{cands[0].measured_s:.3f} s a step, {chosen.name} {chosen.measured_s:.3f} s")
+        say("torchpar: auto chose " + chosen.name + "; to pin it: " + " ".join(overrides_of(chosen.cfg)))
+    return chosen.cfg, figures
