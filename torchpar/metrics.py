@@ -212,4 +212,6 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
         record.update({f"{key}_per_rank": [r[key] for r in per_rank] for key in per_rank[0]})
         if trainer.on_first_step is not None:
             record.update(trainer.on_first_step(trainer, per_rank[0]))
+    if trainer.on_logged_step is not None:
+        record.update(trainer.on_logged_step(trainer, record))
     trainer.logger.log(record)

@@ -34,12 +34,14 @@ from torchpar.watchdog import Watchdog
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, on_first_step=None, check_layout=None):
+    def __init__(self, cfg: JobConfig, on_first_step=None, check_layout=None, on_logged_step=None):
         """``on_first_step(trainer, measured) -> dict``: extra figures for the first logged step
         (``torchpar train`` passes the planner's prediction, to be logged beside the measurement);
+        ``on_logged_step(trainer, record) -> dict``: extra figures for every logged step (called on
+        every rank; ``torchpar train`` passes the planner's step time beside the measured one);
         ``check_layout(cfg, layout, model, args)``: raises ConfigError for a layout it refuses,
         before any collective (``torchpar train`` passes the planner's memory cap)."""
-        self.cfg, self.on_first_step = cfg, on_first_step
+        self.cfg, self.on_first_step, self.on_logged_step = cfg, on_first_step, on_logged_step
         tr = cfg.training
         dev.adopt_slurm_environment()  # srun without torchrun: every task joins one job
         # 1. Everything a user can get wrong is checked here, before any collective.

@@ -3,9 +3,13 @@ to what the trainer measured (``Trainer(cfg, on_first_step=predict_for_trainer)`
 
 from __future__ import annotations
 
+import torch
+
+from torchpar.console import warn
 from torchpar.errors import ConfigError
 from torchpar.plan.estimate import communication, plan
 from torchpar.plan.layout import PRESETS, state_bytes
+from torchpar.plan.probe import cluster_of, probe
 
 
 def check_memory_cap(cfg, lay, model, args) -> None:
@@ -50,3 +54,68 @@ def predict_for_trainer(trainer, measured: dict) -> dict:
         print(f"planner: rank 0 params/grads/optimizer predicted {mib(per_rank[0])} MiB, measured "
               f"{mib(measured)} MiB; predicted device peak {peak / 2**30:.3f} GiB", flush=True)
     return out
+
+
+TERMS = ("compute", "bubble", "communication")
+
+
+def step_terms(p) -> dict[str, float]:
+    """A plan's step time in three terms: compute (recomputation and the optimizer's matmuls
+    included), the pipeline bubble, and the communication the step waits for."""
+    busy = p.compute_s / (1 - p.bubble)
+    return {"compute": p.compute_s, "bubble": busy - p.compute_s, "communication": p.step_s - busy}
+
+
+def measured_terms(record: dict, step_s: float) -> dict[str, float]:
+    """The same terms from a logged step's breakdown: the bubble is the pipeline's measured share
+    of the step; communication the time inside collectives where the ledger timed them
+    (metrics.log_communication), else the gradient reduction and clipping phase (what the step
+    waits for after backward; ZeRO-3's, TP's and CP's collectives then count as compute); compute
+    the rest."""
+    bubble = record.get("pp_bubble", 0.0) * step_s
+    timed = [v for k, v in record.items() if k.startswith("comm_") and k.endswith("_s")]
+    comm = sum(timed) if timed else record.get("time_reduce_clip_s", 0.0)
+    return {"compute": step_s - bubble - comm, "bubble": bubble, "communication": comm}
+
+
+class StepCheck:
+    """The planner's step time for this job on this machine beside the measured one, on every
+    logged step after the first (``Trainer(on_logged_step=StepCheck(...))``); one warning when they
+    differ by more than ``metrics.prediction_margin``, naming the term that is off most. The machine
+    is the probe's (``figures``, or probed — cached per host — at the first logged step)."""
+
+    def __init__(self, figures: dict | None = None):
+        self.figures, self.plan, self.warned = figures, None, False
+
+    def __call__(self, trainer, record: dict) -> dict:
+        lay, model, args = trainer.layout, trainer.model_family, trainer.args
+        seq = trainer.cfg.training.seq_len
+        if self.plan is None:
+            with trainer.throughput.aside():  # (the probe is not training time)
+                if self.figures is None:
+                    self.figures = probe(getattr(torch, lay.param_dtype), model, args, seq)
+                pipeline = trainer.model.pipeline
+                self.plan = plan(model, args, lay, cluster_of(self.figures), seq, 1.0,
+                                 actions=pipeline.actions() if pipeline else None)
+        predicted = step_terms(self.plan)
+        out = {"predicted_step_s": self.plan.step_s,
+               **{f"predicted_{k}_s": v for k, v in predicted.items()}}
+        if record["step"] <= 1 or not record.get("tokens_per_sec"):
+            return out  # the first step warms up (and compiles)
+        step_s = trainer.global_tokens / record["tokens_per_sec"]
+        measured = measured_terms(record, step_s)
+        out.update(measured_step_s=step_s, **{f"measured_{k}_s": v for k, v in measured.items()})
+        margin = trainer.cfg.metrics.prediction_margin
+        ratio = step_s / self.plan.step_s
+        if margin and not self.warned and max(ratio, 1 / ratio) - 1 > margin:
+            self.warned = True
+            term = max(TERMS, key=lambda k: abs(measured[k] - predicted[k]))
+            split = "" if any(k.startswith("comm_") for k in record) else (
+                " (collectives inside forward and backward count as compute here: "
+                "metrics.log_communication = true times them apart)")
+            if trainer.rank == 0:
+                warn(f"step {record['step']}: measured {step_s:.3f} s a step, the planner predicted "
+                     f"{self.plan.step_s:.3f} s for this machine (a factor of {max(ratio, 1 / ratio):.2f}, "
+                     f"beyond metrics.prediction_margin = {margin:g}); most of it is {term}: measured "
+                     f"{measured[term]:.3f} s, predicted {predicted[term]:.3f} s{split}")
+        return out
