@@ -15,7 +15,13 @@ def _session_tmpdir():
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = folder
     tempfile.tempdir = folder  # mkdtemp in this process; TMPDIR in its children
+    cache = os.environ.get("TORCHPAR_CACHE")
+    os.environ["TORCHPAR_CACHE"] = os.path.join(folder, "cache")  # the machine probe's, not the user's
     yield
+    if cache is None:
+        os.environ.pop("TORCHPAR_CACHE", None)
+    else:
+        os.environ["TORCHPAR_CACHE"] = cache
     tempfile.tempdir = None
     if before is None:
         os.environ.pop("TMPDIR", None)

@@ -223,6 +223,19 @@ CASES = [
     Case("ring with document masking", CHECK + " --parallelism.context_parallel_degree 2"
          " --parallelism.context_parallel_method ring --data.document_masking true",
          "context_parallel_method = 'ring' with data.document_masking", world=2),
+    # --- layout = auto
+    Case("unknown layout mode", CHECK + " --parallelism.layout best", "parallelism.layout = 'best'", "auto",
+         world=2),
+    Case("auto: nothing fits", CHECK + " --parallelism.layout auto --training.memory_cap_gib 0.001",
+         "parallelism.layout = 'auto': no layout of llama3 debug fits 2 rank(s)", "needs", world=2),
+    Case("trials without auto", CHECK + " --parallelism.auto_trials 2", "parallelism.auto_trials = 2 needs "
+         "parallelism.layout = 'auto'", world=2),
+    Case("negative trials", CHECK + " --parallelism.layout auto --parallelism.auto_trials -1",
+         "parallelism.auto_trials must be >= 0", world=2),
+    Case("one trial step", CHECK + " --parallelism.layout auto --parallelism.auto_trial_steps 1",
+         "auto_trial_steps >= 2", world=2),
+    Case("negative prediction margin", CHECK + " --metrics.prediction_margin -0.1",
+         "metrics.prediction_margin must be >= 0", world=2),
     Case("too many gradient buckets", CHECK + " --parallelism.zero_stage 2 --parallelism.bucket_mb 0.000001",
          "parallelism.bucket_mb = 1e-06", "1,311,808 buckets, more than 10,000", "use at least 0.0011",
          world=2),

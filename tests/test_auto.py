@@ -1,0 +1,239 @@
+"""parallelism.layout = "auto": the machine probe, the planner's choice and its trials, and the run's
+predicted-against-measured step time."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness import TINY, assert_matches, run_layouts, spawn_ranks
+
+from torchpar.config import load_config
+from torchpar.errors import ConfigError
+from torchpar.models import MODELS
+from torchpar.plan.estimate import communication
+from torchpar.plan.layout import Cluster, layout_from_config
+from torchpar.plan.probe import fit
+from torchpar.tools.auto_layout import plan_candidates, room_of
+
+GLOBAL = ["--training.global_batch_size", "8"]
+
+
+def test_the_fit_recovers_latency_and_bandwidth():
+    for latency, bw in ((2e-4, 1e9), (0.0, 5e9), (3e-5, 2e11)):
+        points = [(x, latency + x / bw) for x in (4e3, 3.2e4, 2.6e5, 2e6, 8e6)]
+        got = fit(points)
+        assert got[0] == pytest.approx(latency, abs=1e-9) and got[1] == pytest.approx(bw, rel=1e-6)
+
+
+def test_measured_collectives_charge_latency_per_call_and_bytes_over_bandwidth():
+    """A probed machine's table: each collective costs its latency per call (ZeRO 0-2: per bucket)
+    plus its bytes over its bandwidth; without a table the datasheet bandwidth, no latency."""
+    cfg = load_config(TINY, ["--parallelism.zero_stage", "1"])
+    lay, model, args = layout_from_config(cfg, 2)
+    base = Cluster(2, 80e9, 1e12, 4e9, 1e9, 1e12)
+    table = {"intra:2": {"all_reduce": [1e-3, 2e9], "all_gather": [5e-4, 1e9]}}
+    plain = communication(model, args, lay, base, 32)
+    timed = communication(model, args, lay, Cluster(2, 80e9, 1e12, 4e9, 1e9, 1e12, collectives=table), 32)
+    dims = ("dp", "dp_shard")  # (the reduction's and the gather's)
+    assert {d: plain[d]["bytes"] for d in dims} == {d: timed[d]["bytes"] for d in dims}
+    assert plain["dp"]["seconds"] == pytest.approx(plain["dp"]["bytes"] / 4e9)
+    from torchpar.plan.layout import flat_rank_layout
+    buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
+    assert buckets > 1  # (the tiny job's bucket_mb makes several)
+    # ZeRO-1 on 2 ranks: the gradients all-reduced, the owned halves all-gathered, bucket by bucket
+    elements = flat_rank_layout(model, args, lay, 0)[3][-1]
+    reduce_bytes, gather_bytes = 4 * elements * 2 * 1 / 2, 4 * elements * 1 / 2
+    expected = buckets * 1e-3 + reduce_bytes / 2e9 + buckets * 5e-4 + gather_bytes / 1e9
+    assert timed["dp"]["seconds"] + timed["dp_shard"]["seconds"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_every_candidate_is_the_layout_the_trainer_builds():
+    """config_of(candidate) resolves, as the trainer would, to the planned layout (degrees, ZeRO,
+    recomputation, batch, schedule) — on 4 ranks, every kind of layout the search makes."""
+    cfg = load_config(TINY, ["--training.global_batch_size", "16"])
+    cands, _ = plan_candidates(cfg, 4, room_of(cfg, 4), keep=10**6)
+    kinds = {(c.plan.layout["pp"], c.plan.layout["tp"], c.plan.layout["cp"]) for c in cands}
+    assert {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1)} <= kinds
+    keys = ("pp", "dp_shard", "tp", "cp", "cp_method", "zero_stage", "local_batch_size", "accum",
+            "microbatch_size", "activation_checkpoint", "activation_checkpoint_every", "schedule",
+            "stages_per_rank", "layers_per_stage")
+    for c in cands:
+        lay = layout_from_config(c.cfg, 4)[0].to_dict()
+        assert {k: lay[k] for k in keys} == {k: c.plan.layout[k] for k in keys}, c.name
+        assert c.cfg.training.global_batch_size == 16
+
+
+def test_nothing_fits_is_one_line_naming_the_memory_needed():
+    cfg = load_config(TINY, ["--parallelism.layout", "auto", "--training.memory_cap_gib", "0.001",
+                             "--training.seq_len", "512"])
+    with pytest.raises(ConfigError, match=r"parallelism.layout = 'auto': no layout of llama3 debug fits 2 "
+                       r"rank\(s\) of 0.00 GiB .* needs 0\.\d\d GiB\. Add ranks, raise "
+                       r"training.memory_cap_gib"):
+        plan_candidates(cfg, 2, room_of(cfg, 2))
+
+
+def test_auto_replaces_the_layout_fields_and_keeps_the_global_batch():
+    cfg = load_config(TINY, ["--parallelism.layout", "auto", "--parallelism.tensor_parallel_degree", "2"])
+    cands, _ = plan_candidates(cfg, 4, room_of(cfg, 4))
+    for c in cands:
+        assert c.cfg.parallelism.layout == "manual"
+        assert c.cfg.training.global_batch_size == 8 * 4  # (0 in the config: local x every rank)
+
+
+# ------------------------------------------------------------------ spawned ranks
+
+def _probe_worker(rank, world, out):
+    from torchpar.plan.probe import probe
+
+    model = MODELS["llama3"]
+    args = model.args("debug")
+    first = probe(torch.float32, model, args, 32, Path(out), fresh=True)
+    second = probe(torch.float32, model, args, 32, Path(out), fresh=True)
+    cached = probe(torch.float32, model, args, 32, Path(out))
+    if rank == 0:
+        Path(out, "probes.json").write_text(json.dumps([first, second, cached]))
+
+
+@pytest.mark.slow
+def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
+    """Two probes on 2 ranks: every figure positive; the second within 2x of the first for the
+    matmul and model rates and memory bandwidth, and within 3x for the time of each collective at
+    1 MiB (the band a 2-core machine shared with other work keeps); the cache returns the last."""
+    import shutil
+
+    out = spawn_ranks(_probe_worker, 2)
+    try:
+        first, second, cached = json.loads(Path(out, "probes.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    for key in ("matmul_flops", "model_flops", "memory_bw"):
+        assert first[key] > 0 and 0.5 <= second[key] / first[key] <= 2, (key, first[key], second[key])
+    assert set(first["collectives"]) == {"intra:2"}
+    for kind, (latency, bw) in first["collectives"]["intra:2"].items():
+        assert latency >= 0 and bw > 0
+        again = second["collectives"]["intra:2"][kind]
+        t1, t2 = latency + 2**20 / bw, again[0] + 2**20 / again[1]
+        assert 1 / 3 <= t2 / t1 <= 3, (kind, t1, t2)
+    assert cached["cached"] and cached["collectives"] == second["collectives"]
+
+
+def _auto_worker(rank, world, out, overrides):
+    import torch.distributed as dist
+
+    from torchpar.plan.compare import StepCheck
+    from torchpar.selftest import full_parameters
+    from torchpar.tools.auto_layout import auto_layout
+    from torchpar.train import Trainer
+
+    said = []
+    cfg = load_config(TINY, [*overrides, "--job.dump_folder", f"{out}/run"])
+    chosen, figures = auto_layout(cfg, world, say=said.append)
+    trainer = Trainer(chosen, on_logged_step=StepCheck(figures))
+    losses = trainer.train()
+    params = [None] * world
+    dist.all_gather_object(params, full_parameters(trainer.model.parts))
+    if rank == 0:
+        torch.save({k: v for p in params for k, v in p.items()}, Path(out, "params.pt"))
+        records = [json.loads(line) for line in Path(out, "run", "metrics.jsonl").read_text().splitlines()]
+        Path(out, "auto.json").write_text(json.dumps({
+            "losses": losses, "said": said, "records": [r for r in records if "loss" in r],
+            "trials": sorted(p.name for p in Path(out, "run", "auto_trials").iterdir()),
+            "layout": trainer.layout.to_dict()}))
+
+
+@pytest.mark.slow
+def test_auto_with_trials_trains_equal_to_one_process():
+    """layout = auto with 2 trials on 2 ranks: two candidates trained for 2 steps each, the fastest
+    measured kept (the report says which, and whether the planner agreed), then the run trains the
+    same losses as one process; every logged step after the first has the predicted and the
+    measured step time."""
+    import shutil
+
+    overrides = [*GLOBAL, "--parallelism.layout", "auto", "--parallelism.auto_trials", "2",
+                 "--parallelism.auto_trial_steps", "2"]
+    out = spawn_ranks(_auto_worker, 2, overrides)
+    try:
+        got = json.loads(Path(out, "auto.json").read_text())
+        params = torch.load(Path(out, "params.pt"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    assert got["trials"] == ["trial_1", "trial_2"]
+    said = "\n".join(got["said"])
+    assert "trial 1/2" in said and "trial 2/2" in said
+    assert "the trials agreed with the planner" in said or "the trials disagreed with the planner" in said
+    report = next(s for s in got["said"] if "predicted" in s and "measured" in s and "chosen" in s)
+    table = [line for line in report.splitlines() if line.strip()[:1].isdigit()]
+    measured = [float(line.split(" s ")[1].split()[0]) for line in table[:2]]
+    chosen = next(i for i, line in enumerate(table) if line.endswith("chosen"))
+    assert measured[chosen] == min(measured)
+    ref = run_layouts(1, {"ref": [*GLOBAL, "--parallelism.zero_stage", "0"]})["ref"]
+    assert_matches({"losses": got["losses"], "params": params, "val_losses": ref["val_losses"]}, ref)
+    later = [r for r in got["records"] if r["step"] > 1]
+    assert later and all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in later)
+
+
+def _fake_trainer(margin: float):
+    """What StepCheck reads of a trainer: the job, its layout, model and throughput clock."""
+    import contextlib
+    from types import SimpleNamespace
+
+    cfg = load_config(TINY, ["--parallelism.zero_stage", "0", "--metrics.prediction_margin", str(margin)])
+    lay, model, args = layout_from_config(cfg, 2)
+    return SimpleNamespace(cfg=cfg, layout=lay, model_family=model, args=args, rank=0,
+                           global_tokens=8 * 2 * 32, model=SimpleNamespace(pipeline=None),
+                           throughput=SimpleNamespace(aside=contextlib.nullcontext))
+
+
+FIGURES = {"world": 2, "per_node": 2, "device_memory": 8e9, "host_memory": 16e9, "matmul_flops": 5e10,
+           "model_flops": 2e10, "memory_bw": 3e10, "block_overhead_s": 1e-3, "forward_overhead_s": 2e-3,
+           "device": "CPU",
+           "collectives": {"intra:2": {"all_reduce": [1e-3, 1e9], "all_gather": [5e-4, 1e9]}}}
+
+
+def test_the_run_logs_predicted_and_measured_step_time_and_warns_once_naming_the_term(capfd):
+    from torchpar.plan.compare import StepCheck
+
+    trainer = _fake_trainer(1.0)
+    check = StepCheck(dict(FIGURES))
+    first = check(trainer, {"step": 1, "tokens_per_sec": 1.0})
+    predicted = first["predicted_step_s"]
+    assert predicted > 0 and "measured_step_s" not in first  # the first step warms up
+    assert first["predicted_compute_s"] + first["predicted_communication_s"] == pytest.approx(predicted)
+    on_time = check(trainer, {"step": 10, "tokens_per_sec": trainer.global_tokens / (1.5 * predicted),
+                              "time_reduce_clip_s": 0.0})
+    assert on_time["measured_step_s"] == pytest.approx(1.5 * predicted)
+    assert "warning" not in capfd.readouterr().err  # within a factor of 2
+    slow = 3 * predicted  # three times the prediction, the excess in the reduction phase
+    record = {"step": 20, "tokens_per_sec": trainer.global_tokens / slow, "time_reduce_clip_s": 2 * predicted}
+    got = check(trainer, record)
+    assert got["measured_communication_s"] == pytest.approx(2 * predicted)
+    err = capfd.readouterr().err
+    assert "a factor of 3.00" in err and "most of it is communication" in err
+    check(trainer, {**record, "step": 30})
+    assert "warning" not in capfd.readouterr().err  # once
+
+
+def _schedule_worker(rank, world, out):
+    from torchpar.parallel.pipeline import schedule_order
+
+    orders = {name: schedule_order(name, 4, 8, v)[0] for name, v in (("1F1B", 1), ("Interleaved1F1B", 2),
+                                                                      ("ZBVZeroBubble", 2))}
+    torch.save(orders, Path(out, f"orders{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_the_planner_builds_pipeline_schedules_inside_a_running_job():
+    """`auto` plans inside a job: a 4-stage schedule built on each rank of a 2-rank job (no group
+    made on the job's ranks) is the schedule built outside any job."""
+    import shutil
+
+    from torchpar.parallel.pipeline import schedule_order
+
+    out = spawn_ranks(_schedule_worker, 2)
+    try:
+        inside = [torch.load(Path(out, f"orders{r}.pt"), weights_only=False) for r in range(2)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    for name, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
+        assert inside[0][name] == inside[1][name] == schedule_order(name, 4, 8, v)[0], name
