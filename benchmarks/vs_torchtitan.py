@@ -8,12 +8,15 @@ SwiGLU width rounded to 256 -> 768), 8 x 512 tokens per rank, fp32, one thread p
 recomputation, attention kept inside documents (torchtitan's debug config masks block-causally
 per document). Layouts: 1 process, dp 2 ZeRO-3 (FSDP2), tp 2 (sequence and loss parallel), pp 2
 (Interleaved1F1B, 4 stages, 8 microbatches of 1), as torchtitan's debug config runs them. Each
-variant runs in fresh processes, repeat by repeat; prints model GFLOP per CPU-second (the
-vocabularies differ: 4096 here, 2048 there, so tokens are not comparable).
+variant runs in fresh processes, repeat by repeat; prints model GFLOP per second of the whole job
+(wall clock: what a user waits for) and per CPU-second (the vocabularies differ: 4096 here, 2048
+there, so tokens are not comparable). A rank that waits (a pipeline bubble, a blocking collective)
+is charged no CPU-second, so the CPU figure flatters a layout that idles a rank; the wall figure
+does not.
 
 ``--peer-lines``: the "PEER ..." lines a torchtitan run printed (config=fsdp1|fsdp2|tp2|pp2,
-tokens_per_cpu_s=...); their tokens per CPU-second become GFLOP per CPU-second with torchtitan's
-vocabulary and are set beside torchpar's.
+tokens_per_cpu_s=..., and tokens_per_s=... where the run recorded its wall clock); their tokens
+become GFLOP with torchtitan's vocabulary and are set beside torchpar's.
 """
 
 from __future__ import annotations
@@ -46,13 +49,20 @@ def flops_per_token(vocab: int, seq: int) -> int:
     return adapter.flops_per_token(args, seq)
 
 
-def peer_figures(path: str, seq: int) -> dict[str, float]:
-    """config -> GFLOP per CPU-second from the peer's lines (torchtitan's vocabulary, 2048)."""
+def peer_figures(path: str, seq: int) -> dict[str, dict[str, float]]:
+    """config -> {"cpu": GFLOP per CPU-second, "wall": GFLOP/s of the job, where recorded} from the
+    peer's lines (torchtitan's vocabulary, 2048)."""
     out = {}
     for line in Path(path).read_text().splitlines():
-        config, per_cpu = re.search(r"config=(\S+)", line), re.search(r"tokens_per_cpu_s=([\d.]+)", line)
-        if line.startswith("PEER") and config and per_cpu:
-            out[config.group(1)] = float(per_cpu.group(1)) * flops_per_token(2048, seq) / 1e9
+        config = re.search(r"config=(\S+)", line)
+        if not (line.startswith("PEER") and config):
+            continue
+        figures = {}
+        for key, name in (("cpu", "tokens_per_cpu_s"), ("wall", "tokens_per_s")):
+            found = re.search(rf"\b{name}=([\d.]+)", line)
+            if found:
+                figures[key] = float(found.group(1)) * flops_per_token(2048, seq) / 1e9
+        out[config.group(1)] = figures
     return out
 
 
@@ -68,16 +78,24 @@ def main() -> None:
                 for name in a.layouts.split(",")}
     runs = interleaved(variants, a.repeats, worker, a.steps, a.seq, a.batch)
     # (the worker counts batch x seq tokens per rank; under TP or PP the ranks share them)
-    mine = {name: medians(files["result.json"])["gflop_per_cpu_s"] * LAYOUTS[name][1] / LAYOUTS[name][0]
-            for name, files in runs.items()}
+    gflop = flops_per_token(4096, a.seq) / 1e9
+    mine = {}
+    for name, files in runs.items():
+        m, share = medians(files["result.json"]), LAYOUTS[name][1] / LAYOUTS[name][0]
+        mine[name] = {"wall": m["tokens_per_s"] * share * gflop, "cpu": m["gflop_per_cpu_s"] * share}
     peer = peer_figures(a.peer_lines, a.seq) if a.peer_lines else {}
     print(f"torchtitan's debug shape {TITAN_SHAPE}, {a.batch} x {a.seq} tokens per rank, fp32, document "
           f"masking, no recomputation; median of {a.repeats} runs of {a.steps - 1} timed steps")
-    print(f"{'layout':>8} | {'torchpar GFLOP/CPU-s':>20} | {'torchtitan GFLOP/CPU-s':>22} | ratio")
-    for name, figure in mine.items():
-        theirs = peer.get(name)
-        print(f"{name:>8} | {figure:>20.1f} | {f'{theirs:.1f}' if theirs else '-':>22} | "
-              f"{f'{figure / theirs:.3f}' if theirs else '-'}")
+    print(f"{'layout':>8} | {'torchpar GFLOP/s (wall)':>23} | {'torchtitan':>10} | {'ratio':>5} | "
+          f"{'torchpar GFLOP/CPU-s':>20} | {'torchtitan':>10} | ratio")
+
+    def cell(mine_figure, theirs):
+        return (f"{f'{theirs:.1f}' if theirs else '-':>10} | "
+                f"{f'{mine_figure / theirs:.3f}' if theirs else '-':>5}")
+    for name, figures in mine.items():
+        theirs = peer.get(name, {})
+        print(f"{name:>8} | {figures['wall']:>23.1f} | {cell(figures['wall'], theirs.get('wall'))} | "
+              f"{figures['cpu']:>20.1f} | {cell(figures['cpu'], theirs.get('cpu'))}")
 
 
 if __name__ == "__main__":
