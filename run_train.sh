@@ -58,7 +58,7 @@ if [ "$MAX_RESTARTS" -gt 0 ]; then
 fi
 # Check the config, data and layout once for the whole world, so a mistake is one line, not one
 # traceback per rank.
-NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) python -m torchpar train --check --config "$CONFIG_FILE" "$@" || exit $?
+NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) LOCAL_WORLD_SIZE=$NGPU python -m torchpar train --check --config "$CONFIG_FILE" "$@" || exit $?
 # torchrun, with torchpar's reporting: one line and the failing rank's code, waits that say so.
 exec python -m torchpar.commands.launch "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \

@@ -35,7 +35,7 @@ from torchpar.config import load_config  # noqa: E402
 from torchpar.models import adapter, model_args  # noqa: E402
 from torchpar.plan.probe import cluster_of, probe  # noqa: E402
 from torchpar.selftest import spawn_ranks  # noqa: E402
-from torchpar.tools.auto_layout import _trial_config, plan_candidates, room_of, trial  # noqa: E402
+from torchpar.tools.auto_layout import plan_candidates, room_of, trial, trial_config  # noqa: E402
 from torchpar.verify import step_peak_check  # noqa: E402
 
 BASE = ROOT / "train_configs" / "debug_model.toml"
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, out: str, shapes: dict, steps: int, policies:
         for i, c in enumerate(measured):
             folder = Path(out) / f"{name[:6]}_{i}"
             step_s = trial(c.cfg, steps, folder)
-            peak = step_peak_check(_trial_config(c.cfg, 2, folder / "peak"))
+            peak = step_peak_check(trial_config(c.cfg, 2, folder / "peak"))
             worst = torch.tensor([peak["measured_bytes"], peak["predicted_bytes"]], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             rows.append({"layout": c.name, "predicted_s": c.plan.step_s, "measured_s": step_s,

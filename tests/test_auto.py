@@ -98,8 +98,9 @@ def _probe_worker(rank, world, out):
 @pytest.mark.slow
 def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
     """Two probes on 2 ranks: every figure positive; the second within 2x of the first for the
-    matmul and model rates and memory bandwidth, and within 3x for the time of each collective at
-    1 MiB (the band a 2-core machine shared with other work keeps); the cache returns the last."""
+    model's rate (the compute term), within 3x for the matmul rate, the memory bandwidth and the
+    time of each collective at 1 MiB (the band a 2-core machine shared with other work keeps); the
+    cache returns the last."""
     import shutil
 
     out = spawn_ranks(_probe_worker, 2)
@@ -107,8 +108,8 @@ def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
         first, second, cached = json.loads(Path(out, "probes.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    for key in ("matmul_flops", "model_flops", "memory_bw"):
-        assert first[key] > 0 and 0.5 <= second[key] / first[key] <= 2, (key, first[key], second[key])
+    for key, band in (("model_flops", 2), ("matmul_flops", 3), ("memory_bw", 3)):
+        assert first[key] > 0 and 1 / band <= second[key] / first[key] <= band, (key, first[key], second[key])
     assert set(first["collectives"]) == {"intra:2"}
     for kind, (latency, bw) in first["collectives"]["intra:2"].items():
         assert latency >= 0 and bw > 0

@@ -406,6 +406,12 @@ def device_memory() -> float | None:
     return None
 
 
+def empty_cache() -> None:
+    """Give the caching allocator's free blocks back to the GPU (between jobs in one process)."""
+    if device_type() == "cuda":
+        torch.cuda.empty_cache()
+
+
 def reset_peak_memory() -> None:
     if device_type() == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -34,11 +34,15 @@ from torchpar.watchdog import Watchdog
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, on_first_step=None, check_layout=None, on_logged_step=None):
+    def __init__(self, cfg: JobConfig, on_first_step=None, check_layout=None, on_logged_step=None,
+                 on_process_group=None):
         """``on_first_step(trainer, measured) -> dict``: extra figures for the first logged step
         (``torchpar train`` passes the planner's prediction, to be logged beside the measurement);
         ``on_logged_step(trainer, record) -> dict``: extra figures for every logged step (called on
         every rank; ``torchpar train`` passes the planner's step time beside the measured one);
+        ``on_process_group(cfg, layout, model, args)``: called on every rank once the process group
+        and the mesh exist, before the model is built (``torchpar train`` passes the machine probe,
+        which runs while the device is still empty);
         ``check_layout(cfg, layout, model, args)``: raises ConfigError for a layout it refuses,
         before any collective (``torchpar train`` passes the planner's memory cap)."""
         self.cfg, self.on_first_step, self.on_logged_step = cfg, on_first_step, on_logged_step
@@ -64,6 +68,8 @@ class Trainer:
             self.device = dev.local_device(tr.tf32)
             dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
+        if on_process_group is not None:
+            on_process_group(cfg, lay, pre.model, pre.args)
         torch.manual_seed(tr.seed)
         with progress("building, parallelizing and initializing the model", rank == 0):
             self.model = build_parallel_model(

@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
     if print_config:
         print(to_toml(cfg))
         return 0
+    if not check:
+        dev.adopt_slurm_environment()  # srun without torchrun: WORLD_SIZE from srun's variables
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if check:  # run_train.sh calls this once before torchrun starts any rank
         if cfg.parallelism.layout == "auto":  # the layout that fits best by memory alone stands in
@@ -47,13 +49,15 @@ def main(argv: list[str]) -> int:
     try:
         if cfg.parallelism.layout == "auto":
             cfg, figures = auto_layout(cfg, world)
+        step_check = StepCheck(figures)
         trainer = Trainer(cfg, on_first_step=predict_for_trainer, check_layout=check_memory_cap,
-                          on_logged_step=StepCheck(figures))
+                          on_logged_step=step_check, on_process_group=step_check.probe)
         trainer.signals.install()
         trainer.train()  # closes the trainer at its end
     except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step
-        trainer.close()
-        if trainer.rank == 0:
+        if trainer is not None:  # (None: a trial of layout = auto stopped; it closed itself)
+            trainer.close()
+        if (trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))) == 0:
             kind = "" if isinstance(e, Preempted) else "error: "
             print(f"torchpar: {kind}{e}", file=sys.stderr, flush=True)
         return e.code

@@ -62,7 +62,8 @@ def schedule_order(
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
         group = None
     else:  # this process as rank 0 of a fake group of pp ranks, known to c10d for the stages' queries
-        group = FakeProcessGroup._create_internal(rank=0, world_size=pp)
+        make = getattr(FakeProcessGroup, "_create_internal", FakeProcessGroup)  # (older torch: the class)
+        group = make(rank=0, world_size=pp)
         c10d._world.pg_group_ranks[group] = {dist.get_rank(): 0}
     try:
         stages = [PipelineStage(nn.Linear(1, 1), s, num_stages, "cpu", group=group)

@@ -80,28 +80,33 @@ def measured_terms(record: dict, step_s: float) -> dict[str, float]:
 
 class StepCheck:
     """The planner's step time for this job on this machine beside the measured one, on every
-    logged step after the first (``Trainer(on_logged_step=StepCheck(...))``); one warning when they
-    differ by more than ``metrics.prediction_margin``, naming the term that is off most. The machine
-    is the probe's (``figures``, or probed — cached per host — at the first logged step)."""
+    logged step after the run's first (``Trainer(on_logged_step=check, on_process_group=check.probe)``);
+    one warning when they differ by more than ``metrics.prediction_margin``, naming the term that
+    is off most. The machine is the probe's: ``figures``, or :meth:`probe`'s before the model is
+    built; without either nothing is predicted."""
 
     def __init__(self, figures: dict | None = None):
-        self.figures, self.plan, self.warned = figures, None, False
+        self.figures, self.plan, self.warned, self.first = figures, None, False, None
+
+    def probe(self, cfg, lay, model, args) -> None:
+        """This machine's figures for the job (cached per host; a collective: every rank calls it)."""
+        if self.figures is None:
+            self.figures = probe(getattr(torch, lay.param_dtype), model, args, cfg.training.seq_len)
 
     def __call__(self, trainer, record: dict) -> dict:
-        lay, model, args = trainer.layout, trainer.model_family, trainer.args
-        seq = trainer.cfg.training.seq_len
+        if self.figures is None:
+            return {}
         if self.plan is None:
-            with trainer.throughput.aside():  # (the probe is not training time)
-                if self.figures is None:
-                    self.figures = probe(getattr(torch, lay.param_dtype), model, args, seq)
-                pipeline = trainer.model.pipeline
-                self.plan = plan(model, args, lay, cluster_of(self.figures), seq, 1.0,
-                                 actions=pipeline.actions() if pipeline else None)
+            pipeline = trainer.model.pipeline
+            actions = pipeline.actions() if pipeline else None
+            self.plan = plan(trainer.model_family, trainer.args, trainer.layout, cluster_of(self.figures),
+                             trainer.cfg.training.seq_len, 1.0, actions=actions)
+            self.first = record["step"]
         predicted = step_terms(self.plan)
         out = {"predicted_step_s": self.plan.step_s,
                **{f"predicted_{k}_s": v for k, v in predicted.items()}}
-        if record["step"] <= 1 or not record.get("tokens_per_sec"):
-            return out  # the first step warms up (and compiles)
+        if record["step"] == self.first or not record.get("tokens_per_sec"):
+            return out  # the run's first step warms up (and compiles)
         step_s = trainer.global_tokens / record["tokens_per_sec"]
         measured = measured_terms(record, step_s)
         out.update(measured_step_s=step_s, **{f"measured_{k}_s": v for k, v in measured.items()})

@@ -441,7 +441,7 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_m
     head = tokens * args.head_dim / lay.tp
     if lay.cp_method == "alltoall":
         qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
-        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=n_micro)
+        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=2 * n_micro)  # (q, k, v; then out)
     else:
         kv = 2 * head * args.n_heads
         sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)

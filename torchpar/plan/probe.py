@@ -21,11 +21,13 @@ not on.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
 import socket
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +41,7 @@ from torchpar.plan.layout import Cluster
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
-VERSION = 3  # of the cache's format and of what is measured
+VERSION = 4  # of the cache's format and of what is measured
 
 
 def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
@@ -52,10 +54,16 @@ def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
 
 
 def cache_folder() -> Path:
-    """$TORCHPAR_CACHE, else $XDG_CACHE_HOME/torchpar, else ~/.cache/torchpar."""
+    """$TORCHPAR_CACHE, else $XDG_CACHE_HOME/torchpar, else ~/.cache/torchpar (the system's
+    temporary folder when there is no home)."""
     if os.environ.get("TORCHPAR_CACHE"):
         return Path(os.environ["TORCHPAR_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchpar"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "torchpar"
+    try:
+        return Path.home() / ".cache" / "torchpar"
+    except RuntimeError:
+        return Path(tempfile.gettempdir()) / "torchpar-cache"
 
 
 def _timed(fn, sync, repeats: int = REPEATS) -> float:
@@ -81,18 +89,26 @@ def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
     return 2 * rows * dim * 4 * dim / seconds
 
 
+MAX_PROBE_TOKENS = 4096  # the longest sequence the model probe runs (its memory, on a large model)
+
+
 def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[float, float, float]:
     """(FLOP/s, seconds per block, seconds per forward) of a forward and backward of the model cut
-    to one block (with embedding, head and loss) on one and on four sequences of ``seq`` tokens,
-    and cut to two blocks on one: ``seconds = per forward + blocks x per block + FLOPs / rate``
-    (FLOPs as the adapter counts them). It is what a matmul's rate leaves out: attention,
-    elementwise work, the head's shape, and the fixed cost of running a block and a micro-step
-    (launches, hooks), which dominates small models and micro-batches."""
+    to one block (with embedding, head and loss) on one and on two sequences of ``seq`` tokens (at
+    most MAX_PROBE_TOKENS), and cut to two blocks on one: ``seconds = per forward + blocks x per
+    block + FLOPs / rate`` (FLOPs as the adapter counts them). It is what a matmul's rate leaves
+    out: attention, elementwise work, the head's shape, and the fixed cost of running a block and
+    a micro-step (launches, hooks), which dominates small models and micro-batches. Built on the
+    meta device and then allocated on ``device`` only (the probe runs before the job's model)."""
+    seq = min(seq, MAX_PROBE_TOKENS)
     runs = {}
-    for blocks, batch in ((1, 1), (1, 4), (2, 1)):
+    for blocks, batch in ((1, 1), (1, 2), (2, 1)):
         cut = dataclasses.replace(args, n_layers=blocks)
-        module = model.build(cut).to(device=device, dtype=dtype)
+        with torch.device("meta"):
+            module = model.build(cut).to(dtype)
+        module.to_empty(device=device)
+        module.tie_weights()
         module.init_weights(0, buffer_device=device)  # (uninitialized memory may hold slow denormals)
         tokens = torch.randint(0, cut.vocab_size, (batch, seq + 1), device=device)
 
@@ -101,8 +117,11 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
             torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()).backward()
         flops = model.flops_per_token(cut, seq) * seq * batch
         runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 5))
-    (f1, t1), (f4, t4), (f2, t2) = runs[1, 1], runs[1, 4], runs[2, 1]
-    rate = (f4 - f1) / (t4 - t1) if t4 > t1 else f4 / t4  # four sequences against one: the marginal rate
+        del module, step
+        gc.collect()
+        dev.empty_cache()
+    (f1, t1), (f2b, t2b), (f2, t2) = runs[1, 1], runs[1, 2], runs[2, 1]
+    rate = (f2b - f1) / (t2b - t1) if t2b > t1 else f2b / t2b  # two sequences against one: marginal
     forward = max(0.0, t1 - f1 / rate)
     block = max(0.0, t2 - t1 - (f2 - f1) / rate)  # a second block against one
     return rate, block, min(forward, t1)
@@ -126,13 +145,20 @@ def _partitions(world: int, per_node: int) -> list[tuple[str, list[list[int]]]]:
             groups = [list(range(start, start + n)) for start in range(0, world, n)]
             out.append(("intra" if all(g[0] // per_node == g[-1] // per_node for g in groups) else "inter",
                         groups))
-    if world // per_node > 1 and per_node > 1:
+    nodes = world // per_node
+    if nodes > 1 and per_node > 1 and not any(link == "inter" and len(g[0]) == nodes for link, g in out):
         out.append(("inter", [list(range(first, world, per_node)) for first in range(per_node)]))
     return out
 
 
+GATHERED_BYTES = 2**30  # the most an all-gather's output (a reduce-scatter's input) may hold
+
+
 def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):
-    """(the operation, the bytes the planner counts for it) on ``group`` of ``n`` ranks."""
+    """(the operation, the bytes the planner counts for it) on ``group`` of ``n`` ranks; the
+    gathered buffers stay under GATHERED_BYTES however many ranks there are."""
+    if kind in ("all_gather", "reduce_scatter"):
+        nbytes = max(4 * n, min(nbytes, GATHERED_BYTES // n // 4 * 4))
     elems = nbytes // 4
     x = torch.ones(elems, device=device)
     if kind == "all_reduce":
@@ -185,8 +211,9 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
     world, me = dist.get_world_size(), dist.get_rank()
     sizes = _sizes(device.type)
     dist.barrier()
-    flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
     achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
+    flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
+    memory = dev.device_memory() or dev.host_memory() / per_node
     keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
     for link, groups in _partitions(world, per_node):
         made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)
@@ -201,17 +228,18 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
         for g in made:
             dist.destroy_process_group(g)
     # The slowest rank's figures, in one all-reduce: MAX of times and of the rates' negatives.
-    worst = torch.tensor([-flops, -bw, -achieved, per_block, per_forward, *times], dtype=torch.float64,
-                         device=device)
+    worst = torch.tensor([-flops, -bw, -achieved, per_block, per_forward, -memory, -dev.host_memory(),
+                          *times], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
     table: dict[str, dict[str, list[float]]] = {}
     for i in range(0, len(keys), len(sizes)):
         group, kind = keys[i]
-        points = list(zip(counted[i:i + len(sizes)], worst[5 + i:5 + i + len(sizes)]))
+        points = list(zip(counted[i:i + len(sizes)], worst[7 + i:7 + i + len(sizes)]))
         table.setdefault(group, {})[kind] = list(fit(points))
     return {"matmul_flops": -worst[0], "memory_bw": -worst[1], "model_flops": -worst[2],
-            "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "collectives": table}
+            "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "device_memory": -worst[5],
+            "host_memory": -worst[6], "collectives": table}
 
 
 def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int) -> str:
@@ -238,9 +266,8 @@ def probe(dtype: torch.dtype, model, args, seq: int, folder: Path | None = None,
         return {**found[0], "cached": str(path)}
     t0 = time.perf_counter()
     figures = _measure(dtype, model, args, seq, per_node)
-    figures.update(world=world, per_node=per_node, host_memory=dev.host_memory(), dtype=str(dtype), seq=seq,
-                   device=dev.device_name(), probe_s=time.perf_counter() - t0,
-                   device_memory=dev.device_memory() or dev.host_memory() / per_node)
+    figures.update(world=world, per_node=per_node, dtype=str(dtype), seq=seq, device=dev.device_name(),
+                   probe_s=time.perf_counter() - t0)
     if dist.get_rank() == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

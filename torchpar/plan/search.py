@@ -77,16 +77,16 @@ def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_d
 
 
 def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
-           efficiency: float = 0.5, device: str = "cuda", optimizer=None) -> list[Plan]:
+           efficiency: float = 0.5, device: str = "cuda", optimizer=None, offload: bool = True) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
     ranked by estimated tokens/s (layouts that fit first); for a job on ``device`` (CPU offload
-    only on GPUs) with ``optimizer`` (the [optimizer] section; None: AdamW)."""
+    with ``offload``, on GPUs only) with ``optimizer`` (the [optimizer] section; None: AdamW)."""
 
     left_out: list[int] = []
     plans = [plan(model, args, lay, cluster, seq, efficiency)
              for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device)
              for lay in _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype,
-                                 left_out, device == "cuda", optimizer)]
+                                 left_out, offload and device == "cuda", optimizer)]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")

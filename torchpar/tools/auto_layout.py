@@ -14,7 +14,8 @@ decide. Whether a layout fits is arithmetic, so "nothing fits" is one line befor
 from __future__ import annotations
 
 import dataclasses
-import json
+import gc
+import shutil
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +71,8 @@ def config_of(cfg: JobConfig, lay: dict, world: int) -> JobConfig:
 def overrides_of(cfg: JobConfig) -> list[str]:
     """The command-line overrides that give ``cfg``'s layout by hand (to pin what auto chose)."""
     p, t = cfg.parallelism, cfg.training
-    out = [f"--parallelism.data_parallel_shard_degree {p.data_parallel_shard_degree}",
+    out = [f"--parallelism.data_parallel_replicate_degree {p.data_parallel_replicate_degree}",
+           f"--parallelism.data_parallel_shard_degree {p.data_parallel_shard_degree}",
            f"--parallelism.tensor_parallel_degree {p.tensor_parallel_degree}",
            f"--parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
            f"--parallelism.context_parallel_degree {p.context_parallel_degree}",
@@ -83,6 +85,8 @@ def overrides_of(cfg: JobConfig) -> list[str]:
         out.append(f"--training.activation_checkpoint_every {t.activation_checkpoint_every}")
     if p.cpu_offload:
         out.append("--parallelism.cpu_offload true")
+    if p.tensor_parallel_degree > 1:
+        out += ["--parallelism.sequence_parallel true", "--parallelism.loss_parallel true"]
     if p.pipeline_parallel_degree > 1:
         out += [f"--parallelism.pipeline_parallel_schedule {p.pipeline_parallel_schedule}",
                 f"--parallelism.pipeline_parallel_microbatch_size {p.pipeline_parallel_microbatch_size}",
@@ -90,15 +94,15 @@ def overrides_of(cfg: JobConfig) -> list[str]:
     return out
 
 
-def replaced_fields(cfg: JobConfig) -> list[str]:
-    """The layout fields ``cfg`` sets away from their defaults, which layout = 'auto' replaces."""
-    par, default = cfg.parallelism, type(cfg.parallelism)()
-    fixed = ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
-             "pipeline_parallel_degree", "context_parallel_degree", "zero_stage", "cpu_offload",
-             "pipeline_parallel_microbatch_size", "pipeline_parallel_stages_per_rank",
-             "pipeline_parallel_layers_per_stage")
-    return [f"parallelism.{name} = {getattr(par, name)!r}" for name in fixed
-            if getattr(par, name) != getattr(default, name)]
+def replaced_fields(cfg: JobConfig, chosen: JobConfig) -> list[str]:
+    """The [parallelism] and [training] fields the chosen job sets otherwise than ``cfg``."""
+    out = []
+    for section in ("parallelism", "training"):
+        mine, theirs = getattr(cfg, section), getattr(chosen, section)
+        out += [f"{section}.{f.name} = {getattr(mine, f.name)!r} -> {getattr(theirs, f.name)!r}"
+                for f in dataclasses.fields(mine) if f.name not in ("layout", "auto_trials")
+                and getattr(mine, f.name) != getattr(theirs, f.name)]
+    return out
 
 
 def device_memory(cfg: JobConfig, per_node: int) -> float:
@@ -120,15 +124,17 @@ class Candidate:
         return describe_layout(self.plan.layout)
 
 
-def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SHOWN) -> tuple[list, list]:
+def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SHOWN,
+                    offload: bool = True) -> tuple[list, list]:
     """(the ``keep`` fastest predicted layouts that fit and that the trainer accepts, as
-    Candidates; the plans of those that do not fit). ConfigError naming the memory needed when
-    none fits."""
+    Candidates planned as the trainer resolves them, fastest first; the plans of those that do
+    not fit). CPU offload only with ``offload`` (and on GPUs). ConfigError naming the memory
+    needed when none fits."""
     model, args = adapter(cfg.model.name), model_args(cfg.model)
     device = dev.device_type()
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     batch, seq = global_batch(cfg, world), cfg.training.seq_len
-    plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer)
+    plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer, offload)
     if not plans:
         raise ConfigError(f"parallelism.layout = 'auto': no layout divides {world} rank(s), the model and "
                           f"the global batch of {batch}; change the rank count or training.global_batch_size")
@@ -140,9 +146,12 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
         except ConfigError as e:
             refused.append(str(e))
             continue
-        out.append(Candidate(plan(model, args, lay, cluster, seq, 1.0), job))
+        resolved = plan(model, args, lay, cluster, seq, 1.0)  # (the config's own bucket size, dtypes...)
+        if resolved.fits:
+            out.append(Candidate(resolved, job))
         if len(out) == keep:
             break
+    out.sort(key=lambda c: c.plan.step_s)
     if not out:
         smallest = min(plans, key=lambda p: _peak(p))
         why = f"; the trainer refused the rest ({refused[0]})" if refused else ""
@@ -204,7 +213,7 @@ def report(cands: list[Candidate], unfit: list[Plan], chosen: Candidate) -> str:
     return "\n".join(lines)
 
 
-def _trial_config(cfg: JobConfig, steps: int, folder: Path) -> JobConfig:
+def trial_config(cfg: JobConfig, steps: int, folder: Path) -> JobConfig:
     """``cfg`` cut down to a trial: ``steps`` steps, each logged, in ``folder``; no checkpoint,
     evaluation, profiling or external sinks."""
     return replace(
@@ -217,22 +226,35 @@ def _trial_config(cfg: JobConfig, steps: int, folder: Path) -> JobConfig:
         job=replace(cfg.job, dump_folder=str(folder)))
 
 
+class _StepTimes:
+    """A trial's on_logged_step: each logged step's time (every rank sees every record)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def __call__(self, trainer, record: dict) -> dict:
+        if record["step"] > 1 and record.get("tokens_per_sec"):
+            self.seconds.append(trainer.global_tokens / record["tokens_per_sec"])
+        return {}
+
+
 def trial(cfg: JobConfig, steps: int, folder: Path) -> float:
-    """Train ``cfg`` for ``steps`` steps in this process group; the median step time of the steps
-    after the first (rank 0's log, the same figure on every rank)."""
-    trainer = Trainer(_trial_config(cfg, steps, folder))
-    trainer.train()
-    median = [None]
-    if dist.get_rank() == 0:
-        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        tokens = trainer.global_tokens
-        median = [statistics.median(tokens / r["tokens_per_sec"] for r in records
-                                    if "tokens_per_sec" in r and r["step"] > 1)]
+    """Train ``cfg`` for ``steps`` steps in this process group (in a fresh ``folder``); the
+    median time of the steps after the first, the slowest rank's (the same on every rank)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    times = _StepTimes()
+    trainer = Trainer(trial_config(cfg, steps, folder), on_logged_step=times)
+    try:
+        trainer.train()  # (closes the trainer)
+    except BaseException:
+        trainer.close(graceful=False)
+        raise
+    median = torch.tensor([statistics.median(times.seconds)], dtype=torch.float64)
     del trainer
-    if dev.device_type() == "cuda":
-        torch.cuda.empty_cache()  # the next trial's layout starts from an empty device
-    dist.broadcast_object_list(median, src=0)
-    return median[0]
+    gc.collect()  # the engine's hooks hold it in reference cycles
+    dev.empty_cache()  # the next trial's layout starts from an empty device
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
 
 
 def room_of(cfg: JobConfig, world: int) -> Cluster:
@@ -245,24 +267,32 @@ def room_of(cfg: JobConfig, world: int) -> Cluster:
 
 def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]:
     """The job with the layout 'auto' chose, and the probe's figures of this machine (for the
-    run's own prediction). Every rank calls it (it probes and may run trials);
-    rank 0 prints the candidates (through ``say``). Raises ConfigError before any collective
-    when no layout fits or the config is wrong."""
+    run's own prediction). Every rank calls it (it probes and may run trials); rank 0 ranks the
+    candidates and prints them (through ``say``), and every rank takes rank 0's list. Raises
+    ConfigError before any collective when no layout fits or the config is wrong."""
     dev.adopt_slurm_environment()
     room = room_of(cfg, world)
-    cands, _ = plan_candidates(cfg, world, room, keep=1)  # memory alone: nothing measured yet
-    preflight(cands[0].cfg, world)  # every other check, before the probe's collectives
-    dev.init_distributed(cfg.comm.timeout_s, dev.device_type() == "cuda", cfg.training.tf32)
+    # Memory alone, nothing measured yet: CPU offload only when nothing fits without it.
+    try:
+        first, _ = plan_candidates(cfg, world, room, keep=1, offload=False)
+        offload = False
+    except ConfigError:
+        first, _ = plan_candidates(cfg, world, room, keep=1)
+        offload = True
+    preflight(first[0].cfg, world)  # every other check, before the probe's collectives
+    dev.init_distributed(cfg.comm.timeout_s, offload and dev.device_type() == "cuda", cfg.training.tf32)
     rank = dist.get_rank()
     dtype = getattr(torch, compute_dtype(cfg.training.mixed_precision_param))
     figures = probe(dtype, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len)
-    cluster = replace(cluster_of(figures, room.memory), host_memory=room.host_memory)
     trials = cfg.parallelism.auto_trials
-    cands, unfit = plan_candidates(cfg, world, cluster, max(SHOWN, trials))
+    ranked = [None]
+    if rank == 0:  # one ranking for all (memory figures can differ between hosts by a few bytes)
+        cluster = cluster_of(figures, room.memory)
+        ranked = [(plan_candidates(cfg, world, cluster, max(SHOWN, trials), offload), cluster)]
+    dist.broadcast_object_list(ranked, src=0)
+    (cands, unfit), cluster = ranked[0]
     if rank == 0:
         say(f"torchpar: layout = 'auto': {machine(figures, cluster)}")
-        if replaced_fields(cfg):
-            say("torchpar: layout = 'auto' replaces " + ", ".join(replaced_fields(cfg)))
     chosen = cands[0]
     if trials:
         base = Path(cfg.job.dump_folder) / "auto_trials"
@@ -278,5 +308,7 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
             say("torchpar: the trials agreed with the planner" if agreed else
                 f"torchpar: the trials disagreed with the planner: its first choice measured "
                 f"{cands[0].measured_s:.3f} s a step, {chosen.name} {chosen.measured_s:.3f} s")
+        if replaced_fields(cfg, chosen.cfg):
+            say("torchpar: layout = 'auto' set " + ", ".join(replaced_fields(cfg, chosen.cfg)))
         say("torchpar: auto chose " + chosen.name + "; to pin it: " + " ".join(overrides_of(chosen.cfg)))
     return chosen.cfg, figures
