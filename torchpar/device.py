@@ -399,6 +399,12 @@ def local_world_size(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
+def rank_memory(per_node: int) -> float:
+    """Bytes one rank may fill: its GPU's, or on the CPU this host's memory shared by its
+    ``per_node`` ranks."""
+    return device_memory() or host_memory() / per_node
+
+
 def device_memory() -> float | None:
     """Bytes of this process's GPU; None on the CPU."""
     if device_type() == "cuda":

@@ -7,7 +7,7 @@ import torch
 
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.plan.estimate import communication, plan
+from torchpar.plan.estimate import communication, device_peak, plan
 from torchpar.plan.layout import PRESETS, state_bytes
 from torchpar.plan.probe import cluster_of, probe
 
@@ -19,7 +19,7 @@ def check_memory_cap(cfg, lay, model, args) -> None:
     if cap <= 0:
         return
     m = plan(model, args, lay, PRESETS["H100-80GB"], cfg.training.seq_len).memory  # (bytes: any device)
-    peak = max(m["total_bytes"], m["startup_peak"], m["checkpoint_peak"])
+    peak = device_peak(m)
     if peak > cap * 2**30:
         state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
         raise ConfigError(

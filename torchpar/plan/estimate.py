@@ -235,10 +235,14 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     # Outside the step: ZeRO 0-2's start-up and checkpoint peaks, which must fit too.
     memory.update(max((transient_bytes(model, args, lay, r) for r in range(lay.pp)),
                       key=lambda t: t["checkpoint_peak"]))
-    device_peak = max(memory["total_bytes"], memory["startup_peak"], memory["checkpoint_peak"])
-    fits = (device_peak <= headroom * cluster.memory
+    fits = (device_peak(memory) <= headroom * cluster.memory
             and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
     return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu, fits)
+
+
+def device_peak(memory: dict) -> float:
+    """A plan's device peak: the step's, or outside it ZeRO 0-2's start-up or checkpoint peak."""
+    return max(memory["total_bytes"], memory["startup_peak"], memory["checkpoint_peak"])
 
 
 def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> float:

@@ -213,7 +213,7 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
     dist.barrier()
     achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
     flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
-    memory = dev.device_memory() or dev.host_memory() / per_node
+    memory = dev.rank_memory(per_node)
     keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
     for link, groups in _partitions(world, per_node):
         made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)

@@ -29,7 +29,7 @@ from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
 from torchpar.models import adapter, model_args
 from torchpar.plan.compare import step_terms
-from torchpar.plan.estimate import Plan, plan
+from torchpar.plan.estimate import Plan, device_peak, plan
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import cluster_of, probe
 from torchpar.plan.search import describe_layout, search
@@ -110,7 +110,7 @@ def device_memory(cfg: JobConfig, per_node: int) -> float:
     (GPU) or this host's memory shared by its ranks (CPU), less headroom."""
     if cfg.training.memory_cap_gib > 0:
         return cfg.training.memory_cap_gib * 2**30 / HEADROOM  # plan() keeps HEADROOM of it
-    return dev.device_memory() or dev.host_memory() / per_node
+    return dev.rank_memory(per_node)
 
 
 @dataclasses.dataclass
@@ -153,20 +153,15 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
             break
     out.sort(key=lambda c: c.plan.step_s)
     if not out:
-        smallest = min(plans, key=lambda p: _peak(p))
+        smallest = min(plans, key=lambda p: device_peak(p.memory))
         why = f"; the trainer refused the rest ({refused[0]})" if refused else ""
         raise ConfigError(
             f"parallelism.layout = 'auto': no layout of {cfg.model.name} {cfg.model.flavor} fits {world} "
             f"rank(s) of {HEADROOM * cluster.memory / 2**30:.2f} GiB at seq_len {seq} and global batch "
             f"{batch}: the smallest ({describe_layout(smallest.layout)}) needs "
-            f"{_peak(smallest) / 2**30:.2f} GiB{why}. Add ranks, raise training.memory_cap_gib, or shorten "
-            "training.seq_len")
+            f"{device_peak(smallest.memory) / 2**30:.2f} GiB{why}. Add ranks, raise "
+            "training.memory_cap_gib, or shorten training.seq_len")
     return out, [p for p in plans if not p.fits]
-
-
-def _peak(p: Plan) -> float:
-    m = p.memory
-    return max(m["total_bytes"], m["startup_peak"], m["checkpoint_peak"])
 
 
 def why_slower(p: Plan, best: Plan) -> str:
@@ -203,13 +198,13 @@ def report(cands: list[Candidate], unfit: list[Plan], chosen: Candidate) -> str:
         else:
             verdict = why_slower(c.plan, best)
         lines.append(f"  {i:>2}  {c.name:<84} {c.plan.step_s:>8.3f} s {measured:>9} "
-                     f"{_peak(c.plan) / 2**30:>6.3f} GiB  {verdict}")
+                     f"{device_peak(c.plan.memory) / 2**30:>6.3f} GiB  {verdict}")
     if unfit:
         faster = [p for p in unfit if p.step_s < best.step_s]
         if faster:
             f = min(faster, key=lambda p: p.step_s)
             lines.append(f"  faster but does not fit: {describe_layout(f.layout)}: {f.step_s:.3f} s, needs "
-                         f"{_peak(f) / 2**30:.3f} GiB")
+                         f"{device_peak(f.memory) / 2**30:.3f} GiB")
     return "\n".join(lines)
 
 
