@@ -50,13 +50,15 @@ def test_measured_collectives_charge_latency_per_call_and_bytes_over_bandwidth()
 
 def test_every_candidate_is_the_layout_the_trainer_builds():
     """config_of(candidate) resolves, as the trainer would, to the planned layout (degrees, ZeRO,
-    recomputation, batch, schedule) — on 4 ranks, every kind of layout the search makes."""
+    recomputation, batch, schedule) — on 4 ranks, every kind of layout the search makes (HSDP
+    included)."""
     cfg = load_config(TINY, ["--training.global_batch_size", "16"])
     cands, _ = plan_candidates(cfg, 4, room_of(cfg, 4), keep=10**6)
-    kinds = {(c.plan.layout["pp"], c.plan.layout["tp"], c.plan.layout["cp"]) for c in cands}
-    assert {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1)} <= kinds
-    keys = ("pp", "dp_shard", "tp", "cp", "cp_method", "zero_stage", "local_batch_size", "accum",
-            "microbatch_size", "activation_checkpoint", "activation_checkpoint_every", "schedule",
+    kinds = {(c.plan.layout["pp"], c.plan.layout["tp"], c.plan.layout["cp"], c.plan.layout["dp_replicate"])
+             for c in cands}
+    assert {(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2)} <= kinds
+    keys = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "cp_method", "zero_stage", "local_batch_size",
+            "accum", "microbatch_size", "activation_checkpoint", "activation_checkpoint_every", "schedule",
             "stages_per_rank", "layers_per_stage")
     for c in cands:
         lay = layout_from_config(c.cfg, 4)[0].to_dict()
@@ -98,9 +100,10 @@ def _probe_worker(rank, world, out):
 @pytest.mark.slow
 def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
     """Two probes on 2 ranks: every figure positive; the second within 2x of the first for the
-    model's rate (the compute term), within 3x for the matmul rate, the memory bandwidth and the
-    time of each collective at 1 MiB (the band a 2-core machine shared with other work keeps); the
-    cache returns the last."""
+    model's rate and for the compute time it predicts for a micro-step (8 blocks, 8 sequences: rate
+    and fixed costs together), within 3x for the matmul rate, the memory bandwidth and the time of
+    each collective at 1 MiB (the band a 2-core machine shared with other work keeps); the cache
+    returns the last."""
     import shutil
 
     out = spawn_ranks(_probe_worker, 2)
@@ -110,6 +113,12 @@ def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
         shutil.rmtree(out, ignore_errors=True)
     for key, band in (("model_flops", 2), ("matmul_flops", 3), ("memory_bw", 3)):
         assert first[key] > 0 and 1 / band <= second[key] / first[key] <= band, (key, first[key], second[key])
+    model, tokens = MODELS["llama3"], 8 * 32
+    flops = model.flops_per_token(model.args("debug"), 32) * tokens
+
+    def micro_step(f):
+        return f["forward_overhead_s"] + 8 * f["block_overhead_s"] + flops / f["model_flops"]
+    assert 1 / 2 <= micro_step(second) / micro_step(first) <= 2, (micro_step(first), micro_step(second))
     assert set(first["collectives"]) == {"intra:2"}
     for kind, (latency, bw) in first["collectives"]["intra:2"].items():
         assert latency >= 0 and bw > 0

@@ -395,6 +395,23 @@ def test_search_follows_the_tutorials_reasoning():
     assert all(x.tokens_per_sec >= y.tokens_per_sec for x, y in zip(fitting, fitting[1:]))
 
 
+def test_the_search_keeps_sharding_inside_a_node_when_nodes_talk_slowly():
+    """Llama-3 1B on 4 nodes of 8 GPUs joined by Ethernet: ZeRO-3 over a node's 8 ranks, replicated
+    over the 4 nodes (HSDP), is the fastest layout that fits — its gathers stay on the node's fast
+    link and only the reduced shard crosses nodes; sharding over all 32 is slower."""
+    from dataclasses import replace
+
+    from torchpar.models import MODELS
+    from torchpar.plan import PRESETS, search
+
+    model, cluster = MODELS["llama3"], replace(PRESETS["PCIe-Ethernet"], nodes=4)
+    plans = [p for p in search(model, model.args("1B"), cluster, 128, 4096) if p.fits]
+    best = plans[0].layout
+    assert (best["dp_replicate"], best["dp_shard"], best["zero_stage"]) == (4, 8, 3)
+    flat = next(p for p in plans if p.layout == {**best, "dp_replicate": 1, "dp_shard": 32})
+    assert flat.step_s > plans[0].step_s
+
+
 def test_search_splits_a_long_sequence_over_ranks():
     """Llama-3 8B with 128k-token sequences on 8 x H100: the fastest layout that fits splits each
     sequence over ranks (cp), and a layout's activations per rank fall with the split."""
@@ -410,6 +427,7 @@ def test_search_splits_a_long_sequence_over_ranks():
     assert f"fastest that fits: {describe_layout(best.layout)}" in explain(model, args, plans, h100)
     same = {p.layout["cp"]: p.memory["activation_bytes"] for p in plans
             if p.layout["tp"] == 1 and p.layout["pp"] == 1 and p.layout["zero_stage"] == 3
+            and p.layout["dp_replicate"] == 1
             and not p.layout["cpu_offload"] and p.layout["activation_checkpoint"] == "full"
             and p.layout["activation_checkpoint_every"] == 1 and p.layout["local_batch_size"] == 1}
     assert sorted(same) == [1, 2, 4, 8]

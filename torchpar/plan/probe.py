@@ -41,7 +41,7 @@ from torchpar.plan.layout import Cluster
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
-VERSION = 4  # of the cache's format and of what is measured
+VERSION = 5  # of the cache's format and of what is measured
 
 
 def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
@@ -66,8 +66,8 @@ def cache_folder() -> Path:
         return Path(tempfile.gettempdir()) / "torchpar-cache"
 
 
-def _timed(fn, sync, repeats: int = REPEATS) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after two warm-up runs."""
+def _timed(fn, sync, repeats: int = REPEATS, keep=statistics.median) -> float:
+    """Seconds of ``fn`` over ``repeats`` runs after two warm-up runs: their median, or ``keep``."""
     for _ in range(2):
         fn()
     sync()
@@ -77,7 +77,7 @@ def _timed(fn, sync, repeats: int = REPEATS) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return keep(times)
 
 
 def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
@@ -90,20 +90,26 @@ def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
 
 
 MAX_PROBE_TOKENS = 4096  # the longest sequence the model probe runs (its memory, on a large model)
+MIN_PROBE_TOKENS = 512  # the fewest tokens a model-probe run takes (a shorter one is mostly fixed cost)
 
 
 def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[float, float, float]:
     """(FLOP/s, seconds per block, seconds per forward) of a forward and backward of the model cut
-    to one block (with embedding, head and loss) on one and on two sequences of ``seq`` tokens (at
-    most MAX_PROBE_TOKENS), and cut to two blocks on one: ``seconds = per forward + blocks x per
-    block + FLOPs / rate`` (FLOPs as the adapter counts them). It is what a matmul's rate leaves
-    out: attention, elementwise work, the head's shape, and the fixed cost of running a block and
-    a micro-step (launches, hooks), which dominates small models and micro-batches. Built on the
-    meta device and then allocated on ``device`` only (the probe runs before the job's model)."""
+    to one and to two blocks (with embedding, head and loss) on one sequence of ``seq`` tokens (at
+    most MAX_PROBE_TOKENS), and cut to one block on ``b`` and ``2b`` sequences (``b`` making at
+    least MIN_PROBE_TOKENS): ``seconds = per forward + blocks x per block + FLOPs / rate`` (FLOPs
+    as the adapter counts them). It is what a matmul's rate leaves out: attention, elementwise
+    work, the head's shape, and the fixed cost of running a block and a micro-step (launches,
+    hooks), which dominates small models and micro-batches. The rate is a difference of two
+    times, so each is the fastest of its runs (interference only adds time) and the two differ by
+    at least MIN_PROBE_TOKENS; the fixed costs come from one sequence, where they weigh most.
+    Built on the meta device and then allocated on ``device`` only (the probe runs before the
+    job's model)."""
     seq = min(seq, MAX_PROBE_TOKENS)
+    b = max(1, MIN_PROBE_TOKENS // seq)
     runs = {}
-    for blocks, batch in ((1, 1), (1, 2), (2, 1)):
+    for blocks, batch in dict.fromkeys(((1, 1), (2, 1), (1, b), (1, 2 * b))):  # (b may be 1)
         cut = dataclasses.replace(args, n_layers=blocks)
         with torch.device("meta"):
             module = model.build(cut).to(dtype)
@@ -116,12 +122,13 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
             logits = module(tokens[:, :-1]).flatten(0, 1).float()
             torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()).backward()
         flops = model.flops_per_token(cut, seq) * seq * batch
-        runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 5))
+        runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 7, keep=min))
         del module, step
         gc.collect()
         dev.empty_cache()
-    (f1, t1), (f2b, t2b), (f2, t2) = runs[1, 1], runs[1, 2], runs[2, 1]
-    rate = (f2b - f1) / (t2b - t1) if t2b > t1 else f2b / t2b  # two sequences against one: marginal
+    (fb, tb), (f2b, t2b) = runs[1, b], runs[1, 2 * b]
+    rate = (f2b - fb) / (t2b - tb) if t2b > tb else f2b / t2b  # twice the sequences: marginal
+    (f1, t1), (f2, t2) = runs[1, 1], runs[2, 1]
     forward = max(0.0, t1 - f1 / rate)
     block = max(0.0, t2 - t1 - (f2 - f1) / rate)  # a second block against one
     return rate, block, min(forward, t1)

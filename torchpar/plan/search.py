@@ -45,18 +45,23 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
 
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
              left_out: list, offload_too: bool = True, optimizer=None):
-    """Every layout of these degrees: ZeRO stage and (``offload_too``) offload, recomputation,
-    micro-batch and, with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES
-    microbatches are left out (their schedules take too long to build) and counted in ``left_out``."""
+    """Every layout of these degrees: ZeRO stage, its shard group (HSDP) and (``offload_too``)
+    offload, recomputation, micro-batch and, with a pipeline, the schedule. Pipeline layouts of
+    more than MAX_MICROBATCHES microbatches are left out (their schedules take too long to build)
+    and counted in ``left_out``."""
 
     stages = ((0, False), (1, False), (2, False), (3, False)) + ((3, True),) * offload_too
-    for zero, offload in stages:
-        if zero in (1, 2, 3) and dp * cp == 1 and not offload:
+    # HSDP: ZeRO 1-3 shard over dp_shard ranks and replicate over dp_replicate (ZeRO 0 replicates
+    # over every dp rank either way); the shard group of any size that leaves two or more replicas.
+    shardings = [(zero, offload, dp // shard, shard) for zero, offload in stages
+                 for shard in (_divisors(dp) if zero else (dp,)) if shard == dp or 1 < shard < dp]
+    for zero, offload, replicas, shard in shardings:
+        if zero in (1, 2, 3) and shard * cp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
         searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
         for (ac, every), mbs in searched:
-            common = dict(dp_shard=dp, tp=tp, cp=cp, cp_method=method, zero_stage=zero,
-                          cpu_offload=offload, activation_checkpoint=ac,
+            common = dict(dp_replicate=replicas, dp_shard=shard, tp=tp, cp=cp, cp_method=method,
+                          zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
                           param_dtype=param_dtype, optimizer=optimizer)
             if pp == 1:
@@ -114,8 +119,10 @@ def recompute_name(lay: dict) -> str:
 def describe_layout(lay: dict) -> str:
     micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
     cp = f"cp {lay['cp']} ({lay['cp_method']}) x " if lay.get("cp", 1) > 1 else ""
+    dp = lay["dp_replicate"] * lay["dp_shard"]
+    hsdp = f" (HSDP {lay['dp_replicate']} x {lay['dp_shard']})" if lay["dp_replicate"] > 1 else ""
     return (
-        f"pp {lay['pp']} x dp {lay['dp_replicate'] * lay['dp_shard']} x {cp}tp {lay['tp']}, zero "
+        f"pp {lay['pp']} x dp {dp}{hsdp} x {cp}tp {lay['tp']}, zero "
         f"{lay['zero_stage']}"
         + (" +offload" if lay["cpu_offload"] else "")
         + f", recompute {recompute_name(lay)}, micro-batch {micro}"
