@@ -11,7 +11,7 @@ from harness import TINY, assert_matches, run_layouts, spawn_ranks
 from torchpar.config import load_config
 from torchpar.errors import ConfigError
 from torchpar.models import MODELS
-from torchpar.plan.estimate import communication
+from torchpar.plan.communication import communication
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import fit
 from torchpar.tools.auto_layout import plan_candidates, room_of
@@ -206,16 +206,15 @@ def test_the_run_logs_predicted_and_measured_step_time_and_warns_once_naming_the
 
     trainer = _fake_trainer(1.0)
     check = StepCheck(dict(FIGURES))
-    first = check(trainer, {"step": 1, "tokens_per_sec": 1.0})
+    first = check(trainer, {"step": 1, "step_s": 1.0})
     predicted = first["predicted_step_s"]
     assert predicted > 0 and "measured_step_s" not in first  # the first step warms up
     assert first["predicted_compute_s"] + first["predicted_communication_s"] == pytest.approx(predicted)
-    on_time = check(trainer, {"step": 10, "tokens_per_sec": trainer.global_tokens / (1.5 * predicted),
-                              "time_reduce_clip_s": 0.0})
+    on_time = check(trainer, {"step": 10, "step_s": 1.5 * predicted, "time_reduce_clip_s": 0.0})
     assert on_time["measured_step_s"] == pytest.approx(1.5 * predicted)
     assert "warning" not in capfd.readouterr().err  # within a factor of 2
     slow = 3 * predicted  # three times the prediction, the excess in the reduction phase
-    record = {"step": 20, "tokens_per_sec": trainer.global_tokens / slow, "time_reduce_clip_s": 2 * predicted}
+    record = {"step": 20, "step_s": slow, "time_reduce_clip_s": 2 * predicted}
     got = check(trainer, record)
     assert got["measured_communication_s"] == pytest.approx(2 * predicted)
     err = capfd.readouterr().err

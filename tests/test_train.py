@@ -43,10 +43,11 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
     val = records(out, "val_loss")
     assert [x["step"] for x in val] == [25, 40] and val[1]["val_loss"] < val[0]["val_loss"]
     assert "step    40  val_loss" in r.stdout
-    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "elapsed_s", "mem_rss_gib",
+    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_s", "mfu", "elapsed_s", "mem_rss_gib",
                 "param_bytes", "grad_bytes", "optim_bytes"):
         assert key in recs[0], key
     assert 0 < recs[-1]["mfu"] < 1 and recs[-1]["tokens_per_sec"] > 0
+    assert recs[-1]["tokens_per_sec"] * recs[-1]["step_s"] == pytest.approx(8 * 64)  # a step's tokens
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.5
     assert "step    40  loss" in r.stdout
 

@@ -39,12 +39,14 @@ class Throughput:
             self.last += time.perf_counter() - t0
 
     def figures(self, step: int) -> dict:
-        """tokens_per_sec since the previous call (the caller synchronized the device), elapsed_s, eta_s."""
+        """tokens_per_sec and step_s (seconds a step) since the previous call (the caller
+        synchronized the device), elapsed_s, eta_s."""
         now = time.perf_counter()
-        tps = self.tokens_per_step * self.steps / (now - self.last)
+        step_s = (now - self.last) / self.steps
         eta = (now - self.start) / (step - self.first_step + 1) * (self.last_step - step)
         self.last, self.steps = now, 0
-        return {"tokens_per_sec": tps, "elapsed_s": now - self.start, "eta_s": eta}
+        return {"tokens_per_sec": self.tokens_per_step / step_s, "step_s": step_s,
+                "elapsed_s": now - self.start, "eta_s": eta}
 
 
 def numbers(record: dict) -> dict:

@@ -127,8 +127,19 @@ class Layout:
         return self.local_batch_size * self.accum // self.microbatch_size
 
     @property
+    def micro_steps(self) -> tuple[int, int]:
+        """(sequences per forward, forwards per step): pipeline microbatches, or accumulation steps."""
+        if self.pp > 1:
+            return self.microbatch_size, self.n_microbatches
+        return self.local_batch_size, self.accum
+
+    @property
     def param_dtype_bytes(self) -> int:
         return 2 if self.param_dtype == "bfloat16" else 4
+
+    @property
+    def reduce_dtype_bytes(self) -> int:
+        return 2 if self.reduce_dtype == "bfloat16" else 4
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The global pipeline stages rank ``pp_rank`` holds, in order (see pipeline.stage_ids)."""

@@ -21,12 +21,11 @@ against measured runs; nothing at run time imports the planner.
 """
 
 from torchpar.parallel.layout import Layout
+from torchpar.plan.communication import communication
 from torchpar.plan.compare import check_memory_cap, predict_for_trainer
 from torchpar.plan.estimate import (
                                     Plan,
-                                    communication,
                                     in_flight,
-                                    micro_steps,
                                     pipeline_bubble,
                                     plan,
                                     recompute_flops_per_token,
@@ -43,5 +42,5 @@ from torchpar.plan.search import explain, search
 
 __all__ = ["PRESETS", "Cluster", "Layout", "Plan", "check_memory_cap", "communication", "deepspeed_bytes",
            "explain", "in_flight",
-           "layout_from_config", "micro_steps", "pipeline_bubble", "plan", "predict_for_trainer",
+           "layout_from_config", "pipeline_bubble", "plan", "predict_for_trainer",
            "rank_params", "recompute_flops_per_token", "search", "state_bytes"]

@@ -7,7 +7,8 @@ import torch
 
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.plan.estimate import communication, device_peak, plan
+from torchpar.plan.communication import communication
+from torchpar.plan.estimate import device_peak, plan
 from torchpar.plan.layout import PRESETS, state_bytes
 from torchpar.plan.probe import cluster_of, probe
 
@@ -105,9 +106,9 @@ class StepCheck:
         predicted = step_terms(self.plan)
         out = {"predicted_step_s": self.plan.step_s,
                **{f"predicted_{k}_s": v for k, v in predicted.items()}}
-        if record["step"] == self.first or not record.get("tokens_per_sec"):
+        if record["step"] == self.first or "step_s" not in record:
             return out  # the run's first step warms up (and compiles)
-        step_s = trainer.global_tokens / record["tokens_per_sec"]
+        step_s = record["step_s"]
         measured = measured_terms(record, step_s)
         out.update(measured_step_s=step_s, **{f"measured_{k}_s": v for k, v in measured.items()})
         margin = trainer.cfg.metrics.prediction_margin

@@ -1,26 +1,20 @@
-"""One layout's activations, communication per mesh dimension, bubble and step time."""
+"""One layout's memory per rank, pipeline bubble and step time (its communication:
+:mod:`torchpar.plan.communication`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 from dataclasses import dataclass
 
-from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
-from torchpar.parallel.layout import Layout, rank_params, split_of
-from torchpar.parallel.ledger import RING_FACTOR
+from torchpar.parallel.layout import Layout, split_of
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
+from torchpar.plan.communication import communication, exposed_seconds, optimizer_seconds
 from torchpar.plan.layout import Cluster, flat_rank_layout, state_bytes, transient_bytes
-
-PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
-CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
-
 
 # ------------------------------------------------------------------ activations and recomputation
 
@@ -47,7 +41,7 @@ def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluste
     bytes through device memory, per block of the rank and per forward of the step."""
     if lay.activation_checkpoint != "selective":
         return 0.0
-    micro_batch, n_micro = micro_steps(lay)
+    micro_batch, n_micro = lay.micro_steps
     dropped = max(0.0, held_bytes(model, args, lay, micro_batch, seq, "none")
                   - held_bytes(model, args, lay, micro_batch, seq, "selective"))
     return 2 * dropped * args.n_layers / lay.pp * n_micro / cluster.memory_bw
@@ -96,18 +90,11 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def micro_steps(lay: Layout) -> tuple[int, int]:
-    """(sequences per forward, forwards per step): pipeline microbatches, or accumulation steps."""
-    if lay.pp > 1:
-        return lay.microbatch_size, lay.local_batch_size * lay.accum // lay.microbatch_size
-    return lay.local_batch_size, lay.accum
-
-
 def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict | None = None) -> dict:
     """Device bytes of the rank at pipeline position ``pp_rank`` (coordinate 0 elsewhere: the
     largest shards), by part; ``total_bytes`` is the peak (their sum, less gradients and activations
     that are never held at once), ``cpu_bytes`` what offload moves off."""
-    micro_batch, n_micro = micro_steps(lay)
+    micro_batch, n_micro = lay.micro_steps
     split = split_of(model, args, lay)
     mem = dict(state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0}))
     stages = lay.stage_ids(pp_rank)
@@ -143,11 +130,11 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     buckets wait for the block's last one before they are reduced, in order."""
 
     bounds = flat_rank_layout(model, args, lay, pp_rank)[3]
-    whole = _reduce_bytes(lay) * bounds[-1]
+    whole = lay.reduce_dtype_bytes * bounds[-1]
     if lay.zero_stage != 2:
         return whole
-    block = _reduce_bytes(lay) * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
-    bucket = _reduce_bytes(lay) * max(b - a for a, b in zip(bounds, bounds[1:]))
+    block = lay.reduce_dtype_bytes * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
+    bucket = lay.reduce_dtype_bytes * max(b - a for a, b in zip(bounds, bounds[1:]))
     return min(whole, whole / flat_shards(lay) + (IN_FLIGHT + 1) * bucket + block)
 
 
@@ -166,50 +153,6 @@ def _not_at_once(mem: dict, lay: Layout, n_micro: int, flat_grad_bytes: float) -
     return grads + mem["activation_bytes"] + mem["logits_bytes"] - max(start, end)
 
 
-def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float:
-    """ZeRO 0-2's communication that the step waits for. Buckets are reduced during the last
-    micro-step's backward (about 2/3 of its compute), except the last bucket, which starts as
-    backward ends; HSDP's all-reduce of the shard follows them; the parameter gathers overlap the
-    next step's first forward (1/3 of a micro-step)."""
-    def sec(dim):
-        return comm.get(dim, {}).get("seconds", 0.0)
-
-    n_micro = micro_steps(lay)[1]
-    shard = sec(lay.shard_dim)
-    if lay.zero_stage == 2:  # dp_shard (x cp): reduce-scatter and all-gather of the same elements
-        gather = shard * lay.param_dtype_bytes / (lay.param_dtype_bytes + _reduce_bytes(lay))
-        reduce, after = shard - gather, sec("dp_replicate")
-    else:
-        gather, reduce, after = shard, sec(lay.reduce_dim), 0.0
-    buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
-    exposed_reduce = max(reduce / buckets, reduce - compute * 2 / 3 / n_micro)
-    return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
-
-
-def _exposed_seconds(model, args, lay: Layout, comm: dict, compute: float, overlap: bool = True) -> float:
-    """Communication time the step waits for. ZeRO 0-2 overlap their reductions with backward
-    and their gathers with forward (:func:`_flat_exposed`); FSDP2 overlaps with compute; TP
-    collectives and context parallelism's exchanges sit on the critical path; pipeline sends
-    are mostly hidden (counted fully). Without ``overlap`` (a CPU) all of it is waited for."""
-    dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate", "dp_cp",
-                                                               "dp_shard_cp"))
-    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "cp", "pp", "world"))
-    if not overlap:
-        exposed += dp_s
-    elif lay.zero_stage == 3:
-        exposed += max(0.0, dp_s - compute)
-    elif lay.grad_ranks > 1:
-        exposed += _flat_exposed(model, args, lay, comm, compute)
-    if lay.cpu_offload:
-        # Sharded parameters cross PCIe to the device for every all-gather, gradients back once,
-        # and Adam runs on the CPU (counted as memory-bound: 16 bytes read + written per parameter).
-        host = state_bytes(model, args, lay, {"pp": 0, "dp_shard": 0, "tp": 0})
-        moved = host["param_bytes"] * (2 * lay.accum if lay.pp == 1 else 1) + host["grad_bytes"]
-        comm["offload"] = {"bytes": moved, "seconds": moved / PCIE_BW, "link": "PCIe"}
-        exposed += moved / PCIE_BW + 2 * (host["param_bytes"] + host["optim_bytes"]) / CPU_MEMORY_BW
-    return exposed
-
-
 def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float = 0.5, headroom: float = 0.9,
          actions: dict | None = None) -> Plan:
     """Memory (the heaviest pipeline rank), communication, bubble and step time of one layout
@@ -222,12 +165,12 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
     compute = flops / lay.world / (cluster.peak_flops * efficiency) + _elementwise_recompute_s(
         model, args, lay, seq, cluster) + optimizer_seconds(model, args, lay, cluster, efficiency)
-    n_micro = micro_steps(lay)[1]
+    n_micro = lay.micro_steps[1]
     # A measured machine's fixed costs: each forward + backward of the busiest rank's blocks.
     compute += n_micro * (max(split_of(model, args, lay)) * lay.stages_per_rank * cluster.block_overhead
                           + cluster.forward_overhead)
     bubble = pipeline_bubble(lay, n_micro, actions)
-    step = compute / (1 - bubble) + _exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
+    step = compute / (1 - bubble) + exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
     # Offload moves the state into the node's CPU memory, which its ranks share.
@@ -254,247 +197,3 @@ def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> f
     return simulate(acts, num_stages)["bubble"]
 
 
-def _link(cluster: Cluster, stride: int, size: int) -> tuple[str, float]:
-    """A mesh dimension spans ``stride * size`` consecutive ranks: inside a node if they fit."""
-    return (
-        ("intra-node", cluster.intra_bw)
-        if stride * size <= cluster.gpus_per_node
-        else ("inter-node", cluster.inter_bw)
-    )
-
-
-
-
-class _Sent(dict):
-    """Bytes sent per rank per step, by mesh dimension; and by (dimension, kind, ranks) the bytes and
-    the number of collectives (what a measured machine's latency is charged on)."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_kind: dict[tuple[str, str, int], list[float]] = {}  # -> [bytes, calls]
-
-    def add(self, dim: str, kind: str, payload: float, n: int, times: float = 1, calls: int = 1) -> None:
-        """``times`` collectives of ``payload`` (a ring's payload: RING_FACTOR says what one rank
-        sends), each issued as ``calls`` pieces of the same total (buckets; or micro-steps, where
-        ``payload`` is the step's)."""
-        if n > 1:
-            sent = times * RING_FACTOR[kind](n) * payload
-            self[dim] = self.get(dim, 0.0) + sent
-            entry = self.by_kind.setdefault((dim, kind, n), [0.0, 0.0])
-            entry[0] += sent
-            entry[1] += times * calls
-
-    def seconds(self, dim: str, link: str, bw: float, cluster: Cluster) -> float:
-        """Time of ``dim``'s traffic: measured latency and bandwidth of each collective where the
-        machine was probed (the probed group of the same size and link, else the nearest size),
-        else the bytes over the link's datasheet bandwidth."""
-        if not cluster.collectives:
-            return self[dim] / bw
-        total = 0.0
-        for (d, kind, n), (sent, calls) in self.by_kind.items():
-            if d != dim:
-                continue
-            latency, rate = _measured(cluster.collectives, "intra" if link == "intra-node" else "inter", n,
-                                      kind, bw)
-            total += calls * latency + sent / rate
-        return total
-
-
-def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[float, float]:
-    """(latency, bandwidth) of ``kind`` on ``n`` ranks over ``link`` from a probe's table: that
-    group size, else the nearest probed on that link (else on any link), else (0, ``bw``)."""
-    sizes = [(int(key.split(":")[1]), key) for key in table if kind in table[key]]
-    if not sizes:
-        return 0.0, bw
-    same = [s for s in sizes if s[1].startswith(link)] or sizes
-    key = min(same, key=lambda s: (abs(s[0] - n), -s[0]))[1]
-    latency, rate = table[key][kind]
-    return latency, rate
-
-
-def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, layers: int, first: bool,
-                     last: bool) -> None:
-    """Per block and micro-step, forward and backward, one collective pair for each module the
-    plan converts the residual stream for (row-wise outputs, sub-module inputs): with sequence
-    parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
-    bytes); each embedding and the head add one pair. ``entries``: the rank's parameters."""
-    micro_batch, n_micro = micro_steps(lay)
-    t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes  # (seq: this rank's tokens)
-    per_block = sum(word in ("rowwise", "input") for word in model.block_plan.values())
-    embeddings = sum(word == "embedding" for word in model.top_plan.values())
-    pairs = per_block * layers + embeddings * first + last
-    if lay.sequence_parallel:
-        sent.add("tp", "all_gather", hidden, t, pairs * n_micro)
-        sent.add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
-        # Parameters TP replicates see sequence-sharded activations: their partial gradients
-        # are all-reduced once per step.
-        for _, (r, c), tp_dim in entries:
-            if tp_dim is None:
-                sent.add("tp", "all_reduce", 4 * r * c, t)
-    else:
-        sent.add("tp", "all_reduce", hidden, t, pairs * n_micro)
-    if last:
-        if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
-            sent.add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
-        else:
-            sent.add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
-
-
-def _reduce_bytes(lay: Layout) -> int:
-    return 2 if lay.reduce_dtype == "bfloat16" else 4
-
-
-def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
-    """ZeRO 0-2: the padded buffer's gradients (``bounds[-1]`` elements) reduced once per step,
-    bucket by bucket, in the reduction dtype, and the updated pieces all-gathered in the compute
-    dtype (in the same buckets)."""
-    n, r, buckets = lay.shard_ranks, lay.dp_replicate, len(bounds) - 1
-    grads = _reduce_bytes(lay) * bounds[-1]
-    if lay.zero_stage == 2:
-        sent.add(lay.shard_dim, "reduce_scatter", grads, n, calls=buckets)
-        sent.add("dp_replicate", "all_reduce", grads / n, r, calls=buckets)
-    else:
-        sent.add(lay.reduce_dim, "all_reduce", grads, lay.grad_ranks, calls=buckets)
-    if lay.zero_stage in (1, 2):
-        sent.add(lay.shard_dim, "all_gather", lay.param_dtype_bytes * bounds[-1], n, calls=buckets)
-
-
-def _fsdp(
-    sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool
-) -> None:
-    """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
-    collectives carry every parameter padded to a multiple of dp_shard (x cp) rows."""
-    n, r, dim = lay.shard_ranks, lay.dp_replicate, lay.shard_dim
-
-    def unit_bytes(shapes, dtype_bytes):
-        return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
-
-    n_first = len(model.stage_params(args, True, False, 0)) if first else 0
-    per_block = len(model.block_params(args))
-    blocks = [local[i:i + per_block] for i in range(n_first, n_first + layers * per_block, per_block)]
-    root = local[:n_first] + local[n_first + layers * per_block:]
-    # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
-    # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
-    gathers = lay.accum if lay.pp == 1 else 1
-    # ... and reduces every micro-step's gradients, unless they accumulate unsharded until the last.
-    reduces = gathers if lay.reduce_every_microstep else 1
-    act = lay.param_dtype_bytes
-    for i, unit in enumerate(blocks):
-        again = lay.pp == 1 and i < len(blocks) - 1
-        sent.add(dim, "all_gather", unit_bytes(unit, act), n, 2 * gathers if again else gathers)
-        sent.add(dim, "reduce_scatter", unit_bytes(unit, 4), n, reduces)
-    if root:
-        sent.add(dim, "all_gather", unit_bytes(root, act), n, gathers)
-        sent.add(dim, "reduce_scatter", unit_bytes(root, 4), n, reduces)
-    for unit in blocks + ([root] if root else []):
-        sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
-
-
-def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[int, int], str, int | None]]:
-    """(full shape, role, TP-sharded dim) of the parameters whose update the rank at ``pp_rank``
-    computes whole when the optimizer gathers shards (Muon): under ZeRO-3 every one it holds a shard
-    of; under ZeRO 0-2 those it owns (1/N of them, by size); with TP each is gathered over tp."""
-    if not kind_of(lay.optimizer).gathers_shards:
-        return []
-    split = split_of(model, args, lay)
-    return [((r, c), param_role(name, 1 if c == 1 else 2, model), tp_dim) for s in lay.stage_ids(pp_rank)
-            for name, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
-
-
-def _owned_share(lay: Layout) -> float:
-    """The share of the matrices one rank updates: all it holds under ZeRO-3, 1/N under ZeRO 1-2."""
-    return 1.0 if lay.zero_stage == 3 else 1 / flat_shards(lay)
-
-
-def optimizer_seconds(model, args, lay: Layout, cluster: Cluster, efficiency: float) -> float:
-    """The optimizer's own matmuls (Muon's Newton-Schulz, in bf16) on the busiest pipeline rank."""
-    flops = max(sum(update_flops(lay.optimizer, shape, role) for shape, role, _ in
-                    _whole_matrices(model, args, lay, r)) for r in range(lay.pp))
-    return flops * _owned_share(lay) / (cluster.peak_flops * efficiency)
-
-
-def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> None:
-    """Muon gathers each sharded matrix's update in bf16 (DTensor's full_tensor): over dp_shard under
-    ZeRO-3 (at its TP-local width), then over tp where TP shards it."""
-    for (r, c), role, tp_dim in _whole_matrices(model, args, lay, pp_rank):
-        if not PARAM_GROUPS[role]["muon"]:
-            continue
-        tp_sharded = lay.tp > 1 and tp_dim is not None
-        if lay.zero_stage == 3:
-            sent.add(lay.shard_dim, "all_gather", 2 * r * c / (lay.tp if tp_sharded else 1), lay.shard_ranks)
-        if tp_sharded:
-            sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
-
-
-def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
-    """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
-    through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
-    the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
-    the key/value block cp-1 times in forward (KV heads repeated to the query heads) and in
-    backward, and the key/value gradients (fp32) cp times. A block that recomputation wraps runs
-    its forward's exchanges again — except the ring's under selective recomputation, which keeps
-    the ring's output as it keeps a fused attention's (the all-to-alls' results it does not keep)."""
-    c, act = lay.cp, lay.param_dtype_bytes
-    policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
-    if policy == "selective" and lay.cp_method == "ring":
-        policy = "none"
-    again = sum(recomputed(i, policy, every) for i in blocks)
-    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
-        again *= 2  # input- and weight-gradient passes each recompute the block
-    passes = 2 * len(blocks) + again  # forward and backward of every block, and the forwards run again
-    head = tokens * args.head_dim / lay.tp
-    if lay.cp_method == "alltoall":
-        qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
-        sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=2 * n_micro)  # (q, k, v; then out)
-    else:
-        kv = 2 * head * args.n_heads
-        sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)
-        sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
-
-
-def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
-    """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
-    dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
-    collective by collective as torchpar issues them (checked in the tests against a ledger of a
-    real run)."""
-    micro_batch, n_micro = micro_steps(lay)
-    split = split_of(model, args, lay)
-    stages = lay.stage_ids(pp_rank)
-    layers = sum(split[s] for s in stages)
-    first, last = 0 in stages, len(split) - 1 in stages
-    seq //= lay.cp  # the tokens of each sequence this rank holds
-    sent = _Sent()
-    # The trainer's own, over all ranks: the loss with the stop-signal flag (two fp32 values) and the
-    # global gradient norm (one).
-    sent.add("world", "all_reduce", 8, lay.world)
-    sent.add("world", "all_reduce", 4, lay.world)
-    if lay.tp > 1:
-        entries = [e for s in stages for e in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
-        _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)
-    if lay.cp > 1:
-        starts = [0, *itertools.accumulate(split)]
-        blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]
-        _context(sent, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
-    if lay.grad_ranks > 1:
-        local = rank_params(model, args, lay, pp_rank)
-        if lay.zero_stage == 3:
-            _fsdp(sent, model, args, lay, local, layers, first)
-        else:
-            _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
-    _gathered_updates(sent, model, args, lay, pp_rank)
-    if lay.pp > 1:
-        # Each microbatch crosses every stage boundary forward (activations) and back (their
-        # gradients); a rank sends from each of its stages that has a neighbour.
-        hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes
-        sent.add("pp", "send", hidden, lay.pp, sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro)
-    # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
-    # all the ranks it spans fit in one node.
-    t, c, n = lay.tp, lay.cp, lay.dp_shard
-    stride = {"tp": (1, t), "cp": (t, c), "dp_shard": (t * c, n), "dp_shard_cp": (t, c * n),
-              "dp_replicate": (t * c * n, lay.dp_replicate), "dp": (t * c, lay.dp), "dp_cp": (t, c * lay.dp),
-              "pp": (t * c * lay.dp, lay.pp), "world": (1, lay.world)}
-    out = {}
-    for dim, b in sent.items():
-        link, bw = _link(cluster, *stride[dim])
-        out[dim] = {"bytes": b, "seconds": sent.seconds(dim, link, bw, cluster), "link": link}
-    return out

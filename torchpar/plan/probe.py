@@ -66,8 +66,8 @@ def cache_folder() -> Path:
         return Path(tempfile.gettempdir()) / "torchpar-cache"
 
 
-def _timed(fn, sync, repeats: int = REPEATS, keep=statistics.median) -> float:
-    """Seconds of ``fn`` over ``repeats`` runs after two warm-up runs: their median, or ``keep``."""
+def _timed(fn, sync, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after two warm-up runs."""
     for _ in range(2):
         fn()
     sync()
@@ -77,7 +77,7 @@ def _timed(fn, sync, repeats: int = REPEATS, keep=statistics.median) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return keep(times)
+    return statistics.median(times)
 
 
 def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
@@ -101,9 +101,9 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
     least MIN_PROBE_TOKENS): ``seconds = per forward + blocks x per block + FLOPs / rate`` (FLOPs
     as the adapter counts them). It is what a matmul's rate leaves out: attention, elementwise
     work, the head's shape, and the fixed cost of running a block and a micro-step (launches,
-    hooks), which dominates small models and micro-batches. The rate is a difference of two
-    times, so each is the fastest of its runs (interference only adds time) and the two differ by
-    at least MIN_PROBE_TOKENS; the fixed costs come from one sequence, where they weigh most.
+    hooks), which dominates small models and micro-batches. The rate comes from a difference
+    of two times (each the median of 7 runs), so the two differ by at least MIN_PROBE_TOKENS; the
+    fixed costs come from one sequence, where they weigh most.
     Built on the meta device and then allocated on ``device`` only (the probe runs before the
     job's model)."""
     seq = min(seq, MAX_PROBE_TOKENS)
@@ -122,7 +122,7 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
             logits = module(tokens[:, :-1]).flatten(0, 1).float()
             torch.nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()).backward()
         flops = model.flops_per_token(cut, seq) * seq * batch
-        runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 7, keep=min))
+        runs[blocks, batch] = (flops, _timed(step, dev.synchronize, 7))
         del module, step
         gc.collect()
         dev.empty_cache()

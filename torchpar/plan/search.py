@@ -7,7 +7,7 @@ from torchpar.errors import ConfigError
 from torchpar.parallel.layout import Layout, context_problem
 from torchpar.parallel.pipeline import MAX_MICROBATCHES, SPLIT_BACKWARD, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
-from torchpar.plan.estimate import Plan, micro_steps, plan
+from torchpar.plan.estimate import Plan, plan
 from torchpar.plan.layout import Cluster
 
 # ------------------------------------------------------------------ search and the command
@@ -101,7 +101,7 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 def check_microbatches(lay: Layout) -> None:
     """One config's pipeline: its schedule must be one the planner can build (MAX_MICROBATCHES)."""
 
-    n_micro = micro_steps(lay)[1]
+    n_micro = lay.micro_steps[1]
     if lay.pp > 1 and n_micro > MAX_MICROBATCHES:
         raise ConfigError(f"training.global_batch_size gives {n_micro:,} pipeline microbatches per step, "
                           f"beyond the {MAX_MICROBATCHES} the planner builds a schedule for; raise "

@@ -228,8 +228,8 @@ class _StepTimes:
         self.seconds: list[float] = []
 
     def __call__(self, trainer, record: dict) -> dict:
-        if record["step"] > 1 and record.get("tokens_per_sec"):
-            self.seconds.append(trainer.global_tokens / record["tokens_per_sec"])
+        if record["step"] > 1 and "step_s" in record:
+            self.seconds.append(record["step_s"])
         return {}
 
 
