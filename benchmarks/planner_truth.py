@@ -57,12 +57,13 @@ def sample(ranked: list, most: int, top: int) -> list:
 
 
 def _worker(rank: int, world: int, out: str, shapes: dict, steps: int, policies: list[str], batch: int,
-            trials: int, most: int) -> None:
+            trials: int, most: int, passes: int) -> None:
     results = {}
     for name, overrides in shapes.items():
         cfg = load_config(BASE, [*overrides, "--training.global_batch_size", str(batch), "--data.num_workers",
                                  "0"])
-        figures = probe(torch.float32, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len)
+        figures = probe(torch.float32, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len,
+                        fresh=True)  # (measured now, not read from the cache)
         cluster = cluster_of(figures, room_of(cfg, world).memory)
         cands, _ = plan_candidates(cfg, world, cluster, keep=10**6)
         auto = cands[0]
@@ -70,10 +71,18 @@ def _worker(rank: int, world: int, out: str, shapes: dict, steps: int, policies:
                           max(trials, 3))
         if auto not in measured:
             measured.insert(0, auto)
+        # Each layout timed in ``passes`` passes, every other one in reverse order, and its fastest
+        # pass kept: this machine's speed drifts over minutes, which one pass would read as a
+        # difference between the layouts timed early and late.
+        times: dict[int, list[float]] = {}
+        for p in range(passes):
+            order = list(enumerate(measured))
+            for i, c in order if p % 2 == 0 else order[::-1]:
+                times.setdefault(i, []).append(trial(c.cfg, steps, Path(out) / f"{name[:6]}_{i}"))
         rows = []
         for i, c in enumerate(measured):
             folder = Path(out) / f"{name[:6]}_{i}"
-            step_s = trial(c.cfg, steps, folder)
+            step_s = min(times[i])
             peak = step_peak_check(trial_config(c.cfg, 2, folder / "peak"))
             worst = torch.tensor([peak["measured_bytes"], peak["predicted_bytes"]], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -148,14 +157,17 @@ def main() -> None:
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--trials", type=int, default=3, help="k of auto's trial mode, as reported")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--passes", type=int, default=2, help="times each layout is timed (every other pass in "
+                    "reverse order; the fastest kept)")
     ap.add_argument("--most", type=int, default=24, help="layouts measured per shape and world at most: the "
                     "planner's best (the trials') and the rest sampled evenly over its ranking")
     a = ap.parse_args()
-    print(f"planner truth: {a.steps} steps per layout, global batch {a.global_batch_size} x 128 tokens, "
-          f"recomputation {', '.join(a.recompute)}, at most {a.most} layouts per shape")
+    print(f"planner truth: {a.steps} steps per layout in each of {a.passes} passes, global batch "
+          f"{a.global_batch_size} x 128 tokens, recomputation {', '.join(a.recompute)}, at most {a.most} "
+          "layouts per shape")
     for world in a.worlds:
         out = spawn_ranks(_worker, world, {s: SHAPES[s] for s in a.shapes}, a.steps, a.recompute,
-                          a.global_batch_size, a.trials, a.most)
+                          a.global_batch_size, a.trials, a.most, a.passes)
         try:
             results = json.loads(Path(out, "results.json").read_text())
         finally:

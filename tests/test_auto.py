@@ -48,6 +48,27 @@ def test_measured_collectives_charge_latency_per_call_and_bytes_over_bandwidth()
     assert timed["dp"]["seconds"] + timed["dp_shard"]["seconds"] == pytest.approx(expected, rel=1e-9)
 
 
+def test_ranks_sharing_cores_pay_for_the_bubble_only_where_too_few_are_busy():
+    """4 ranks on 2 cores (half a core each): while a rank idles in the pipeline's bubble the others
+    take its core, so the step loses wall time only for the part of the bubble that leaves fewer
+    busy ranks than cores; compute and communication are unchanged."""
+    from dataclasses import replace
+
+    from torchpar.plan.estimate import plan
+
+    cfg = load_config(TINY, ["--parallelism.pipeline_parallel_degree", "2",
+                             "--parallelism.pipeline_parallel_microbatch_size", "4"])
+    lay, model, args = layout_from_config(cfg, 2)
+    own = Cluster(2, 80e9, 1e12, 4e9, 1e9, 1e12)
+    alone = plan(model, args, lay, own, 32)
+    assert alone.bubble > 0.25
+    for share in (0.5, 0.9):
+        shared = plan(model, args, lay, replace(own, cores_per_rank=share), 32)
+        assert shared.compute_s == alone.compute_s
+        assert shared.bubble == pytest.approx(max(0.0, 1 - (1 - alone.bubble) / share))
+        assert shared.step_s < alone.step_s
+
+
 def test_every_candidate_is_the_layout_the_trainer_builds():
     """config_of(candidate) resolves, as the trainer would, to the planned layout (degrees, ZeRO,
     recomputation, batch, schedule) — on 4 ranks, every kind of layout the search makes (HSDP
@@ -197,7 +218,7 @@ def _fake_trainer(margin: float):
 
 FIGURES = {"world": 2, "per_node": 2, "device_memory": 8e9, "host_memory": 16e9, "matmul_flops": 5e10,
            "model_flops": 2e10, "memory_bw": 3e10, "block_overhead_s": 1e-3, "forward_overhead_s": 2e-3,
-           "device": "CPU",
+           "device": "CPU", "cores_per_rank": 1.0,
            "collectives": {"intra:2": {"all_reduce": [1e-3, 1e9], "all_gather": [5e-4, 1e9]}}}
 
 

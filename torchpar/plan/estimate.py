@@ -170,6 +170,8 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     compute += n_micro * (max(split_of(model, args, lay)) * lay.stages_per_rank * cluster.block_overhead
                           + cluster.forward_overhead)
     bubble = pipeline_bubble(lay, n_micro, actions)
+    if cluster.cores_per_rank < 1:  # ranks share cores: the bubble costs only where too few are busy
+        bubble = max(0.0, 1 - (1 - bubble) / cluster.cores_per_rank)
     step = compute / (1 - bubble) + exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)

@@ -33,6 +33,9 @@ class Cluster:
     block_overhead: float = 0.0
     forward_overhead: float = 0.0
     overlap: bool = True  # communication overlaps compute as designed (False: a CPU, where gloo computes)
+    # Cores each rank has where a host's ranks share its CPU cores (below 1: they take turns, and a
+    # rank idle in a pipeline bubble gives its core to the others); 1 where each rank has a device.
+    cores_per_rank: float = 1.0
 
     @property
     def world(self) -> int:

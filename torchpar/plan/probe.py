@@ -41,7 +41,7 @@ from torchpar.plan.layout import Cluster
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
-VERSION = 5  # of the cache's format and of what is measured
+VERSION = 7  # of the cache's format and of what is measured
 
 
 def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
@@ -221,6 +221,8 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
     achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
     flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
     memory = dev.rank_memory(per_node)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = cores / (per_node * torch.get_num_threads()) if device.type == "cpu" else 1.0
     keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
     for link, groups in _partitions(world, per_node):
         made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)
@@ -236,17 +238,17 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
             dist.destroy_process_group(g)
     # The slowest rank's figures, in one all-reduce: MAX of times and of the rates' negatives.
     worst = torch.tensor([-flops, -bw, -achieved, per_block, per_forward, -memory, -dev.host_memory(),
-                          *times], dtype=torch.float64, device=device)
+                          -min(share, 1.0), *times], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
     table: dict[str, dict[str, list[float]]] = {}
     for i in range(0, len(keys), len(sizes)):
         group, kind = keys[i]
-        points = list(zip(counted[i:i + len(sizes)], worst[7 + i:7 + i + len(sizes)]))
+        points = list(zip(counted[i:i + len(sizes)], worst[8 + i:8 + i + len(sizes)]))
         table.setdefault(group, {})[kind] = list(fit(points))
     return {"matmul_flops": -worst[0], "memory_bw": -worst[1], "model_flops": -worst[2],
             "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "device_memory": -worst[5],
-            "host_memory": -worst[6], "collectives": table}
+            "host_memory": -worst[6], "cores_per_rank": -worst[7], "collectives": table}
 
 
 def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int) -> str:
@@ -302,4 +304,4 @@ def cluster_of(figures: dict, memory: float | None = None) -> Cluster:
                            bandwidth("intra"), bandwidth("inter"), figures["host_memory"], world // per_node,
                            figures["memory_bw"]), collectives=table,
                    block_overhead=figures["block_overhead_s"], forward_overhead=figures["forward_overhead_s"],
-                   overlap=figures["device"] != "CPU")
+                   overlap=figures["device"] != "CPU", cores_per_rank=figures["cores_per_rank"])
