@@ -1,12 +1,12 @@
 """Does the planner's step-time model rank layouts the way this machine does?
 
 For each model shape and world size, every layout that fits (in the space below) is trained for a
-few steps in one process group; its measured step time (median of the steps after the first,
-wall clock of the whole job) and peak bytes (every storage followed through one step, the most
-over the ranks) are printed beside the planner's prediction for this machine (probed: matmul and
-model rates, collectives' latency and bandwidth), with the rank correlation and the median error;
-and the layout ``parallelism.layout = "auto"`` picks without trials, and with trials of the
-planner's best k, against the fastest measured.
+few steps in one process group; its measured step time (median of the steps after the first, wall
+clock of the whole job, the fastest of ``--passes`` passes) and peak bytes (every storage followed
+through one step, the most over the ranks) are printed beside the planner's prediction for this
+machine (probed: matmul and model rates, collectives' latency and bandwidth), with the rank
+correlation and the median error; and the layout ``parallelism.layout = "auto"`` picks without
+trials, and with trials of the planner's best k, against the fastest measured.
 
     python benchmarks/planner_truth.py                       # llama3 debug and a wide variant, 2 and 4 ranks
     python benchmarks/planner_truth.py --worlds 2 --steps 5 --recompute none full
@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--most", type=int, default=24, help="layouts measured per shape and world at most: the "
                     "planner's best (the trials') and the rest sampled evenly over its ranking")
     a = ap.parse_args()
+    if a.passes < 1 or a.steps < 2:
+        ap.error("--passes must be at least 1 and --steps at least 2 (the first step is not timed)")
     print(f"planner truth: {a.steps} steps per layout in each of {a.passes} passes, global batch "
           f"{a.global_batch_size} x 128 tokens, recomputation {', '.join(a.recompute)}, at most {a.most} "
           "layouts per shape")

@@ -13,7 +13,7 @@ from torchpar.errors import ConfigError
 from torchpar.models import MODELS
 from torchpar.plan.communication import communication
 from torchpar.plan.layout import Cluster, layout_from_config
-from torchpar.plan.probe import fit
+from torchpar.plan.probe import cluster_of, fit
 from torchpar.tools.auto_layout import plan_candidates, room_of
 
 GLOBAL = ["--training.global_batch_size", "8"]
@@ -64,9 +64,11 @@ def test_ranks_sharing_cores_pay_for_the_bubble_only_where_too_few_are_busy():
     assert alone.bubble > 0.25
     for share in (0.5, 0.9):
         shared = plan(model, args, lay, replace(own, cores_per_rank=share), 32)
-        assert shared.compute_s == alone.compute_s
-        assert shared.bubble == pytest.approx(max(0.0, 1 - (1 - alone.bubble) / share))
-        assert shared.step_s < alone.step_s
+        assert shared.compute_s == alone.compute_s and shared.bubble == alone.bubble  # (the schedule's)
+        assert alone.bubble_s == pytest.approx(alone.compute_s * alone.bubble / (1 - alone.bubble))
+        idle = max(0.0, 1 - (1 - alone.bubble) / share)  # the share of the step no busy rank fills
+        assert shared.bubble_s == pytest.approx(shared.compute_s * idle / (1 - idle))
+        assert shared.step_s == pytest.approx(alone.step_s - alone.bubble_s + shared.bubble_s)
 
 
 def test_every_candidate_is_the_layout_the_trainer_builds():
@@ -140,6 +142,7 @@ def test_the_probe_measures_what_the_model_needs_and_is_stable_enough_to_rank():
     def micro_step(f):
         return f["forward_overhead_s"] + 8 * f["block_overhead_s"] + flops / f["model_flops"]
     assert 1 / 2 <= micro_step(second) / micro_step(first) <= 2, (micro_step(first), micro_step(second))
+    assert 0 < first["cores_per_rank"] <= 1 and cluster_of(first).cores_per_rank == first["cores_per_rank"]
     assert set(first["collectives"]) == {"intra:2"}
     for kind, (latency, bw) in first["collectives"]["intra:2"].items():
         assert latency >= 0 and bw > 0

@@ -98,6 +98,7 @@ WORLD4 = {
     "dp_shard2_tp2": [LB, "4", *TP2, Z, "3"],
     "hsdp2x2": [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "3"],
     "hsdp2x2_zero2": [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "2"],
+    "hsdp2x2_zero1": [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "1"],
     "dp4_zero1": [LB, "2", Z, "1"],
     "pp4_1F1B": pp(4, "1F1B", Z, "0"),
     "pp4_Interleaved1F1B": pp(4, "Interleaved1F1B", Z, "0"),
@@ -126,7 +127,11 @@ WORLD4 = {
 # Three dimensions at once. 1F1B's pp x dp x tp and HSDP x TP are left to their world-4 pairs
 # (pp2_dp2_zero3, pp2_tp2; hsdp2x2, dp_shard2_tp2); ZBV here is the one run of a zero-bubble
 # schedule over FSDP shards (dp_shard > 1), where resharding after forward gives wrong losses.
-WORLD8 = {f"pp2_dp2_tp2_{s}": pp(2, s, LB, "4", *TP2, Z, "3") for s in ("Interleaved1F1B", "ZBVZeroBubble")}
+WORLD8 = {**{f"pp2_dp2_tp2_{s}": pp(2, s, LB, "4", *TP2, Z, "3")
+             for s in ("Interleaved1F1B", "ZBVZeroBubble")},
+          # HSDP under a pipeline: each stage's buckets sharded over 2 ranks, all-reduced over 2 replicas
+          "pp2_hsdp2x2_zero1": pp(2, "1F1B", LB, "2", "--parallelism.data_parallel_replicate_degree", "2",
+                                  Z, "1")}
 
 
 FAMILIES = {"llama3": [], "gpt2": ["--model.name", "gpt2"]}

@@ -353,8 +353,8 @@ def test_plan_command_json_and_exact_config():
     r = run_plan("--config", str(TINY), "--nproc", "2", "--gpu", "A100-80GB", "--json")
     assert r.returncode == 0, r.stderr
     (p,) = json.loads(r.stdout)
-    assert set(p) == {"layout", "memory", "communication", "bubble", "compute_s", "step_s", "tokens_per_sec",
-                      "mfu", "fits"}
+    assert set(p) == {"layout", "memory", "communication", "bubble", "compute_s", "bubble_s", "step_s",
+                      "tokens_per_sec", "mfu", "fits"}
     assert p["layout"]["dp_shard"] == 2 and p["layout"]["zero_stage"] == 3 and p["fits"]
     assert {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "logits_bytes", "gathered_bytes",
             "unsharded_grad_bytes", "cpu_bytes", "total_bytes", "host_bytes_per_node", "startup_peak",

@@ -48,6 +48,8 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
         assert key in recs[0], key
     assert 0 < recs[-1]["mfu"] < 1 and recs[-1]["tokens_per_sec"] > 0
     assert recs[-1]["tokens_per_sec"] * recs[-1]["step_s"] == pytest.approx(8 * 64)  # a step's tokens
+    # steps 11-20 (no evaluation between): ten steps' time
+    assert 10 * recs[2]["step_s"] == pytest.approx(recs[2]["elapsed_s"] - recs[1]["elapsed_s"], rel=0.05)
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.5
     assert "step    40  loss" in r.stdout
 

@@ -13,11 +13,12 @@ two moments), and their ZeRO-1 shards the 12, ZeRO-2 also the 2 of gradients, Ze
 of parameters. :func:`deepspeed_bytes` gives that convention for comparison.
 
 The model is known through its adapter (``torchpar.models``), the layout is
-:class:`torchpar.parallel.layout.Layout`. Modules: ``layout`` (the cluster, what each rank
-holds), ``estimate`` (activations, communication, bubble, step time of one layout), ``search``
-(every layout and the explanation), ``seeds`` (published worked examples), ``compare`` (the
-prediction a running job logs beside its measurement). ``torchpar.verify`` holds the planner
-against measured runs; nothing at run time imports the planner.
+:class:`torchpar.parallel.layout.Layout`. Modules: ``layout`` (the cluster, what each rank holds),
+``estimate`` (memory, bubble, step time of one layout), ``communication`` (its bytes and seconds
+per mesh dimension, what the step waits for), ``probe`` (this machine measured), ``search`` (every
+layout and the explanation), ``seeds`` (published worked examples), ``compare`` (the prediction a
+running job logs beside its measurement). ``torchpar.verify`` holds the planner against measured
+runs; nothing at run time imports the planner.
 """
 
 from torchpar.parallel.layout import Layout

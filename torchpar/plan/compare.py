@@ -63,8 +63,8 @@ TERMS = ("compute", "bubble", "communication")
 def step_terms(p) -> dict[str, float]:
     """A plan's step time in three terms: compute (recomputation and the optimizer's matmuls
     included), the pipeline bubble, and the communication the step waits for."""
-    busy = p.compute_s / (1 - p.bubble)
-    return {"compute": p.compute_s, "bubble": busy - p.compute_s, "communication": p.step_s - busy}
+    return {"compute": p.compute_s, "bubble": p.bubble_s,
+            "communication": p.step_s - p.compute_s - p.bubble_s}
 
 
 def measured_terms(record: dict, step_s: float) -> dict[str, float]:

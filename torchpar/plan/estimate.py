@@ -79,8 +79,9 @@ class Plan:
     layout: dict
     memory: dict  # per-rank bytes by part (the heaviest pipeline rank)
     communication: dict  # per mesh dimension: bytes sent per rank per step, seconds, link
-    bubble: float
+    bubble: float  # the schedule's idle share of a pipeline rank's step
     compute_s: float
+    bubble_s: float  # the wall time the bubble adds to the step on this cluster
     step_s: float
     tokens_per_sec: float
     mfu: float
@@ -170,9 +171,10 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     compute += n_micro * (max(split_of(model, args, lay)) * lay.stages_per_rank * cluster.block_overhead
                           + cluster.forward_overhead)
     bubble = pipeline_bubble(lay, n_micro, actions)
-    if cluster.cores_per_rank < 1:  # ranks share cores: the bubble costs only where too few are busy
-        bubble = max(0.0, 1 - (1 - bubble) / cluster.cores_per_rank)
-    step = compute / (1 - bubble) + exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
+    # Where ranks share cores, a rank idle in the bubble gives its core to the others: the bubble
+    # costs wall time only where fewer ranks than cores are busy.
+    busy = compute * max(1.0, min(1.0, cluster.cores_per_rank) / (1 - bubble))
+    step = busy + exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
     # Offload moves the state into the node's CPU memory, which its ranks share.
@@ -182,7 +184,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
                       key=lambda t: t["checkpoint_peak"]))
     fits = (device_peak(memory) <= headroom * cluster.memory
             and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
-    return Plan(lay.to_dict(), memory, comm, bubble, compute, step, tps, mfu, fits)
+    return Plan(lay.to_dict(), memory, comm, bubble, compute, busy - compute, step, tps, mfu, fits)
 
 
 def device_peak(memory: dict) -> float:

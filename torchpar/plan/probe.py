@@ -4,8 +4,10 @@ Every rank measures at once (ranks that share cores or a memory bus slow each ot
 in training), and the slowest rank's figure is kept, since a step waits for it:
 
 - matmul throughput in the compute dtype, at the model's width (FLOP/s per rank), and the rate the
-  model itself reaches (one block's forward and backward with embedding, head and loss, on one
-  sequence): the planner's compute term uses the latter, which counts what matmuls leave out;
+  model itself reaches (one block's forward and backward with embedding, head and loss, on at
+  least 512 and 1,024 tokens) with its fixed costs per block and per forward (one and two blocks
+  on one sequence): the planner's compute term uses these, which count what matmuls leave out;
+- the cores each rank has (where a host's ranks share its CPU cores);
 - device memory bandwidth (a large copy, read + write);
 - for groups of every size that divides the world (consecutive ranks; across nodes also the
   group of one rank per node), each collective the layouts use (all-reduce, all-gather,
@@ -41,7 +43,7 @@ from torchpar.plan.layout import Cluster
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
-VERSION = 7  # of the cache's format and of what is measured
+VERSION = 8  # of the cache's format and of what is measured
 
 
 def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
@@ -107,7 +109,7 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
     Built on the meta device and then allocated on ``device`` only (the probe runs before the
     job's model)."""
     seq = min(seq, MAX_PROBE_TOKENS)
-    b = max(1, MIN_PROBE_TOKENS // seq)
+    b = -(-MIN_PROBE_TOKENS // seq)  # (rounded up)
     runs = {}
     for blocks, batch in dict.fromkeys(((1, 1), (2, 1), (1, b), (1, 2 * b))):  # (b may be 1)
         cut = dataclasses.replace(args, n_layers=blocks)
@@ -221,8 +223,7 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
     achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
     flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
     memory = dev.rank_memory(per_node)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = cores / (per_node * torch.get_num_threads()) if device.type == "cpu" else 1.0
+    share = _cores() / (per_node * torch.get_num_threads()) if device.type == "cpu" else 1.0
     keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
     for link, groups in _partitions(world, per_node):
         made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)
@@ -251,9 +252,14 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
             "host_memory": -worst[6], "cores_per_rank": -worst[7], "collectives": table}
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int) -> str:
     shape = [VERSION, socket.gethostname(), dev.device_name(), str(dtype), model.name, repr(args), seq, world,
-             per_node, dist.get_backend(), torch.__version__, torch.get_num_threads()]
+             per_node, dist.get_backend(), torch.__version__, torch.get_num_threads(), _cores()]
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
 

@@ -51,10 +51,11 @@ def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_d
     and counted in ``left_out``."""
 
     stages = ((0, False), (1, False), (2, False), (3, False)) + ((3, True),) * offload_too
-    # HSDP: ZeRO 1-3 shard over dp_shard ranks and replicate over dp_replicate (ZeRO 0 replicates
-    # over every dp rank either way); the shard group of any size that leaves two or more replicas.
+    # HSDP: ZeRO 1-3 shard over dp_shard (x cp) ranks and replicate over dp_replicate (ZeRO 0
+    # replicates over every dp rank either way); any shard group that leaves two or more replicas
+    # and shards over something (dp_shard 1 shards over cp alone).
     shardings = [(zero, offload, dp // shard, shard) for zero, offload in stages
-                 for shard in (_divisors(dp) if zero else (dp,)) if shard == dp or 1 < shard < dp]
+                 for shard in (_divisors(dp) if zero else (dp,)) if shard == dp or shard * cp > 1]
     for zero, offload, replicas, shard in shardings:
         if zero in (1, 2, 3) and shard * cp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
@@ -120,7 +121,8 @@ def describe_layout(lay: dict) -> str:
     micro = lay["microbatch_size"] if lay["pp"] > 1 else lay["local_batch_size"]
     cp = f"cp {lay['cp']} ({lay['cp_method']}) x " if lay.get("cp", 1) > 1 else ""
     dp = lay["dp_replicate"] * lay["dp_shard"]
-    hsdp = f" (HSDP {lay['dp_replicate']} x {lay['dp_shard']})" if lay["dp_replicate"] > 1 else ""
+    hsdp = (f" (HSDP {lay['dp_replicate']} x {lay['dp_shard']})"
+            if lay["dp_replicate"] > 1 and lay["zero_stage"] > 0 else "")
     return (
         f"pp {lay['pp']} x dp {dp}{hsdp} x {cp}tp {lay['tp']}, zero "
         f"{lay['zero_stage']}"
@@ -162,7 +164,7 @@ def _reasoning(plans: list[Plan], cluster: Cluster) -> list[str]:
                      f"per device -> {verdict}")
         if p.fits:
             fastest = next(q for q in plans if q.fits and pred(q.layout))
-            exposed = fastest.step_s - fastest.compute_s / (1 - fastest.bubble)
+            exposed = fastest.step_s - fastest.compute_s - fastest.bubble_s
             lines.append(
                 f"   the fastest of these: {describe_layout(fastest.layout)}: step {fastest.step_s:.2f} s = "
                 f"compute {fastest.compute_s:.2f} s (with any recomputation) + bubble + exposed "
