@@ -42,7 +42,7 @@ def test_survey_names_the_rank_that_stopped_answering(beating):
     records = Records(4)
     wd = beating(records, {r: "step 7" for r in range(4)}, alive=[0, 1, 3])
     verdict, stopped = wd._survey()
-    assert verdict == "rank 2 stopped answering (last heartbeat in step 7)"
+    assert verdict == "rank 2 stopped answering; its last heartbeat was in step 7"
     assert list(stopped) == [2]
 
 

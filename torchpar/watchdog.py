@@ -111,8 +111,10 @@ class Watchdog:
         second = [self._read(r) for r in range(self.world)]
         silent = [r for r in range(self.world) if first[r] == second[r] and r != self.rank]
         if silent:
-            return (f"{_ranks(silent)} stopped answering (last heartbeat in {_phase(second[silent[0]])})",
-                    {r: second[r] for r in silent})
+            # (worded as the neighbour's check words it: whichever notices first, the line is the same)
+            last = _phase(second[silent[0]])
+            return f"{_ranks(silent)} stopped answering; its last heartbeat was in {last}", {
+                r: second[r] for r in silent}
         phases = {r: _phase(second[r]) for r in range(self.world)}
         common, _ = Counter(phases.values()).most_common(1)[0]
         odd = [r for r, p in phases.items() if p != common]

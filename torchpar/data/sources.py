@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import os
 import random
 import sysconfig
 import zlib
@@ -45,11 +46,13 @@ class StdlibSource(DocumentSource):
         if split not in ("train", "validation"):
             raise ConfigError(f"data.split = {split!r}: the stdlib corpus has 'train' and 'validation'")
         root_path = Path(root or sysconfig.get_paths()["stdlib"])
-        rel = sorted(
-            p.relative_to(root_path).as_posix()
-            for p in root_path.rglob("*.py")
-            if "site-packages" not in p.parts and "dist-packages" not in p.parts
-        )
+        rel = []
+        for folder, subfolders, names in os.walk(root_path):
+            # Installed packages are not the standard library: not walked at all (a glob that
+            # filtered them afterwards read every file of every package, seconds at each start).
+            subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+            rel += [Path(folder, n).relative_to(root_path).as_posix() for n in names if n.endswith(".py")]
+        rel.sort()
         held_out = [r for r in rel if zlib.crc32(r.encode()) % 100 < VALIDATION_PERCENT]
         chosen = held_out if split == "validation" else [r for r in rel if r not in set(held_out)]
         random.Random(seed).shuffle(chosen)
