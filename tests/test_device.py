@@ -385,6 +385,17 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     assert (out / "tmp" / "selftest").is_dir()  # a failed self-test keeps its ranks' logs
 
 
+def _tails(codes, outputs: dict[str, str], logs, lines: int = 40) -> str:
+    """What failed runs printed: each output's and each log's last lines, one short line each (a
+    folded or cut message would hide the one line that says why)."""
+    parts = [f"exit codes {codes}"]
+    texts = {**outputs, **{p.name: p.read_text(errors="replace") for p in sorted(logs.glob("*.log"))}}
+    for name, text in texts.items():
+        parts.append(f"--- {name}")
+        parts += [line[:300] for line in text.splitlines()[-lines:]]
+    return "\n".join(parts)
+
+
 @pytest.mark.slow
 def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
     """Two torchrun agents as two nodes of 2 ranks (run_train.sh with NNODES=2, a c10d rendezvous on
@@ -398,6 +409,7 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
         "NNODES": "2",
         "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
         "RDZV_ID": "two-nodes-test",
+        "PYTHONFAULTHANDLER": "1",  # a rank that crashes leaves its Python stack in its log
     }
     nodes = [
         subprocess.Popen(
@@ -427,10 +439,12 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
     )
     outs = [p.communicate(timeout=300)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0] and ref.returncode == 0, outs + [ref.stderr]
+    codes = [p.returncode for p in nodes] + [ref.returncode]
+    printed = {"node 0": outs[0], "node 1": outs[1], "one process": ref.stderr}
+    assert codes == [0, 0, 0], _tails(codes, printed, tmp_path / "job" / "logs")
     assert "world 4 = pp 1 x dp_replicate 1 x dp_shard 2 x tp 2" in outs[0] and "[default" not in outs[0]
     # Every rank of both nodes also wrote its output to its own file in the shared dump folder.
     logs = tmp_path / "job" / "logs"
