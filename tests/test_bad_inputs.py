@@ -522,6 +522,22 @@ def test_one_line(case, trained, tmp_path, capfd, monkeypatch):
     assert elapsed < 60, elapsed
 
 
+def test_a_disk_fault_no_check_foresaw_is_one_line(capfd):
+    """An OSError out of a command (a full disk, a file gone under it) ends as one line naming the
+    file and the fault, exit 1, no traceback."""
+    import errno
+
+    from torchpar.console import run_command
+
+    def full_disk(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")
+
+    assert run_command(full_disk, []) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert error_line(err) == "torchpar: error: /data/run/metrics.jsonl: No space left on device", err
+
+
 def test_a_closed_pipe_is_one_line(tmp_path):
     """`torchpar plan ... | head -1`: the reader goes away; one line, no BrokenPipeError traceback."""
     # 130 kB of output: more than a pipe holds, so the write fails while the command runs.

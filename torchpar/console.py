@@ -177,14 +177,14 @@ def _run(main, argv: list[str]) -> int:
         phase = getattr(e, "torchpar_phase", "")
         error("interrupted" + (f" while {phase}" if phase else ""))
         return 130
-    except Exception as e:  # a fault no check foresaw: its traceback says in which phase it came
-        if hasattr(e, "torchpar_phase"):
-            e.add_note(f"torchpar: raised while {e.torchpar_phase}")
-        raise
     except OSError as e:  # a disk or file fault that no check could foresee
         where = f"{e.filename}: " if e.filename else ""
         error(f"{where}{e.strerror or e}", every_rank=True)
         return 1
+    except Exception as e:  # a fault no check foresaw: its traceback says in which phase it came
+        if hasattr(e, "torchpar_phase"):
+            e.add_note(f"torchpar: raised while {e.torchpar_phase}")
+        raise
 
 
 @contextlib.contextmanager

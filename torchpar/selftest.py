@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -72,9 +73,25 @@ REFERENCE = [Z, "0"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that no other process is handed by the system before the job
+    binds it: below the ephemeral range, from which every bind to port 0 and every outgoing
+    connection (other jobs' gloo sockets) draws, so the seconds between this check and the bind
+    (a launcher's start-up) leave no window for an automatic pick to take it."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()  # (the callers seed the global generator)
+    for _ in range(100):
+        port = rng.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port found in 10000..{low - 1}")
 
 
 def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) -> None:
