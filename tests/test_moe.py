@@ -1,0 +1,119 @@
+"""The mixture-of-experts layer on one process: routing, dispatch, grouped GEMM against the
+per-expert loop, capacity, the balance term and the balancing bias, each against a reference
+computed token by token."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchpar import loss
+from torchpar.models.moe import MoE, Router, balance_loss, grouped_mm_problem, update_bias
+
+
+def layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(dim=16, hidden=32, experts=4, top_k=2)
+    return MoE(**{**args, **kw})
+
+
+def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: the weighted sum of its chosen experts (and the shared ones)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    weights, chosen, _ = moe.router(x2)
+    ex = moe.experts
+    out = []
+    for i in range(x2.shape[0]):
+        y = torch.zeros(x2.shape[1])
+        for w, j in zip(weights[i], chosen[i].tolist()):
+            y = y + w * ((F.silu(x2[i] @ ex.w1[j]) * (x2[i] @ ex.w3[j])) @ ex.w2[j])
+        out.append(y + (moe.shared(x2[i]) if moe.shared is not None else 0))
+    return torch.stack(out).view(x.shape)
+
+
+@pytest.mark.parametrize("kw", [{}, {"shared_hidden": 24}, {"score": "sigmoid", "normalize": False,
+                                                              "route_scale": 2.5}])
+def test_dropless_layer_equals_the_token_by_token_reference(kw):
+    moe = layer(**kw)
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+    assert moe.loads.sum() == 3 * 5 * 2 and moe.dropped == 0
+
+
+def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
+    moe = layer()
+    x = torch.randn(40, 16)
+    counts = torch.tensor([0, 17, 3, 20])  # an expert without rows, uneven others
+    outs, grads = [], []
+    for grouped in (True, False):
+        moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = moe.experts(xi, counts, grouped)
+        y.backward(torch.ones_like(y))
+        outs.append(y)
+        grads.append([xi.grad] + [p.grad.clone() for p in moe.experts.parameters()])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_gemm_says_why_it_cannot_run():
+    assert grouped_mm_problem(torch.float32, torch.device("cpu"), 16, 32) is None
+    assert "10 x 4 bytes" in grouped_mm_problem(torch.float32, torch.device("cpu"), 10, 32)
+    assert "bfloat16" in grouped_mm_problem(torch.float32, torch.device("cuda"), 16, 32)
+    moe = layer(dim=10)  # fp32 rows of 40 bytes: the loop, still equal to the reference
+    assert moe.how(torch.float32, torch.device("cpu")).startswith("a loop over the experts")
+    x = torch.randn(7, 10)
+    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_ties_go_to_the_lower_expert_and_the_bias_steers_the_choice_not_the_weight():
+    router = Router(dim=4, experts=4, top_k=2)
+    with torch.no_grad():
+        router.gate.weight.zero_()  # every score equal: a four-way tie
+    weights, chosen, scores = router(torch.randn(3, 4))
+    assert chosen.tolist() == [[0, 1]] * 3
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 1.0, 0.5]))
+    weights, chosen, scores = router(torch.randn(3, 4))
+    assert chosen.tolist() == [[2, 3]] * 3
+    torch.testing.assert_close(weights, torch.full((3, 2), 0.5))  # the scores, normalized: no bias in them
+
+
+def test_capacity_drops_the_latest_tokens_of_a_full_expert():
+    moe = layer(capacity_factor=0.5)
+    with torch.no_grad():  # every token prefers experts 0 and 1 (a large bias on them)
+        moe.router.expert_bias.copy_(torch.tensor([10.0, 9.0, 0.0, 0.0]))
+    x = torch.randn(8, 16)
+    y = moe(x)
+    capacity = math.ceil(0.5 * 8 * 2 / 4)  # 2 slots per expert
+    assert moe.loads.tolist() == [capacity, capacity, 0, 0] and moe.dropped == 16 - 2 * capacity
+    kept = reference(moe, x[:capacity])  # the first two tokens keep both experts
+    torch.testing.assert_close(y[:capacity], kept, rtol=1e-5, atol=1e-6)
+    assert y[capacity:].abs().max() == 0  # the rest were dropped by both of theirs (and no shared expert)
+
+
+def test_balance_term_is_one_when_balanced_and_joins_the_loss():
+    scores = torch.full((8, 4), 0.25)
+    assert balance_loss(scores, torch.arange(8) % 4, 4).item() == pytest.approx(1.0)
+    assert balance_loss(scores, torch.zeros(8, dtype=torch.long), 4).item() == pytest.approx(1.0)
+    skewed = torch.tensor([[1.0, 0, 0, 0]] * 8)
+    assert balance_loss(skewed, torch.zeros(8, dtype=torch.long), 4).item() == pytest.approx(4.0)
+    moe = layer(balance_coeff=0.01)
+    x = torch.randn(6, 16)
+    with loss.auxiliary_terms((loss.Z_LOSS, "balance"), scale=1.0) as terms:
+        moe(x).sum().backward()
+    assert terms.sums["balance"] > 0 and moe.router.gate.weight.grad is not None
+    expected = 0.01 * 6 * balance_loss(moe.router(x)[2], moe.router(x)[1].reshape(-1), 4)
+    torch.testing.assert_close(terms.sums["balance"], expected.detach())
+
+
+def test_bias_moves_toward_the_mean_load():
+    bias = update_bias(torch.zeros(4), torch.tensor([10.0, 2.0, 4.0, 4.0]), rate=1e-3)
+    assert bias.tolist() == pytest.approx([-1e-3, 1e-3, 1e-3, 1e-3])
+    assert update_bias(torch.zeros(2), torch.tensor([3.0, 3.0]), 1e-3).tolist() == [0.0, 0.0]
+
+
+def test_top_k_above_the_experts_is_refused():
+    with pytest.raises(ValueError, match="top_k = 5 must be between 1 and the 4 experts"):
+        Router(dim=4, experts=4, top_k=5)
