@@ -243,6 +243,20 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Docu
     return torch.stack(rows)  # [b, h, s, hd]
 
 
+class SwiGLU(nn.Module):
+    """The gated MLP of Llama-style blocks (and a mixture of experts' shared experts):
+    w2(silu(w1 x) * w3 x), hidden width ``hidden``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class SeededInit(nn.Module):
     """Deterministic initialization from ``(seed, canonical parameter name)`` alone, so any split
     or sharding of the model starts from exactly the numbers of the whole model. A model says

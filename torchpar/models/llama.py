@@ -14,10 +14,17 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchpar.models.common import Documents, Mask, ModelAdapter, SeededInit, attention, document_layout
+from torchpar.models.common import (
+    Documents,
+    Mask,
+    ModelAdapter,
+    SeededInit,
+    SwiGLU,
+    attention,
+    document_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -131,24 +138,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = SwiGLU(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Mask = None) -> torch.Tensor:

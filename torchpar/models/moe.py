@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpar.loss import add_auxiliary_loss
+from torchpar.models.common import SwiGLU
 
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
 
@@ -35,7 +36,7 @@ BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balan
 def grouped_mm_problem(dtype: torch.dtype, device: torch.device, *widths: int) -> str | None:
     """Why ``torch._grouped_mm`` cannot run the experts' matmuls here, or None where it can: its
     rows must start at multiples of 16 bytes, and on CUDA it takes bf16 only."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     odd = [w for w in widths if w * size % 16]
     if odd:
         return f"a width of {odd[0]} x {size} bytes is no multiple of 16 bytes"
@@ -93,19 +94,6 @@ class Experts(nn.Module):
         return torch.cat(out)
 
 
-class SharedExperts(nn.Module):
-    """The experts every token goes to, as one SwiGLU MLP of their summed width."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, shared_hidden: int = 0,
                  score: str = "softmax", normalize: bool = True, route_scale: float = 1.0,
@@ -113,7 +101,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(dim, experts, top_k, score, normalize, route_scale)
         self.experts = Experts(dim, hidden, experts)
-        self.shared = SharedExperts(dim, shared_hidden) if shared_hidden else None
+        self.shared = SwiGLU(dim, shared_hidden) if shared_hidden else None  # every token's experts, as one
         self.capacity_factor, self.balance_coeff = capacity_factor, balance_coeff
         self.hidden = hidden
         # Slots each expert received and slots dropped since the trainer last read them (for the
@@ -121,9 +109,13 @@ class MoE(nn.Module):
         self.register_buffer("loads", torch.zeros(experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
 
+    def grouped_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why the experts run as a per-expert loop here, or None: they run as grouped GEMM."""
+        return grouped_mm_problem(dtype, device, self.experts.w1.shape[1], self.hidden)
+
     def how(self, dtype: torch.dtype, device: torch.device) -> str:
         """How the experts run: grouped GEMM, or the per-expert loop and why."""
-        problem = grouped_mm_problem(dtype, device, self.experts.w1.shape[1], self.hidden)
+        problem = self.grouped_problem(dtype, device)
         return "grouped GEMM" if problem is None else f"a loop over the experts ({problem})"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,18 +126,16 @@ class MoE(nn.Module):
         slots = chosen.reshape(-1)  # [t k]: token i's slots at i k .. i k + k - 1
         order = torch.argsort(slots, stable=True)  # by expert, token order within one
         counts = torch.bincount(slots, minlength=e)
-        keep = None
         if self.capacity_factor > 0:
             capacity = math.ceil(self.capacity_factor * t * k / e)
             starts = torch.cumsum(counts, 0) - counts
             rank_in_expert = torch.arange(t * k, device=x.device) - starts[slots[order]]
-            keep = rank_in_expert < capacity
-            order = order[keep]
+            order = order[rank_in_expert < capacity]
             kept = torch.clamp(counts, max=capacity)
             self.dropped += (counts - kept).sum()
             counts = kept
         self.loads += counts.float()
-        grouped = grouped_mm_problem(x.dtype, x.device, x.shape[1], self.hidden) is None
+        grouped = self.grouped_problem(x.dtype, x.device) is None
         out = self.experts(x[order // k], counts, grouped)  # [kept slots, d]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         placed = out.new_zeros(t * k, shape[-1]).index_copy(0, order, out)  # each slot once
