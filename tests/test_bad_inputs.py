@@ -162,6 +162,19 @@ CASES = [
          "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keep as "
          "DTensor shards"),
     Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss must be in [0, 1)"),
+    # --- a mixture of experts
+    Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
+         "model.top_k = 9 must be between 1 and model.experts = 8"),
+    Case("experts on a dense family", CHECK + " --model.experts 4", "model.experts does not apply to the "
+         "llama3 family"),
+    Case("a negative capacity factor", CHECK + " --model.name moe --model.capacity_factor -1",
+         "model.capacity_factor must be >= 0"),
+    Case("a balance loss under context parallelism", CHECK + " --model.name moe --model.balance_coeff 0.01"
+         " --parallelism.context_parallel_degree 2", "model.balance_coeff = 0.01: the balance term and the "
+         "capacity are computed per sequence",
+         world=2),
+    Case("tensor parallelism of experts", CHECK + " --model.name moe --parallelism.tensor_parallel_degree 2",
+         "no tensor-parallel plan yet", "tensor_parallel_degree = 1", world=2),
     Case("min_lr_ratio", CHECK + " --lr_scheduler.min_lr_ratio 2", "lr_scheduler.min_lr_ratio"),
     Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
     Case("negative max_norm", CHECK + " --training.max_norm -1", "training.max_norm"),
@@ -540,8 +553,8 @@ def test_a_disk_fault_no_check_foresaw_is_one_line(capfd):
 
 def test_a_closed_pipe_is_one_line(tmp_path):
     """`torchpar plan ... | head -1`: the reader goes away; one line, no BrokenPipeError traceback."""
-    # 130 kB of output: more than a pipe holds, so the write fails while the command runs.
-    r = subprocess.run("torchpar plan --model 8B --nodes 8 --top 1000 | head -1", shell=True, cwd=ROOT,
+    # 139 kB of output: more than a pipe holds, so the write fails while the command runs.
+    r = subprocess.run("torchpar plan --model 8B --nodes 2 --top 1000 | head -1", shell=True, cwd=ROOT,
                        env=env(tmp_path), capture_output=True, text=True, timeout=120, executable="/bin/bash")
     assert r.stdout.startswith("layout")
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr

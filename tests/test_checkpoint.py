@@ -21,6 +21,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 STEPS = ["--training.steps", "6"]
 MUON = ["--optimizer.name", "muon"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+# A mixture of experts with both balancing methods: the routing bias is saved beside the weights.
+MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
 
 
 def save(folder, *layout):
@@ -56,15 +58,19 @@ LAYOUTS = {  # name: (world, overrides)
     # Context parallelism: both ranks see the same sequences (one data position); ZeRO over cp.
     "cp2": (2, [*CP2, Z, "2"]),
     "cp2_ring_zero3": (2, [*CP2, "--parallelism.context_parallel_method", "ring", Z, "3"]),
+    "moe_single": (1, [*MOE, Z, "0"]),
+    "moe_dp2_zero3": (2, [*MOE, LB, "4", Z, "3"]),
+    "moe_pp2": (2, [*MOE, *PP2, Z, "0"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("dp2_zero2_bf16", "dp2_zero2_bf16"), ("muon_dp2_zero1", "muon_dp2_zero1"),
-         ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2")]
+         ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2"), ("moe_dp2_zero3", "moe_dp2_zero3")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
            ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),
-           ("muon_dp2_tp2", "muon_single"), ("cp2", "single"), ("single", "cp2_ring_zero3")]
+           ("muon_dp2_tp2", "muon_single"), ("cp2", "single"), ("single", "cp2_ring_zero3"),
+           ("moe_pp2", "moe_single")]
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_stage_params_match_named_parameters(tied, first, last, keep):
     args = FLAVORS["debug-tied" if tied else "debug"]
     with torch.device("meta"):
         model = prune(GPT2(args), first, last, keep)
-    table = [(n, shape) for n, shape, _ in ADAPTER.stage_params(args, first, last, len(keep))]
+    table = [(n, shape) for n, shape, _ in ADAPTER.stage_params(args, first, last, range(len(keep)))]
     # The adapter names the blocks without their index; the model's are its global layer keys.
     real = [(n.split(".", 2)[2] if n.startswith("layers.") else n, shape) for n, shape in as_table(model)]
     assert table == real
@@ -88,7 +88,7 @@ def test_tp_dims_follow_the_plan():
     }
     with torch.device("meta"):
         model = GPT2(FLAVORS["debug"])
-    for name, _, tp_dim in ADAPTER.stage_params(FLAVORS["debug"], True, True, 1):
+    for name, _, tp_dim in ADAPTER.stage_params(FLAVORS["debug"], True, True, range(1)):
         module, kind = name.rsplit(".", 1)
         style = ADAPTER.top_plan.get(module) or ADAPTER.block_plan[module]
         assert tp_dim == expected[style][kind == "bias"], name

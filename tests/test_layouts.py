@@ -277,7 +277,7 @@ def test_tensor_parallel_halves_the_sharded_weights(world2, refs, family):
 
     model = MODELS[family]
     args = model.args("debug")
-    entries = model.stage_params(args, True, True, args.n_layers)
+    entries = model.stage_params(args, True, True, range(args.n_layers))
     whole = 4 * sum(
         r * c for _, (r, c), tp_dim in entries if tp_dim is None
     )  # norms (and biases) TP leaves whole

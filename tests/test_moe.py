@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from torchpar import loss
+from torchpar.models import MODELS
+from torchpar.models.common import SwiGLU
 from torchpar.models.moe import MoE, Router, balance_loss, grouped_mm_problem, update_bias
+
+MOE_FAMILY = MODELS["moe"]
 
 
 def layer(seed=0, **kw):
@@ -38,6 +42,9 @@ def test_dropless_layer_equals_the_token_by_token_reference(kw):
     moe = layer(**kw)
     x = torch.randn(3, 5, 16)
     torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+    assert moe.loads.sum() == 0  # outside a training step (evaluation, generation): nothing counted
+    with loss.auxiliary_terms((), scale=1.0):
+        moe(x)
     assert moe.loads.sum() == 3 * 5 * 2 and moe.dropped == 0
 
 
@@ -85,7 +92,8 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     with torch.no_grad():  # every token prefers experts 0 and 1 (a large bias on them)
         moe.router.expert_bias.copy_(torch.tensor([10.0, 9.0, 0.0, 0.0]))
     x = torch.randn(8, 16)
-    y = moe(x)
+    with loss.auxiliary_terms((), scale=1.0):
+        y = moe(x)
     capacity = math.ceil(0.5 * 8 * 2 / 4)  # 2 slots per expert
     assert moe.loads.tolist() == [capacity, capacity, 0, 0] and moe.dropped == 16 - 2 * capacity
     kept = reference(moe, x[:capacity])  # the first two tokens keep both experts
@@ -94,18 +102,25 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert():
 
 
 def test_balance_term_is_one_when_balanced_and_joins_the_loss():
-    scores = torch.full((8, 4), 0.25)
-    assert balance_loss(scores, torch.arange(8) % 4, 4).item() == pytest.approx(1.0)
-    assert balance_loss(scores, torch.zeros(8, dtype=torch.long), 4).item() == pytest.approx(1.0)
-    skewed = torch.tensor([[1.0, 0, 0, 0]] * 8)
-    assert balance_loss(skewed, torch.zeros(8, dtype=torch.long), 4).item() == pytest.approx(4.0)
+    scores = torch.full((1, 8, 4), 0.25)
+    assert balance_loss(scores, torch.arange(8).view(1, 8) % 4, 4).item() == pytest.approx(1.0)
+    assert balance_loss(scores, torch.zeros(1, 8, dtype=torch.long), 4).item() == pytest.approx(1.0)
+    skewed = torch.tensor([[[1.0, 0, 0, 0]] * 8])
+    assert balance_loss(skewed, torch.zeros(1, 8, dtype=torch.long), 4).item() == pytest.approx(4.0)
+    # Two sequences, each its own: one balanced, one skewed (not the 2.5 of their pooled counts).
+    slots = torch.stack([torch.arange(8) % 4, torch.zeros(8).long()])
+    two = balance_loss(torch.cat([scores, skewed]), slots, 4)
+    assert two.tolist() == pytest.approx([1.0, 4.0])
     moe = layer(balance_coeff=0.01)
-    x = torch.randn(6, 16)
+    x = torch.randn(2, 3, 16)  # two sequences of three tokens
     with loss.auxiliary_terms((loss.Z_LOSS, "balance"), scale=1.0) as terms:
         moe(x).sum().backward()
     assert terms.sums["balance"] > 0 and moe.router.gate.weight.grad is not None
-    expected = 0.01 * 6 * balance_loss(moe.router(x)[2], moe.router(x)[1].reshape(-1), 4)
-    torch.testing.assert_close(terms.sums["balance"], expected.detach())
+    # The sum over sequences: the same whether they come in one forward or one by one.
+    _, chosen, scores = moe.router(x.view(6, 16))
+    scores, chosen = scores.view(2, 3, 4), chosen.reshape(2, 6)
+    per_sequence = [balance_loss(scores[i:i + 1], chosen[i:i + 1], 4) for i in (0, 1)]
+    torch.testing.assert_close(terms.sums["balance"], 0.01 * 3 * sum(per_sequence).squeeze().detach())
 
 
 def test_bias_moves_toward_the_mean_load():
@@ -117,3 +132,71 @@ def test_bias_moves_toward_the_mean_load():
 def test_top_k_above_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k = 5 must be between 1 and the 4 experts"):
         Router(dim=4, experts=4, top_k=5)
+
+
+# ---------------------------------------------------------------- the family
+
+
+def test_stage_params_match_the_built_model_for_dense_and_routed_blocks():
+    """The planner's table (expert stacks as (experts, rest)) names every parameter of every
+    block, the first dense one included, with its element count; the counts add up."""
+    for flavor in ("debug", "debug-deepseek"):
+        args = MOE_FAMILY.args(flavor)
+        model = MOE_FAMILY.build(args)
+        real = [(n, p.numel()) for n, p in model.named_parameters()]
+        table = MOE_FAMILY.stage_params(args, True, True, range(args.n_layers))
+        assert [(n.split(".", 2)[-1] if n.startswith("layers.") else n, c) for n, c in real] == \
+            [(n, r * c) for n, (r, c), _ in table]
+        assert MOE_FAMILY.num_params(args) == sum(c for _, c in real)
+        assert isinstance(model.layers["0"].feed_forward, SwiGLU)  # dense_layers = 1
+        assert all(isinstance(model.layers[str(i)].feed_forward, MoE) for i in range(1, args.n_layers))
+
+
+def test_flops_count_the_active_experts_only():
+    args = MOE_FAMILY.args("debug")
+    dense = MOE_FAMILY.flops_per_token(args, 32)
+    more = MOE_FAMILY.args("debug", experts=16)  # twice the experts, the same k: only the router grows
+    routers = 3 * 2 * args.dim * 8 * len(args.moe_layers)  # 8 more gate rows per routed block
+    assert MOE_FAMILY.flops_per_token(more, 32) - dense == routers
+    assert MOE_FAMILY.num_params(more) > MOE_FAMILY.num_params(args)
+    wider = MOE_FAMILY.args("debug", top_k=4)  # k from 2 to 4: 3 x 2 x d x h more per routed block and token
+    extra = 3 * 2 * 3 * args.dim * args.moe_hidden * 2 * len(args.moe_layers)
+    assert MOE_FAMILY.flops_per_token(wider, 32) - dense == extra
+
+
+def test_routing_sums_loads_moves_the_bias_and_saves_it():
+    args = MOE_FAMILY.args("debug", bias_rate=0.5)
+    model = MOE_FAMILY.build(args)
+    model.init_weights(0)
+    routing = MOE_FAMILY.routing([model], args)
+    with loss.auxiliary_terms((), scale=1.0):
+        model(torch.randint(0, args.vocab_size, (2, 8)))
+    counts = routing.take()
+    rows = counts.view(len(args.moe_layers), -1)
+    assert rows[:, :-1].sum(1).tolist() == [2 * 8 * 2] * 3 and rows[:, -1].tolist() == [0] * 3
+    assert routing.take().sum() == 0  # the counters restart
+    max_load, dropped, bias_range = routing.update(2 * counts)  # (as if two ranks saw the same)
+    loads = rows[:, :-1]
+    assert max_load == (loads.max(1).values / loads.mean(1)).max() and dropped == 0
+    expected = 0.5 * torch.sign(loads.mean(1, keepdim=True) - loads)
+    torch.testing.assert_close(routing.bias, expected)
+    assert bias_range == expected.max() - expected.min()
+    torch.testing.assert_close(model.layers["2"].feed_forward.router.expert_bias, expected[1])
+    fresh = MOE_FAMILY.routing([MOE_FAMILY.build(args)], args)
+    fresh.load_state_dict(routing.state_dict())
+    torch.testing.assert_close(fresh.here[3].router.expert_bias, expected[2])
+
+
+def test_the_planner_traces_a_routed_block_on_the_meta_device():
+    from torchpar.plan.activations import traced
+
+    held = traced(MOE_FAMILY, MOE_FAMILY.args("debug"), "none", torch.float32, 2, 16)
+    assert held["block"] and held["rest"]
+
+
+def test_moe_shapes_and_layouts_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="model.top_k = 9 must be between 1 and model.experts = 8"):
+        MOE_FAMILY.args("debug", top_k=9)
+    with pytest.raises(ValueError, match="does not apply to the llama3 family"):
+        MODELS["llama3"].args("debug", experts=4)
+    assert "tensor_parallel_degree = 1" in MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug"), {"tp": 2})

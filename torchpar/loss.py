@@ -94,10 +94,16 @@ def uncounted(fn):
     return run
 
 
+def counting() -> bool:
+    """Whether a forward running now is one of the step's (figures made in it count): inside a
+    training step, and not backward recomputing a forward (activation checkpointing), which
+    would count them twice."""
+    return _active is not None and torch._C._current_graph_task_id() == -1
+
+
 def record_term(name: str, value: torch.Tensor) -> None:
-    """Count ``value`` (already part of the loss backward runs from) in the step's figures; not
-    while backward recomputes a forward (activation checkpointing), which would count it twice."""
-    if _active is not None and torch._C._current_graph_task_id() == -1:
+    """Count ``value`` (already part of the loss backward runs from) in the step's figures."""
+    if counting():
         _active.add(name, value)
 
 

@@ -105,6 +105,10 @@ class Trainer:
         self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
         # The auxiliary loss terms every rank logs, in one order (the same on every rank).
         self.loss_terms = (Z_LOSS,) * (cfg.loss.z_loss > 0) + pre.model.auxiliary_terms(self.args)
+        # The routers' loads, balancing bias and figures (a mixture of experts), or None.
+        self.routing = pre.model.routing(self.model.parts, self.args)
+        self.figure_names = tuple(f"loss/{name}" for name in self.loss_terms) + (
+            self.routing.names if self.routing is not None else ())
         if self.model.pipeline is not None:
             self.model.pipeline.z_loss = cfg.loss.z_loss
         self._restore(pre.resume, pre.resume_manifest)
@@ -131,9 +135,12 @@ class Trainer:
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
-        return {"model": ModelState(self.model.state), "optimizer": OptimizerState(self.model.state),
-                "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
-                "dataloader": self.dataloader, "rng": RNGState(self.rank)}
+        parts = {"model": ModelState(self.model.state), "optimizer": OptimizerState(self.model.state),
+                 "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
+                 "dataloader": self.dataloader, "rng": RNGState(self.rank)}
+        if self.routing is not None:
+            parts["routing"] = self.routing
+        return parts
 
     def forward_kwargs(self, inputs: torch.Tensor) -> dict:
         """The model's inputs beside the tokens: each token's document, when attention is kept
@@ -170,10 +177,15 @@ class Trainer:
         with phase("reduce_clip"):
             state.reduce_gradients()
             grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
-            loss, stopping, *term_sums = self.global_figures(loss_sum, terms.values(loss_sum))
+            routed = self.routing.take() if self.routing is not None else None
+            summed = self.global_figures(loss_sum, terms.values(loss_sum), routed)
+            n = 2 + len(self.loss_terms)
+            loss, stopping, term_sums = summed[0], summed[1], summed[2:n]
+            # (the balancing bias moves here, before the next step's forwards)
+            routing = self.routing.update(summed[n:]) if self.routing is not None else summed[n:]
             # (with CPU offload the norm of host gradients is on the host)
-            figures = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping,
-                                   *(t / self.global_tokens for t in term_sums)])
+            head = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping])
+            figures = torch.cat([head, term_sums / self.global_tokens, routing])
             skip = self.guard.record(step, figures)
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
@@ -224,7 +236,7 @@ class Trainer:
         for step, loss, grad_norm, stopping, terms, problem in self.guard.settle(upto):
             self.losses.append(loss)
             self.settled = (loss, grad_norm)
-            self.settled_terms = {f"loss/{name}": value for name, value in zip(self.loss_terms, terms)}
+            self.settled_terms = dict(zip(self.figure_names, terms))
             self.stop_requested |= stopping
             if problem is not None:
                 self._diverged(step, problem)
@@ -267,14 +279,18 @@ class Trainer:
         with progress(f"saving the checkpoint of step {step}", self.rank == 0):
             self.checkpointer.maybe_save(step, force=final, tokens_seen=self.train_state.tokens_seen)
 
-    def global_figures(self, loss_sum: torch.Tensor, term_sums: list[torch.Tensor] = ()) -> torch.Tensor:
+    def global_figures(self, loss_sum: torch.Tensor, term_sums: list[torch.Tensor] = (),
+                       counts: torch.Tensor | None = None) -> torch.Tensor:
         """One all-reduce over the world, left on the device: each dp rank's loss counted once,
-        whether any rank received a stop signal (so that all stop at the same step), and each
-        auxiliary term's sum (counted on the first TP rank of each stage: the others hold copies)."""
+        whether any rank received a stop signal (so that all stop at the same step), each
+        auxiliary term's sum (counted on the first TP rank of each stage: the others hold copies),
+        then ``counts`` (the routers' loads: every rank's summed)."""
         tp0 = self.layout.coordinate("tp") == 0
         figures = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
                                torch.full_like(loss_sum, float(self.signals.received > 0)),
                                *(t if tp0 else torch.zeros_like(t) for t in term_sums)])
+        if counts is not None:
+            figures = torch.cat([figures, counts.to(figures)])
         dist.all_reduce(figures)
         return figures
 

@@ -31,7 +31,9 @@ class Model:
     name: str = opt(
         "llama3",
         "Model family, one of those registered in torchpar/models/__init__.py (MODELS): 'llama3' (RMSNorm, "
-        "RoPE, GQA, SwiGLU) and 'gpt2' (learned positions, LayerNorm, GELU MLP, biases) ship with torchpar.",
+        "RoPE, GQA, SwiGLU), 'gpt2' (learned positions, LayerNorm, GELU MLP, biases) and 'moe' (Llama blocks "
+        "whose feed-forwards are mixtures of experts; flavours shaped like Qwen3-MoE and DeepSeek-V3) ship "
+        "with torchpar.",
     )
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
@@ -49,6 +51,19 @@ class Model:
     ffn_dim_multiplier: float = opt(0.0, "Llama: override the SwiGLU width multiplier (0 = the flavour's).")
     multiple_of: int = opt(0, "Llama: override what the SwiGLU width rounds up to (0 = the flavour's).")
     rope_theta: float = opt(0.0, "Llama: override the RoPE base (0 = the flavour's).")
+    experts: int = opt(0, "MoE: override the routed experts per block (0 = the flavour's).")
+    top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
+    capacity_factor: float = opt(
+        0.0, "MoE: 0 = dropless (every routed token is computed); c > 0 = each expert takes at most "
+             "ceil(c x tokens x top_k / experts) of a forward's tokens, the latest beyond that dropped "
+             "(their expert output is zero; counted in moe/dropped).")
+    balance_coeff: float = opt(
+        0.0, "MoE: coefficient of the auxiliary balance loss (experts x sum over experts of the share of "
+             "slots it got x its mean router score; 1 when balanced), logged as loss/balance. 0 = none.")
+    bias_rate: float = opt(
+        0.0, "MoE: the auxiliary-loss-free balancing: after every step each expert's routing bias moves by "
+             "this much toward the mean load (down when it got more slots than the mean, summed over all "
+             "ranks); it steers which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 0.001).")
 
 
 @dataclass

@@ -4,8 +4,9 @@ from torchpar.errors import ConfigError, did_you_mean
 from torchpar.models.common import ModelAdapter, canonical_name
 from torchpar.models.gpt2 import ADAPTER as GPT2
 from torchpar.models.llama import ADAPTER as LLAMA
+from torchpar.models.moe import ADAPTER as MOE
 
-MODELS: dict[str, ModelAdapter] = {LLAMA.name: LLAMA, GPT2.name: GPT2}
+MODELS: dict[str, ModelAdapter] = {LLAMA.name: LLAMA, GPT2.name: GPT2, MOE.name: MOE}
 DEFAULT_FAMILY = LLAMA.name  # [model] name's default; the worked examples' flavours are this family's
 
 
@@ -26,6 +27,11 @@ SHAPE_FIELDS = (
     "ffn_dim_multiplier",
     "multiple_of",
     "rope_theta",
+    "experts",
+    "top_k",
+    "capacity_factor",
+    "balance_coeff",
+    "bias_rate",
 )
 
 

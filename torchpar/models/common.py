@@ -383,6 +383,10 @@ class ModelAdapter(ABC):
 
     # -- tensor parallelism
 
+    def layout_problem(self, args, degrees: dict[str, int]) -> str | None:
+        """Why this family cannot train under ``degrees`` (mesh dimension -> degree), or None."""
+        return None
+
     @abstractmethod
     def tp_divisors(self, args) -> dict[str, int]:
         """Sizes the tensor-parallel degree must divide, by what they are."""
@@ -391,15 +395,32 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def stage_params(
-        self, args, first: bool, last: bool, layers: int
+        self, args, first: bool, last: bool, layers: range
     ) -> list[tuple[str, tuple[int, int], int | None]]:
-        """(name, 2-D shape, TP-sharded dim or None) of every parameter of one pipeline stage in
-        model order (first-stage modules, blocks, last-stage modules); vectors are (n, 1). A tied
-        head is left out when the embedding is on the same stage."""
+        """(name, 2-D shape, TP-sharded dim or None) of every parameter of one pipeline stage
+        holding blocks ``layers`` (global indices), in model order (first-stage modules, blocks,
+        last-stage modules); vectors are (n, 1), a stack of experts' matrices (experts, rest) (its
+        first dim the one FSDP shards). A tied head is left out when the embedding is on the same
+        stage."""
 
-    def block_params(self, args) -> list[tuple[str, tuple[int, int], int | None]]:
-        """One block's entries of :meth:`stage_params`."""
-        return self.stage_params(args, False, False, 1)
+    def block_params(self, args, layer: int | None = None) -> list[tuple[str, tuple[int, int], int | None]]:
+        """Block ``layer``'s entries of :meth:`stage_params`; None = the largest block."""
+        last = args.n_layers - 1 if layer is None else layer
+        return self.stage_params(args, False, False, range(last, last + 1))
+
+    def traced_args(self, args):
+        """The one-block model whose activations the planner measures for every block (the
+        largest kind of block, where blocks differ)."""
+        return replace(args, n_layers=1)
+
+    def routing(self, parts: list[nn.Module], args):
+        """What the trainer updates and logs after each step for the model's routers (a mixture of
+        experts' balancing bias and loads: :class:`torchpar.models.moe.Routing`), or None."""
+        return None
+
+    def routed_counts(self, args) -> int:
+        """How many values :meth:`routing`'s loads add to each step's all-reduce over the world."""
+        return 0
 
     # -- counts
 

@@ -195,7 +195,7 @@ class GPT2Adapter(ModelAdapter):
         return {"n_heads": args.n_heads, "ffn hidden size": args.ffn_hidden,
                 "vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len}
 
-    def stage_params(self, args: GPT2Args, first: bool, last: bool, layers: int):
+    def stage_params(self, args: GPT2Args, first: bool, last: bool, layers: range):
         d, hid = args.dim, args.ffn_hidden
         out = []
         if first:
@@ -215,7 +215,7 @@ class GPT2Adapter(ModelAdapter):
                  + rowwise("attn.proj", d, d)
                  + norm("ln_2")
                  + colwise("mlp.fc", hid, d) + rowwise("mlp.proj", d, hid))
-        out += block * layers
+        out += block * len(layers)
         if last:
             out += norm("ln_f")
             if not (args.tie_embeddings and first):

@@ -40,10 +40,17 @@ class ModelArgs:
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    head_size: int = 0  # each attention head's width; 0 = dim / n_heads (Qwen3 sets it apart)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """The query projection's width, n_heads x head_dim (= dim unless head_size is set)."""
+        return self.n_heads * self.head_dim
 
     @property
     def ffn_hidden(self) -> int:
@@ -120,17 +127,22 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=False)
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Mask = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: under tensor parallelism each rank holds only its share of the heads.
-        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h, hd]
-        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)  # [b, s, h_kv, hd]
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, h, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, h_kv, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         # mask: None = causal over the window, else kept inside documents (common.attention);
         # grouped-query heads are served inside the kernel, with no repeated copy of K and V.
@@ -139,12 +151,13 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None):
+        """``feed_forward``: what replaces the dense SwiGLU (a mixture of experts), if anything."""
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = SwiGLU(args.dim, args.ffn_hidden)
+        self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Mask = None) -> torch.Tensor:
@@ -158,13 +171,17 @@ class Transformer(SeededInit):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # Keyed by the global layer index, so a pipeline stage keeps its layers' names.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def block(self, args: ModelArgs, layer: int) -> nn.Module:
+        """Block ``layer`` (a family built on this one changes its feed-forward here)."""
+        return TransformerBlock(args)
 
     def block_args(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What every block takes after the hidden states: the RoPE tables, or for given
@@ -281,27 +298,40 @@ class LlamaAdapter(ModelAdapter):
         return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
                 "vocab_size": args.vocab_size}
 
-    def stage_params(self, args: ModelArgs, first: bool, last: bool, layers: int):
-        d, kv, hid = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-        out = []
-        if first:
-            out.append(("tok_embeddings.weight", (args.vocab_size, d), 0))
-        block = [("attention_norm.weight", (d, 1), None),
-                 ("attention.wq.weight", (d, d), 0), ("attention.wk.weight", (kv, d), 0),
-                 ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, d), 1),
-                 ("ffn_norm.weight", (d, 1), None),
-                 ("feed_forward.w1.weight", (hid, d), 0), ("feed_forward.w2.weight", (d, hid), 1),
-                 ("feed_forward.w3.weight", (hid, d), 0)]
-        out += block * layers
+    def stage_params(self, args: ModelArgs, first: bool, last: bool, layers: range):
+        d = args.dim
+        out = [("tok_embeddings.weight", (args.vocab_size, d), 0)] if first else []
+        out += self.blocks_params(args, layers)
         if last:
             out.append(("norm.weight", (d, 1), None))
             if not (args.tie_embeddings and first):
                 out.append(("output.weight", (args.vocab_size, d), 0))
         return out
 
+    def blocks_params(self, args: ModelArgs, layers: range):
+        """The entries of blocks ``layers``, in order (the planner asks for them often: one list
+        repeated, not one built per block)."""
+        return self.block_params(args) * len(layers)
+
+    def block_params(self, args: ModelArgs, layer: int | None = None):
+        return self.attention_params(args) + [
+            ("ffn_norm.weight", (args.dim, 1), None),
+            ("feed_forward.w1.weight", (args.ffn_hidden, args.dim), 0),
+            ("feed_forward.w2.weight", (args.dim, args.ffn_hidden), 1),
+            ("feed_forward.w3.weight", (args.ffn_hidden, args.dim), 0)]
+
+    def attention_params(self, args: ModelArgs):
+        """A block's entries up to its feed-forward: the attention and its norms."""
+        d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+        norms = [("attention.q_norm.weight", (args.head_dim, 1), None),
+                 ("attention.k_norm.weight", (args.head_dim, 1), None)] if args.qk_norm else []
+        return [("attention_norm.weight", (d, 1), None),
+                ("attention.wq.weight", (q, d), 0), ("attention.wk.weight", (kv, d), 0),
+                ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, q), 1), *norms]
+
     def param_counts(self, args: ModelArgs) -> dict[str, int]:
-        d, kv = args.dim, args.n_kv_heads * args.head_dim
-        attention = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+        d = args.dim
+        attention = sum(r * c for _, (r, c), _ in self.attention_params(args)) - d  # (the norm apart)
         ffn = 3 * d * args.ffn_hidden  # w1, w2, w3
         layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
         return {"embedding": args.vocab_size * d, "layer": layer, "layer_attention": attention,
@@ -309,7 +339,8 @@ class LlamaAdapter(ModelAdapter):
                 "output": 0 if args.tie_embeddings else args.vocab_size * d}
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
-        return self.param_counts(args)["layer"] - 2 * args.dim, args.vocab_size * args.dim
+        vectors = 2 * args.dim + 2 * args.head_dim * args.qk_norm
+        return self.param_counts(args)["layer"] - vectors, args.vocab_size * args.dim
 
 
 ADAPTER = LlamaAdapter()

@@ -22,13 +22,15 @@ every slot (dropless).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpar.loss import add_auxiliary_loss
-from torchpar.models.common import SwiGLU
+from torchpar.loss import add_auxiliary_loss, counting
+from torchpar.models.common import SwiGLU, canonical_name
+from torchpar.models.llama import LlamaAdapter, ModelArgs, Transformer, TransformerBlock
 
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
 
@@ -55,7 +57,8 @@ class Router(nn.Module):
             raise ValueError(f"router score {score!r} is not 'softmax' or 'sigmoid'")
         self.top_k, self.score, self.normalize, self.route_scale = top_k, score, normalize, route_scale
         self.gate = nn.Linear(dim, experts, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+        # Not in the model's state: the trainer saves every block's bias in one place (Routing).
+        self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [t, d] -> (weights [t, k], chosen experts [t, k], scores [t, e] in fp32)."""
@@ -82,6 +85,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
         """x [n, d], rows sorted by expert, ``counts`` [e] rows each -> [n, d]."""
+        if x.device.type == "meta":
+            # The planner's trace: one expert's matmuls make the same shapes (grouped GEMM's meta
+            # function asks for CUDA's bf16, and the loop would read the counts).
+            return (F.silu(x @ self.w1[0]) * (x @ self.w3[0])) @ self.w2[0]
         if grouped:
             ends = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, self.w1, offs=ends)) * torch._grouped_mm(x, self.w3, offs=ends)
@@ -125,16 +132,27 @@ class MoE(nn.Module):
         weights, chosen, scores = self.router(x)
         slots = chosen.reshape(-1)  # [t k]: token i's slots at i k .. i k + k - 1
         order = torch.argsort(slots, stable=True)  # by expert, token order within one
-        counts = torch.bincount(slots, minlength=e)
+        counts = expert_counts(slots, e)
         if self.capacity_factor > 0:
-            capacity = math.ceil(self.capacity_factor * t * k / e)
-            starts = torch.cumsum(counts, 0) - counts
-            rank_in_expert = torch.arange(t * k, device=x.device) - starts[slots[order]]
-            order = order[rank_in_expert < capacity]
-            kept = torch.clamp(counts, max=capacity)
-            self.dropped += (counts - kept).sum()
+            # Per sequence (as the balance term): each expert keeps its first ceil(c s k / e) slots of
+            # each sequence, so what is dropped does not depend on how sequences meet in a forward.
+            rows = shape[0] if len(shape) == 3 else 1
+            per_row = t * k // rows
+            capacity = math.ceil(self.capacity_factor * per_row / e)
+            group = slots + e * (torch.arange(t * k, device=x.device) // per_row)  # (sequence, expert)
+            by_group = torch.argsort(group, stable=True)
+            sizes = expert_counts(group, rows * e)
+            starts = torch.cumsum(sizes, 0) - sizes
+            rank_in_group = torch.arange(t * k, device=x.device) - starts[group[by_group]]
+            keep = torch.empty_like(slots, dtype=torch.bool)
+            keep[by_group] = rank_in_group < capacity
+            order = order[keep[order]]
+            kept = expert_counts(slots[order], e)
+            if counting():
+                self.dropped += (counts - kept).sum()
             counts = kept
-        self.loads += counts.float()
+        if counting():  # a training forward (not its recomputation in backward, nor evaluation)
+            self.loads += counts.float()
         grouped = self.grouped_problem(x.dtype, x.device) is None
         out = self.experts(x[order // k], counts, grouped)  # [kept slots, d]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
@@ -143,20 +161,252 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.balance_coeff:
-            y = add_auxiliary_loss(y, BALANCE_LOSS, self.balance_coeff * t * balance_loss(scores, slots, e))
+            # Per sequence (a [t, d] input is one), times its tokens: the sum over sequences does not
+            # depend on how they are split into ranks and microbatches.
+            rows = shape[0] if len(shape) == 3 else 1
+            term = balance_loss(scores.view(rows, -1, e), slots.view(rows, -1), e).sum() * (t // rows)
+            y = add_auxiliary_loss(y, BALANCE_LOSS, self.balance_coeff * term)
         return y.view(shape)
 
 
 def balance_loss(scores: torch.Tensor, slots: torch.Tensor, experts: int) -> torch.Tensor:
-    """The auxiliary balance term per token: experts x sum over experts of (the share of slots it
-    received) x (its mean normalized score); 1 when balanced, up to ``experts`` when one expert
-    takes every slot. Its gradient reaches the router through the scores only."""
-    share = torch.bincount(slots, minlength=experts).float() / slots.numel()
-    mean_score = (scores / scores.sum(-1, keepdim=True)).mean(0)
-    return experts * (share * mean_score).sum()
+    """The auxiliary balance term of each sequence, scores [n, s, e] and slots [n, s k] -> [n]:
+    experts x sum over experts of (the share of the sequence's slots it received) x (its mean
+    normalized score); 1 when balanced, up to ``experts`` when one expert takes every slot (the
+    sequence-wise form of DeepSeek-V3's). Its gradient reaches the router through the scores only."""
+    n = slots.shape[0]
+    flat = slots + experts * torch.arange(n, device=slots.device).unsqueeze(1)  # [n, s k], per sequence
+    share = expert_counts(flat.flatten(), n * experts).view(n, experts).float() / slots.shape[1]
+    mean_score = (scores / scores.sum(-1, keepdim=True)).mean(1)  # [n, e]
+    return experts * (share * mean_score).sum(-1)
+
+
+def expert_counts(slots: torch.Tensor, experts: int) -> torch.Tensor:
+    """Slots per expert [experts]. A scatter, not bincount: its shape does not depend on the
+    values, so the planner can trace the layer on the meta device."""
+    counts = torch.zeros(experts, dtype=torch.long, device=slots.device)
+    return counts.scatter_add_(0, slots, torch.ones_like(slots))
 
 
 def update_bias(bias: torch.Tensor, loads: torch.Tensor, rate: float) -> torch.Tensor:
     """The auxiliary-loss-free balancing step: each expert's bias moves by ``rate`` toward the mean
     load (up when it received fewer slots than the mean, down when more, unchanged when equal)."""
     return bias + rate * torch.sign(loads.mean() - loads)
+
+
+# ---------------------------------------------------------------- the family: Llama blocks, MoE feed-forwards
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    experts: int = 8  # routed experts per MoE block
+    top_k: int = 2  # experts each token goes to
+    moe_hidden: int = 256  # a routed expert's SwiGLU width
+    shared_hidden: int = 0  # the shared experts' width, as one SwiGLU every token passes (0 = none)
+    dense_layers: int = 0  # the first blocks keep a dense SwiGLU (ffn_hidden wide)
+    score: str = "softmax"  # router scores: 'softmax' (Qwen3-MoE) or 'sigmoid' (DeepSeek-V3)
+    normalize_top_k: bool = True  # the chosen k weights rescaled to sum 1
+    route_scale: float = 1.0  # the weights' factor after that
+    capacity_factor: float = 0.0  # 0 = dropless; c > 0: at most ceil(c t k / e) slots per expert
+    balance_coeff: float = 0.0  # the auxiliary balance loss's coefficient (0 = none)
+    bias_rate: float = 0.0  # the auxiliary-loss-free bias's step per optimizer step (0 = none)
+
+    @property
+    def moe_layers(self) -> range:
+        return range(self.dense_layers, self.n_layers)
+
+
+# Tiny but shaped like the big ones: 4 blocks (pp 2 x 2), the first dense; 8 experts of 64 (ep 2, 4
+# and 8 divide them; 64 x 4 bytes rows for grouped GEMM), top 2; vocab 4096 = the shipped tokenizer's.
+DEBUG = MoEArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64,
+                rope_theta=10000.0, max_seq_len=2048, experts=8, top_k=2, moe_hidden=64, dense_layers=1,
+                qk_norm=True)
+FLAVORS: dict[str, MoEArgs] = {
+    "debug": DEBUG,  # Qwen3-MoE's routing: softmax, the top k renormalized, no shared expert
+    # DeepSeek-V3's routing: sigmoid scores, renormalized and scaled, one shared expert
+    "debug-deepseek": replace(DEBUG, qk_norm=False, score="sigmoid", route_scale=2.5, shared_hidden=64),
+    # Qwen3-30B-A3B: 48 blocks of 128 experts (768 wide), top 8, heads of 128 (wider than dim / heads).
+    "qwen3-30B-A3B": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, qk_norm=True,
+                             vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960,
+                             experts=128, top_k=8, moe_hidden=768, multiple_of=2048),
+    # DeepSeek-V3's MoE blocks (256 experts of 2048, top 8, one shared expert, the first 3 blocks dense
+    # 18432 wide) with grouped-query attention in place of its latent attention.
+    "deepseek-v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
+                           ffn_dim_multiplier=0.9643, multiple_of=1024, rope_theta=10000.0, norm_eps=1e-6,
+                           max_seq_len=4096, experts=256, top_k=8, moe_hidden=2048, shared_hidden=2048,
+                           dense_layers=3, score="sigmoid", route_scale=2.5),
+}
+
+
+class MoETransformer(Transformer):
+    """Llama's decoder whose blocks after the first ``dense_layers`` route to experts."""
+
+    def block(self, args: MoEArgs, layer: int) -> nn.Module:
+        if layer < args.dense_layers:
+            return TransformerBlock(args)
+        return TransformerBlock(args, MoE(args.dim, args.moe_hidden, args.experts, args.top_k,
+                                          args.shared_hidden, args.score, args.normalize_top_k,
+                                          args.route_scale, args.capacity_factor, args.balance_coeff))
+
+    def init_std(self, name: str) -> float | str:
+        if name.endswith("experts.w2"):  # a residual projection, like the dense w2
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return super().init_std(name)
+
+    def reset_buffers(self, device: torch.device | None) -> None:
+        super().reset_buffers(device)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                for name in ("loads", "dropped"):
+                    setattr(m, name, torch.zeros_like(getattr(m, name), device=device))
+                m.router.expert_bias = torch.zeros_like(m.router.expert_bias, device=device)
+
+
+class Routing:
+    """The routers of one rank's model parts as the trainer sees them after each step: every MoE
+    block's expert loads (and dropped slots) to sum over all ranks, the auxiliary-loss-free bias
+    moved from the summed loads, and the step's figures. The bias of every MoE block is kept here
+    on every rank (the same everywhere: it follows from the summed loads alone) and saved as the
+    checkpoint's ``routing`` part; the blocks a rank holds read their rows."""
+
+    names = ("moe/max_load", "moe/dropped", "moe/bias_range")  # the figures' names in the metrics
+
+    def __init__(self, parts: list[nn.Module], args: MoEArgs):
+        self.args = args
+        self.layers = list(args.moe_layers)
+        self.here = {int(canonical_name(n).split(".")[1]): m  # block index -> its MoE layer
+                     for part in parts for n, m in part.named_modules() if isinstance(m, MoE)}
+        # (where the figures are reduced: the buffers' device, also on a stage without a MoE block)
+        device = next(b.device for part in parts for b in part.buffers())
+        self.bias = torch.zeros(len(self.layers), args.experts, device=device)
+
+    def take(self) -> torch.Tensor:
+        """[MoE blocks x (experts + 1)]: each block's slots per expert and dropped slots since the
+        last take, zero for blocks on other ranks; the blocks' counters restart."""
+        out = self.bias.new_zeros(len(self.layers), self.args.experts + 1)
+        for layer, m in self.here.items():
+            row = self.layers.index(layer)
+            out[row, :-1] = m.loads
+            out[row, -1] = m.dropped
+            m.loads.zero_()
+            m.dropped.zero_()
+        return out.flatten()
+
+    def update(self, summed: torch.Tensor) -> torch.Tensor:
+        """Move the bias by the loads of every rank (``take`` summed over the world); returns the
+        figures named by :attr:`names`: the largest load over the mean of any block, the share of
+        slots dropped, the bias's range."""
+        counts = summed.view(len(self.layers), -1)
+        loads, dropped = counts[:, :-1], counts[:, -1]
+        if self.args.bias_rate:
+            self.bias = update_bias(self.bias, loads, self.args.bias_rate)
+            self.sync()
+        slots = loads.sum() + dropped.sum()
+        return torch.stack([(loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max(),
+                            dropped.sum() / slots.clamp(min=1), self.bias.max() - self.bias.min()])
+
+    def sync(self) -> None:
+        """The blocks this rank holds take their rows of the bias."""
+        for layer, m in self.here.items():
+            m.router.expert_bias.copy_(self.bias[self.layers.index(layer)])
+
+    def state_dict(self) -> dict:
+        return {"expert_bias": self.bias}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.bias = sd["expert_bias"].to(self.bias.device)
+        self.sync()
+
+
+class MoEAdapter(LlamaAdapter):
+    name = "moe"
+    model_class = MoETransformer
+    args_class = MoEArgs
+    flavors = FLAVORS
+
+    def auxiliary_terms(self, args: MoEArgs) -> tuple[str, ...]:
+        return (BALANCE_LOSS,) if args.balance_coeff else ()
+
+    def check_shape(self, args: MoEArgs) -> None:
+        super().check_shape(args)
+        if not 1 <= args.top_k <= args.experts:
+            raise ValueError(f"model.top_k = {args.top_k} must be between 1 and model.experts = "
+                             f"{args.experts}")
+        if args.dense_layers > args.n_layers:
+            raise ValueError(f"the flavour's {args.dense_layers} dense blocks exceed model.n_layers = "
+                             f"{args.n_layers}")
+        if args.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"router score {args.score!r} is not 'softmax' or 'sigmoid'")
+
+    def layout_problem(self, args: MoEArgs, degrees: dict[str, int]) -> str | None:
+        per_sequence = [f"model.{f} = {getattr(args, f):g}" for f in ("capacity_factor", "balance_coeff")
+                        if getattr(args, f)]
+        if degrees.get("cp", 1) > 1 and per_sequence:
+            return (f"{' and '.join(per_sequence)}: the balance term and the capacity are computed per "
+                    f"sequence, which context parallelism (cp = {degrees['cp']}) splits over ranks; set "
+                    "them to 0 or the context-parallel degree to 1")
+        if degrees.get("tp", 1) > 1:
+            return (f"parallelism.tensor_parallel_degree = {degrees['tp']}: the {self.name} family's expert "
+                    "blocks have no tensor-parallel plan yet; use tensor_parallel_degree = 1 (data, context "
+                    "and pipeline parallelism and ZeRO 0-3 apply)")
+        return None
+
+    def tp_divisors(self, args: MoEArgs) -> dict[str, int]:
+        return {**super().tp_divisors(args), "routed expert width": args.moe_hidden}
+
+    def blocks_params(self, args: MoEArgs, layers: range):
+        dense = len(range(layers.start, min(layers.stop, args.dense_layers)))  # they come first
+        return super().block_params(args) * dense + self.block_params(args) * (len(layers) - dense)
+
+    def block_params(self, args: MoEArgs, layer: int | None = None):
+        if layer is not None and layer < args.dense_layers:
+            return super().block_params(args, layer)
+        d, h, e = args.dim, args.moe_hidden, args.experts
+        shared = [(f"feed_forward.shared.{w}.weight", shape, None) for w, shape in
+                  (("w1", (args.shared_hidden, d)), ("w2", (d, args.shared_hidden)),
+                   ("w3", (args.shared_hidden, d)))] if args.shared_hidden else []
+        return self.attention_params(args) + [
+            ("ffn_norm.weight", (d, 1), None),
+            ("feed_forward.router.gate.weight", (e, d), None),
+            ("feed_forward.experts.w1", (e, d * h), None), ("feed_forward.experts.w3", (e, d * h), None),
+            ("feed_forward.experts.w2", (e, h * d), None), *shared]
+
+    def traced_args(self, args: MoEArgs) -> MoEArgs:
+        # A routed block, dropless: its activations hold t x k expert rows whatever the routing.
+        return replace(args, n_layers=1, dense_layers=0, capacity_factor=0.0)
+
+    def param_counts(self, args: MoEArgs) -> dict[str, int]:
+        counts = super().param_counts(args)
+        dense = counts["layer"]
+
+        def size(entries):
+            return sum(r * c for _, (r, c), _ in entries)
+
+        moe = size(self.block_params(args))
+        experts = 3 * args.dim * args.moe_hidden
+        active = moe - experts * (args.experts - args.top_k)
+        n_moe = len(args.moe_layers)
+        return {**counts, "layer": moe, "layers": dense * args.dense_layers + moe * n_moe,
+                "active_layers": dense * args.dense_layers + active * n_moe}
+
+    def matmul_params(self, args: MoEArgs) -> tuple[int, int]:
+        """(active matmul weights per block, averaged over the blocks; the head's)."""
+        vectors = (2 * args.dim + 2 * args.head_dim * args.qk_norm) * args.n_layers
+        active = self.param_counts(args)["active_layers"] - vectors
+        return active // args.n_layers, args.vocab_size * args.dim
+
+    def flops_per_token(self, args: MoEArgs, seq_len: int) -> int:
+        """Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not
+        every expert's; attention over heads of q_dim."""
+        vectors = (2 * args.dim + 2 * args.head_dim * args.qk_norm) * args.n_layers
+        weights = self.param_counts(args)["active_layers"] - vectors + args.vocab_size * args.dim
+        return 3 * (2 * weights + 4 * seq_len * args.q_dim * args.n_layers)
+
+    def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
+        return Routing(parts, args)
+
+    def routed_counts(self, args: MoEArgs) -> int:
+        return len(args.moe_layers) * (args.experts + 1)
+
+
+ADAPTER = MoEAdapter()

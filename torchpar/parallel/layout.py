@@ -244,6 +244,7 @@ def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, de
     tp = degrees["tp"]
     problem = context_problem(args, tr.seq_len, degrees["cp"], tp, par.sequence_parallel,
                               par.context_parallel_method, document_masking, device)
+    problem = problem or model.layout_problem(args, degrees)
     if problem:
         raise ConfigError(problem)
     if tp > 1:
@@ -417,6 +418,12 @@ def split_of(model, args, lay: Layout) -> list[int]:
     return balanced_split(model, args, lay.num_stages)
 
 
+def stage_entries(model, args, split: list[int], stage: int) -> list[tuple[str, tuple[int, int], int | None]]:
+    """The adapter's parameter entries (``stage_params``) of pipeline stage ``stage`` of ``split``."""
+    start = sum(split[:stage])
+    return model.stage_params(args, stage == 0, stage == len(split) - 1, range(start, start + split[stage]))
+
+
 def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> list[tuple[int, int]]:
     """(rows, cols) of each parameter the rank holds at pipeline position ``pp_rank`` and TP
     coordinate ``tp_index``, after tensor parallelism, in model order (first-stage modules,
@@ -424,7 +431,7 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
     split = split_of(model, args, lay)
     out = []
     for s in lay.stage_ids(pp_rank):
-        for _, (rows, cols), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]):
+        for _, (rows, cols), tp_dim in stage_entries(model, args, split, s):
             if lay.tp > 1 and tp_dim == 0:
                 rows = chunk(rows, lay.tp, tp_index)
             elif lay.tp > 1 and tp_dim == 1:
@@ -437,7 +444,7 @@ def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:
     """The names of :func:`rank_params`' parameters, in its order."""
     split = split_of(model, args, lay)
     return [name for s in lay.stage_ids(pp_rank)
-            for name, _, _ in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
+            for name, _, _ in stage_entries(model, args, split, s)]
 
 
 def _check_buckets(layout: Layout, model, args) -> None:

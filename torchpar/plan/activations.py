@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +125,7 @@ def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -
     by part ("block": the block; "rest": embedding, final norm, head and loss) and creating style."""
 
     with torch.device("meta"):
-        module = model.build(replace(args, n_layers=1))
+        module = model.build(model.traced_args(args))
     module.to(dtype)
     apply_recompute(module, policy)
     block = module.layers["0"]

@@ -9,7 +9,7 @@ import math
 
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
-from torchpar.parallel.layout import Layout, rank_params, split_of
+from torchpar.parallel.layout import Layout, rank_params, split_of, stage_entries
 from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD
 from torchpar.parallel.recompute import recomputed
@@ -122,7 +122,7 @@ def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
 
 
 def _fsdp(
-    sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: int, first: bool
+    sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: list[int], first: bool
 ) -> None:
     """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
     collectives carry every parameter padded to a multiple of dp_shard (x cp) rows."""
@@ -131,10 +131,10 @@ def _fsdp(
     def unit_bytes(shapes, dtype_bytes):
         return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
 
-    n_first = len(model.stage_params(args, True, False, 0)) if first else 0
-    per_block = len(model.block_params(args))
-    blocks = [local[i:i + per_block] for i in range(n_first, n_first + layers * per_block, per_block)]
-    root = local[:n_first] + local[n_first + layers * per_block:]
+    n_first = len(model.stage_params(args, True, False, range(0))) if first else 0
+    ends = list(itertools.accumulate((len(model.block_params(args, i)) for i in layers), initial=n_first))
+    blocks = [local[a:b] for a, b in zip(ends, ends[1:])]
+    root = local[:n_first] + local[ends[-1]:]
     # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
     # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
     gathers = lay.accum if lay.pp == 1 else 1
@@ -160,7 +160,7 @@ def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[
         return []
     split = split_of(model, args, lay)
     return [((r, c), param_role(name, 1 if c == 1 else 2, model), tp_dim) for s in lay.stage_ids(pp_rank)
-            for name, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
+            for name, (r, c), tp_dim in stage_entries(model, args, split, s)]
 
 
 def _owned_share(lay: Layout) -> float:
@@ -226,21 +226,22 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     first, last = 0 in stages, len(split) - 1 in stages
     seq //= lay.cp  # the tokens of each sequence this rank holds
     sent = _Sent()
-    # The trainer's own, over all ranks: the loss with the stop-signal flag (two fp32 values) and the
-    # global gradient norm (one).
-    sent.add("world", "all_reduce", 8, lay.world)
+    # The trainer's own, over all ranks: the loss with the stop-signal flag and the model's auxiliary
+    # terms and routed loads (fp32 values), and the global gradient norm (one).
+    sent.add("world", "all_reduce", 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args)),
+             lay.world)
     sent.add("world", "all_reduce", 4, lay.world)
     if lay.tp > 1:
-        entries = [e for s in stages for e in model.stage_params(args, s == 0, s == len(split) - 1, split[s])]
+        entries = [e for s in stages for e in stage_entries(model, args, split, s)]
         _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)
+    starts = [0, *itertools.accumulate(split)]
+    blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
     if lay.cp > 1:
-        starts = [0, *itertools.accumulate(split)]
-        blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]
         _context(sent, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.grad_ranks > 1:
         local = rank_params(model, args, lay, pp_rank)
         if lay.zero_stage == 3:
-            _fsdp(sent, model, args, lay, local, layers, first)
+            _fsdp(sent, model, args, lay, local, blocks, first)
         else:
             _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)

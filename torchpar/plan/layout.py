@@ -12,7 +12,15 @@ from torchpar.models import adapter, model_args
 from torchpar.optim import needs_whole, param_role
 from torchpar.optim import state_bytes as opt_state_bytes
 from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
-from torchpar.parallel.layout import Layout, chunk, rank_param_names, rank_params, resolve_layout, split_of
+from torchpar.parallel.layout import (
+    Layout,
+    chunk,
+    rank_param_names,
+    rank_params,
+    resolve_layout,
+    split_of,
+    stage_entries,
+)
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,7 @@ def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int
     split = split_of(model, args, lay)
     largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
                   for s in lay.stage_ids(pp_rank)
-                  for _, (r, c), tp_dim in model.stage_params(args, s == 0, s == len(split) - 1, split[s]))
+                  for _, (r, c), tp_dim in stage_entries(model, args, split, s))
     return {"startup_peak": state["param_bytes"] + master + 4 * largest,
             "checkpoint_peak": sum(state.values()) + 4 * bucket}
 

@@ -30,7 +30,7 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
     exchanges a block), else ring; on ``device``, with sequence parallelism, as the trainer would."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
-        if any(n % tp for n in model.tp_divisors(args).values()):
+        if any(n % tp for n in model.tp_divisors(args).values()) or model.layout_problem(args, {"tp": tp}):
             continue
         for pp in _divisors(world // tp):
             if pp > args.n_layers or (pp > 1 and args.tie_embeddings):

@@ -1,0 +1,101 @@
+"""The mixture-of-experts family trains the same under data, context and pipeline parallelism as
+in one process: losses, final parameters, the routers' figures (the largest load over the mean,
+the balancing bias's range), the auxiliary balance loss, and the planner's bytes per rank.
+
+Routing ties are deterministic: the top k come from a stable sort of score + bias (ties to the
+lower expert), and the bias moves from loads summed over every rank, the same numbers in every
+layout. The runs use both balancing methods at once (the bias and the auxiliary loss)."""
+
+import pytest
+from harness import ROOT, TINY, assert_matches, bytes_of, run_layouts
+
+from torchpar.config import load_config
+from torchpar.plan import layout_from_config, state_bytes
+
+pytestmark = pytest.mark.slow  # trains in spawned processes
+
+Z = "--parallelism.zero_stage"
+LB = "--training.local_batch_size"
+MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
+DEEPSEEK = ["--model.flavor", "debug-deepseek"]  # sigmoid scores, a shared expert, route scale 2.5
+BIAS_ONLY = ["--model.balance_coeff", "0"]
+
+
+def pp(schedule, *more):
+    return ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+            schedule, *more]
+
+
+DOCS = ["--data.dataset", "files", "--data.path", str(ROOT / "tests" / "data" / "short_docs.jsonl"),
+        "--data.document_masking", "true"]
+WORLD2 = {
+    **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
+    "dp2_zero3_deepseek": [LB, "4", Z, "3", *DEEPSEEK],
+    "dp2_zero3_full_recompute": [LB, "4", Z, "3", "--training.activation_checkpoint", "full"],
+    "dp2_zero1_selective": [LB, "4", Z, "1", "--training.activation_checkpoint", "selective"],
+    "dp2_zero3_docmask": [LB, "4", Z, "3", *DOCS],
+    # (the balance term and a capacity act per sequence, which cp splits: the bias alone here)
+    "cp2_zero1_bias_only": ["--parallelism.context_parallel_degree", "2", Z, "1", *BIAS_ONLY],
+    "pp2_1F1B": pp("1F1B", Z, "0"),
+    "pp2_Interleaved1F1B_deepseek": pp("Interleaved1F1B", Z, "0", *DEEPSEEK),
+    "dp2_zero3_capacity": [LB, "4", Z, "3", "--model.capacity_factor", "1.0"],
+}
+
+
+def layouts(table: dict) -> dict:
+    return {name: [*MOE, *overrides] for name, overrides in table.items()}
+
+
+def ref_name(name: str) -> str:
+    kinds = ("deepseek", "docmask", "capacity", "bias_only")
+    return next((f"ref_{kind}" for kind in kinds if kind in name), "ref")
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return run_layouts(1, layouts({"ref": [Z, "0"], "ref_deepseek": [Z, "0", *DEEPSEEK],
+                                   "ref_docmask": [Z, "0", *DOCS],
+                                   "ref_capacity": [Z, "0", "--model.capacity_factor", "1.0"],
+                                   "ref_bias_only": [Z, "0", *BIAS_ONLY]}))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_layouts(2, layouts(WORLD2))
+
+
+def figures(run: dict, key: str) -> list[float]:
+    return [r[key] for r in run["logged"] if key in r]
+
+
+@pytest.mark.parametrize("name", WORLD2)
+def test_moe_layout_matches_one_process(world2, refs, name):
+    run, ref = world2[name], refs[ref_name(name)]
+    assert_matches(run, ref)
+    for key in ("moe/max_load", "moe/bias_range", "moe/dropped", "loss/balance"):
+        assert (key in run["step1"]) == (key in ref["step1"]), key
+        assert figures(run, key) == pytest.approx(figures(ref, key), abs=1e-5), key
+
+
+def test_balancing_is_on_and_moves(refs):
+    """The bias moves (bias_rate 0.01: each expert by 0.01 a step, so the range after step n is
+    at most 0.02 n), the balance term is logged near 1 x its coefficient, and only a capacity
+    drops tokens."""
+    ref = refs["ref"]
+    ranges = figures(ref, "moe/bias_range")
+    assert len(ranges) == 5 and all(0 < r <= 0.02 * n + 1e-6 for n, r in enumerate(ranges, 1))
+    assert all(0.005 < b < 0.05 for b in figures(ref, "loss/balance"))
+    assert all(m >= 1 for m in figures(ref, "moe/max_load"))
+    assert figures(ref, "moe/dropped") == [0.0] * 5  # dropless; recomputed forwards count nothing
+    # (the layouts with full and selective recomputation match these figures above)
+    assert all(d > 0 for d in figures(refs["ref_capacity"], "moe/dropped"))
+
+
+def test_planner_predicts_every_ranks_moe_bytes_exactly(world2):
+    """Expert stacks counted as (experts, rest) rows: FSDP2 pads the expert dimension."""
+    for name, overrides in layouts(WORLD2).items():
+        lay, model, args = layout_from_config(load_config(TINY, overrides), 2)
+        for rank in range(2):
+            predicted = state_bytes(model, args, lay, lay.rank_coords(rank))
+            for key in ("param", "grad", "optim"):
+                assert predicted[f"{key}_bytes"] == bytes_of(world2[name], key)[rank], (name, rank, key)
