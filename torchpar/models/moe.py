@@ -15,8 +15,13 @@ Dispatch: the t x k (token, expert) slots are sorted by expert (stable: token or
 expert), the experts run as grouped GEMMs over their contiguous rows, and each slot's output goes
 back to its place; a token's output is the weighted sum of its k slots, added in a fixed order (no
 atomic adds, so the result does not depend on scheduling). A capacity factor c > 0 keeps at most
-ceil(c x t x k / e) slots per expert (the earliest tokens) and drops the rest (zero output); 0 keeps
-every slot (dropless).
+ceil(c x s x k / e) slots per expert of each sequence of s tokens (its earliest tokens) and drops the
+rest (zero output); 0 keeps every slot (dropless). The capacity and the balance term act per
+sequence, so neither depends on how sequences are split over ranks and microbatches.
+
+The second half of the file is the ``moe`` family: Llama's blocks with these layers as their
+feed-forwards, its flavours and adapter, and :class:`Routing`, what the trainer does with the
+routers after each step.
 """
 
 from __future__ import annotations
