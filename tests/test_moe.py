@@ -182,9 +182,9 @@ def test_routing_sums_loads_moves_the_bias_and_saves_it():
     torch.testing.assert_close(routing.bias, expected)
     assert bias_range == expected.max() - expected.min()
     torch.testing.assert_close(model.layers["2"].feed_forward.router.expert_bias, expected[1])
-    fresh = MOE_FAMILY.routing([MOE_FAMILY.build(args)], args)
-    fresh.load_state_dict(routing.state_dict())
-    torch.testing.assert_close(fresh.here[3].router.expert_bias, expected[2])
+    other = MOE_FAMILY.build(args)
+    MOE_FAMILY.routing([other], args).load_state_dict(routing.state_dict())
+    torch.testing.assert_close(other.layers["3"].feed_forward.router.expert_bias, expected[2])
 
 
 def test_the_planner_traces_a_routed_block_on_the_meta_device():
@@ -200,3 +200,15 @@ def test_moe_shapes_and_layouts_are_refused_in_one_line():
     with pytest.raises(ValueError, match="does not apply to the llama3 family"):
         MODELS["llama3"].args("debug", experts=4)
     assert "tensor_parallel_degree = 1" in MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug"), {"tp": 2})
+
+
+def test_the_search_leaves_out_what_the_family_refuses():
+    """Auto layouts never propose what the trainer would refuse: cp with a per-sequence term, tp."""
+    from torchpar.plan.layout import PRESETS
+    from torchpar.plan.search import _degrees
+
+    cluster = PRESETS["H100-80GB"]  # one node of 8
+    degrees = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug", balance_coeff=0.01), cluster, 64, 256))
+    assert degrees and all(tp == 1 and cp == 1 for tp, _, cp, _, _ in degrees)
+    free = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug"), cluster, 64, 256))
+    assert any(cp > 1 for _, _, cp, _, _ in free) and all(tp == 1 for tp, *_ in free)

@@ -30,7 +30,7 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
     exchanges a block), else ring; on ``device``, with sequence parallelism, as the trainer would."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
-        if any(n % tp for n in model.tp_divisors(args).values()) or model.layout_problem(args, {"tp": tp}):
+        if any(n % tp for n in model.tp_divisors(args).values()):
             continue
         for pp in _divisors(world // tp):
             if pp > args.n_layers or (pp > 1 and args.tie_embeddings):
@@ -39,7 +39,8 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
                 dp = world // (tp * pp * cp)
                 method = next((m for m in ("alltoall", "ring")
                                if not context_problem(args, seq, cp, tp, True, m, False, device)), None)
-                if global_batch % dp == 0 and method is not None:
+                if global_batch % dp == 0 and method is not None and \
+                        not model.layout_problem(args, {"tp": tp, "cp": cp}):
                     yield tp, pp, cp, method, dp
 
 
