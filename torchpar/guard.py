@@ -34,9 +34,9 @@ class DivergenceGuard:
         self.pending: deque[tuple[int, torch.Tensor, object]] = deque()
 
     def record(self, step: int, figures: torch.Tensor) -> torch.Tensor:
-        """Keep ``figures`` (global loss, gradient norm, stop flag, then the auxiliary loss terms;
-        on the device) to read later, started on their way to the host now; returns 1.0 where the
-        step must not be applied."""
+        """Keep ``figures`` (global loss, gradient norm, stop flag, then the auxiliary loss terms and
+        the routers' figures; on the device) to read later, started on their way to the host now;
+        returns 1.0 where the step must not be applied."""
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
         self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
         return (~torch.isfinite(figures[:2]).all()).float()

@@ -55,7 +55,7 @@ class Model:
     top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
     capacity_factor: float = opt(
         0.0, "MoE: 0 = dropless (every routed token is computed); c > 0 = each expert takes at most "
-             "ceil(c x tokens x top_k / experts) of a forward's tokens, the latest beyond that dropped "
+             "ceil(c x seq_len x top_k / experts) tokens of each sequence, the latest beyond that dropped "
              "(their expert output is zero; counted in moe/dropped).")
     balance_coeff: float = opt(
         0.0, "MoE: coefficient of the auxiliary balance loss (experts x sum over experts of the share of "

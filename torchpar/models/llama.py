@@ -338,9 +338,12 @@ class LlamaAdapter(ModelAdapter):
                 "layer_ffn": ffn, "layers": layer * args.n_layers, "norm": d,
                 "output": 0 if args.tie_embeddings else args.vocab_size * d}
 
+    def block_vectors(self, args: ModelArgs) -> int:
+        """A block's parameters that multiply no activation: its norms' weights."""
+        return 2 * args.dim + 2 * args.head_dim * args.qk_norm
+
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
-        vectors = 2 * args.dim + 2 * args.head_dim * args.qk_norm
-        return self.param_counts(args)["layer"] - vectors, args.vocab_size * args.dim
+        return self.param_counts(args)["layer"] - self.block_vectors(args), args.vocab_size * args.dim
 
 
 ADAPTER = LlamaAdapter()

@@ -132,6 +132,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        rows = shape[0] if len(shape) == 3 else 1  # sequences (a [t, d] input is one)
         x = x.reshape(-1, shape[-1])  # [t, d]
         t, e, k = x.shape[0], self.loads.numel(), self.router.top_k
         weights, chosen, scores = self.router(x)
@@ -141,7 +142,6 @@ class MoE(nn.Module):
         if self.capacity_factor > 0:
             # Per sequence (as the balance term): each expert keeps its first ceil(c s k / e) slots of
             # each sequence, so what is dropped does not depend on how sequences meet in a forward.
-            rows = shape[0] if len(shape) == 3 else 1
             per_row = t * k // rows
             capacity = math.ceil(self.capacity_factor * per_row / e)
             group = slots + e * (torch.arange(t * k, device=x.device) // per_row)  # (sequence, expert)
@@ -166,9 +166,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.balance_coeff:
-            # Per sequence (a [t, d] input is one), times its tokens: the sum over sequences does not
-            # depend on how they are split into ranks and microbatches.
-            rows = shape[0] if len(shape) == 3 else 1
+            # Per sequence, times its tokens: the sum over sequences does not depend on how they are
+            # split into ranks and microbatches.
             term = balance_loss(scores.view(rows, -1, e), slots.view(rows, -1), e).sum() * (t // rows)
             y = add_auxiliary_loss(y, BALANCE_LOSS, self.balance_coeff * term)
         return y.view(shape)
@@ -212,7 +211,7 @@ class MoEArgs(ModelArgs):
     score: str = "softmax"  # router scores: 'softmax' (Qwen3-MoE) or 'sigmoid' (DeepSeek-V3)
     normalize_top_k: bool = True  # the chosen k weights rescaled to sum 1
     route_scale: float = 1.0  # the weights' factor after that
-    capacity_factor: float = 0.0  # 0 = dropless; c > 0: at most ceil(c t k / e) slots per expert
+    capacity_factor: float = 0.0  # 0 = dropless; c > 0: at most ceil(c s k / e) slots per expert and sequence
     balance_coeff: float = 0.0  # the auxiliary balance loss's coefficient (0 = none)
     bias_rate: float = 0.0  # the auxiliary-loss-free bias's step per optimizer step (0 = none)
 
@@ -278,19 +277,18 @@ class Routing:
 
     def __init__(self, parts: list[nn.Module], args: MoEArgs):
         self.args = args
-        self.layers = list(args.moe_layers)
-        self.here = {int(canonical_name(n).split(".")[1]): m  # block index -> its MoE layer
+        # The row of each MoE block this rank holds (routed blocks follow the dense ones) -> its layer.
+        self.here = {int(canonical_name(n).split(".")[1]) - args.dense_layers: m
                      for part in parts for n, m in part.named_modules() if isinstance(m, MoE)}
         # (where the figures are reduced: the buffers' device, also on a stage without a MoE block)
         device = next(b.device for part in parts for b in part.buffers())
-        self.bias = torch.zeros(len(self.layers), args.experts, device=device)
+        self.bias = torch.zeros(len(args.moe_layers), args.experts, device=device)
 
     def take(self) -> torch.Tensor:
         """[MoE blocks x (experts + 1)]: each block's slots per expert and dropped slots since the
         last take, zero for blocks on other ranks; the blocks' counters restart."""
-        out = self.bias.new_zeros(len(self.layers), self.args.experts + 1)
-        for layer, m in self.here.items():
-            row = self.layers.index(layer)
+        out = self.bias.new_zeros(self.bias.shape[0], self.args.experts + 1)
+        for row, m in self.here.items():
             out[row, :-1] = m.loads
             out[row, -1] = m.dropped
             m.loads.zero_()
@@ -301,7 +299,7 @@ class Routing:
         """Move the bias by the loads of every rank (``take`` summed over the world); returns the
         figures named by :attr:`names`: the largest load over the mean of any block, the share of
         slots dropped, the bias's range."""
-        counts = summed.view(len(self.layers), -1)
+        counts = summed.view(self.bias.shape[0], -1)
         loads, dropped = counts[:, :-1], counts[:, -1]
         if self.args.bias_rate:
             self.bias = update_bias(self.bias, loads, self.args.bias_rate)
@@ -312,8 +310,8 @@ class Routing:
 
     def sync(self) -> None:
         """The blocks this rank holds take their rows of the bias."""
-        for layer, m in self.here.items():
-            m.router.expert_bias.copy_(self.bias[self.layers.index(layer)])
+        for row, m in self.here.items():
+            m.router.expert_bias.copy_(self.bias[row])
 
     def state_dict(self) -> dict:
         return {"expert_bias": self.bias}
@@ -394,17 +392,19 @@ class MoEAdapter(LlamaAdapter):
         return {**counts, "layer": moe, "layers": dense * args.dense_layers + moe * n_moe,
                 "active_layers": dense * args.dense_layers + active * n_moe}
 
+    def active_matmul_params(self, args: MoEArgs) -> int:
+        """The matmul weights a token passes through in all blocks: the router, its k experts and
+        the shared experts of each routed block, every weight of a dense one (norms apart)."""
+        return self.param_counts(args)["active_layers"] - self.block_vectors(args) * args.n_layers
+
     def matmul_params(self, args: MoEArgs) -> tuple[int, int]:
         """(active matmul weights per block, averaged over the blocks; the head's)."""
-        vectors = (2 * args.dim + 2 * args.head_dim * args.qk_norm) * args.n_layers
-        active = self.param_counts(args)["active_layers"] - vectors
-        return active // args.n_layers, args.vocab_size * args.dim
+        return self.active_matmul_params(args) // args.n_layers, args.vocab_size * args.dim
 
     def flops_per_token(self, args: MoEArgs, seq_len: int) -> int:
         """Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not
         every expert's; attention over heads of q_dim."""
-        vectors = (2 * args.dim + 2 * args.head_dim * args.qk_norm) * args.n_layers
-        weights = self.param_counts(args)["active_layers"] - vectors + args.vocab_size * args.dim
+        weights = self.active_matmul_params(args) + args.vocab_size * args.dim
         return 3 * (2 * weights + 4 * seq_len * args.q_dim * args.n_layers)
 
     def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
