@@ -173,8 +173,19 @@ CASES = [
          " --parallelism.context_parallel_degree 2", "model.balance_coeff = 0.01: the balance term and the "
          "capacity are computed per sequence",
          world=2),
-    Case("tensor parallelism of experts", CHECK + " --model.name moe --parallelism.tensor_parallel_degree 2",
-         "no tensor-parallel plan yet", "tensor_parallel_degree = 1", world=2),
+    Case("an expert degree that does not divide the experts", CHECK + " --model.name moe --model.experts 6 "
+         "--parallelism.zero_stage 3 --parallelism.expert_parallel_degree 4",
+         "expert_parallel_degree = 4 does not divide the model's 6 experts", world=4),
+    Case("an expert degree beyond the shard ranks", CHECK + " --model.name moe --parallelism.zero_stage 3 "
+         "--parallelism.expert_parallel_degree 2 --parallelism.tensor_parallel_degree 2",
+         "expert_parallel_degree = 2 must divide parallelism.data_parallel_shard_degree = 1", world=2),
+    Case("expert parallelism without ZeRO-3", CHECK + " --model.name moe --parallelism.zero_stage 1 "
+         "--parallelism.expert_parallel_degree 2",
+         "expert_parallel_degree = 2 needs parallelism.zero_stage = 3", "(zero_stage is 1)", world=2),
+    Case("expert parallelism of a dense model", CHECK + " --parallelism.zero_stage 3 "
+         "--parallelism.expert_parallel_degree 2", "the llama3 family has no experts", world=2),
+    Case("an expert degree of 0", CHECK + " --parallelism.expert_parallel_degree 0",
+         "expert_parallel_degree = 0: a degree is a positive integer"),
     Case("min_lr_ratio", CHECK + " --lr_scheduler.min_lr_ratio 2", "lr_scheduler.min_lr_ratio"),
     Case("negative warmup", CHECK + " --lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps"),
     Case("negative max_norm", CHECK + " --training.max_norm -1", "training.max_norm"),

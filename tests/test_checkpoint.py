@@ -61,16 +61,21 @@ LAYOUTS = {  # name: (world, overrides)
     "moe_single": (1, [*MOE, Z, "0"]),
     "moe_dp2_zero3": (2, [*MOE, LB, "4", Z, "3"]),
     "moe_pp2": (2, [*MOE, *PP2, Z, "0"]),
+    # Expert parallelism: each rank saves its experts' shards; a resume under another degree
+    # reads the experts it now holds.
+    "moe_ep2": (2, [*MOE, LB, "4", Z, "3", "--parallelism.expert_parallel_degree", "2"]),
+    "moe_ep4": (4, [*MOE, LB, "2", Z, "3", "--parallelism.expert_parallel_degree", "4"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("dp2_zero2_bf16", "dp2_zero2_bf16"), ("muon_dp2_zero1", "muon_dp2_zero1"),
-         ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2"), ("moe_dp2_zero3", "moe_dp2_zero3")]
+         ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2"), ("moe_dp2_zero3", "moe_dp2_zero3"),
+         ("moe_ep2", "moe_ep2")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
            ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),
            ("muon_dp2_tp2", "muon_single"), ("cp2", "single"), ("single", "cp2_ring_zero3"),
-           ("moe_pp2", "moe_single")]
+           ("moe_pp2", "moe_single"), ("moe_ep2", "moe_single"), ("moe_ep2", "moe_ep4")]
 
 
 @pytest.fixture(scope="module")

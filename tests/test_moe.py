@@ -199,16 +199,18 @@ def test_moe_shapes_and_layouts_are_refused_in_one_line():
         MOE_FAMILY.args("debug", top_k=9)
     with pytest.raises(ValueError, match="does not apply to the llama3 family"):
         MODELS["llama3"].args("debug", experts=4)
-    assert "tensor_parallel_degree = 1" in MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug"), {"tp": 2})
+    assert "computed per sequence" in MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug", balance_coeff=0.01),
+                                                                 {"cp": 2})
+    assert MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug"), {"tp": 2, "cp": 2}) is None
 
 
 def test_the_search_leaves_out_what_the_family_refuses():
-    """Auto layouts never propose what the trainer would refuse: cp with a per-sequence term, tp."""
+    """Auto layouts never propose what the trainer would refuse: cp with a per-sequence term."""
     from torchpar.plan.layout import PRESETS
     from torchpar.plan.search import _degrees
 
     cluster = PRESETS["H100-80GB"]  # one node of 8
     degrees = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug", balance_coeff=0.01), cluster, 64, 256))
-    assert degrees and all(tp == 1 and cp == 1 for tp, _, cp, _, _ in degrees)
+    assert degrees and all(cp == 1 for tp, _, cp, _, _ in degrees) and any(tp > 1 for tp, *_ in degrees)
     free = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug"), cluster, 64, 256))
-    assert any(cp > 1 for _, _, cp, _, _ in free) and all(tp == 1 for tp, *_ in free)
+    assert any(cp > 1 for _, _, cp, _, _ in free)

@@ -1,6 +1,7 @@
-"""The mixture-of-experts family trains the same under data, context and pipeline parallelism as
-in one process: losses, final parameters, the routers' figures (the largest load over the mean,
-the balancing bias's range), the auxiliary balance loss, and the planner's bytes per rank.
+"""The mixture-of-experts family trains the same under data, context, tensor, expert and pipeline
+parallelism as in one process: losses, final parameters, the routers' figures (the largest load
+over the mean, the balancing bias's range), the auxiliary balance loss, and the planner's bytes
+per rank.
 
 Routing ties are deterministic: the top k come from a stable sort of score + bias (ties to the
 lower expert), and the bias moves from loads summed over every rank, the same numbers in every
@@ -19,6 +20,9 @@ LB = "--training.local_batch_size"
 MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
 DEEPSEEK = ["--model.flavor", "debug-deepseek"]  # sigmoid scores, a shared expert, route scale 2.5
 BIAS_ONLY = ["--model.balance_coeff", "0"]
+BALANCE_ONLY = ["--model.bias_rate", "0"]
+EP = "--parallelism.expert_parallel_degree"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
 def pp(schedule, *more):
@@ -39,6 +43,25 @@ WORLD2 = {
     "pp2_1F1B": pp("1F1B", Z, "0"),
     "pp2_Interleaved1F1B_deepseek": pp("Interleaved1F1B", Z, "0", *DEEPSEEK),
     "dp2_zero3_capacity": [LB, "4", Z, "3", "--model.capacity_factor", "1.0"],
+    # Experts split over 2 ranks: tokens dispatched by all-to-all, the experts' gradients reduced
+    # over the ranks holding the same experts (here none: ep = dp_shard).
+    "ep2": [LB, "4", Z, "3", EP, "2"],
+    "ep2_deepseek": [LB, "4", Z, "3", EP, "2", *DEEPSEEK],
+    "ep2_full_recompute": [LB, "4", Z, "3", EP, "2", "--training.activation_checkpoint", "full"],
+    "ep2_selective": [LB, "4", Z, "3", EP, "2", "--training.activation_checkpoint", "selective"],
+    "ep2_docmask": [LB, "4", Z, "3", EP, "2", *DOCS],
+    "ep2_capacity": [LB, "4", Z, "3", EP, "2", "--model.capacity_factor", "1.0"],
+    # Tensor parallelism of the experts' and shared experts' hidden width, without EP.
+    "tp2_deepseek": [Z, "3", *TP2, *DEEPSEEK],
+}
+WORLD4 = {
+    "ep2_dp_shard4": [LB, "2", Z, "3", EP, "2"],  # each expert sharded by ZeRO-3 over 2 ranks
+    "ep4": [LB, "2", Z, "3", EP, "4"],
+    "ep2_hsdp": [LB, "2", Z, "3", EP, "2", "--parallelism.data_parallel_replicate_degree", "2"],
+    "ep2_tp2": [LB, "4", Z, "3", EP, "2", *TP2],
+    "ep2_tp2_deepseek": [LB, "4", Z, "3", EP, "2", *TP2, *DEEPSEEK],
+    "pp2_ep2_bias_only": pp("1F1B", LB, "4", Z, "3", EP, "2", *BIAS_ONLY),
+    "pp2_ep2_balance_only": pp("1F1B", LB, "4", Z, "3", EP, "2", *BALANCE_ONLY),
 }
 
 
@@ -47,7 +70,7 @@ def layouts(table: dict) -> dict:
 
 
 def ref_name(name: str) -> str:
-    kinds = ("deepseek", "docmask", "capacity", "bias_only")
+    kinds = ("deepseek", "docmask", "capacity", "bias_only", "balance_only")
     return next((f"ref_{kind}" for kind in kinds if kind in name), "ref")
 
 
@@ -56,7 +79,8 @@ def refs():
     return run_layouts(1, layouts({"ref": [Z, "0"], "ref_deepseek": [Z, "0", *DEEPSEEK],
                                    "ref_docmask": [Z, "0", *DOCS],
                                    "ref_capacity": [Z, "0", "--model.capacity_factor", "1.0"],
-                                   "ref_bias_only": [Z, "0", *BIAS_ONLY]}))
+                                   "ref_bias_only": [Z, "0", *BIAS_ONLY],
+                                   "ref_balance_only": [Z, "0", *BALANCE_ONLY]}))
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +92,15 @@ def figures(run: dict, key: str) -> list[float]:
     return [r[key] for r in run["logged"] if key in r]
 
 
-@pytest.mark.parametrize("name", WORLD2)
-def test_moe_layout_matches_one_process(world2, refs, name):
-    run, ref = world2[name], refs[ref_name(name)]
+@pytest.fixture(scope="module")
+def world4():
+    return run_layouts(4, layouts(WORLD4))
+
+
+@pytest.mark.parametrize("name", [*WORLD2, *WORLD4])
+def test_moe_layout_matches_one_process(request, refs, name):
+    run = request.getfixturevalue("world2" if name in WORLD2 else "world4")[name]
+    ref = refs[ref_name(name)]
     assert_matches(run, ref)
     for key in ("moe/max_load", "moe/bias_range", "moe/dropped", "loss/balance"):
         assert (key in run["step1"]) == (key in ref["step1"]), key
@@ -91,11 +121,14 @@ def test_balancing_is_on_and_moves(refs):
     assert all(d > 0 for d in figures(refs["ref_capacity"], "moe/dropped"))
 
 
-def test_planner_predicts_every_ranks_moe_bytes_exactly(world2):
-    """Expert stacks counted as (experts, rest) rows: FSDP2 pads the expert dimension."""
-    for name, overrides in layouts(WORLD2).items():
-        lay, model, args = layout_from_config(load_config(TINY, overrides), 2)
-        for rank in range(2):
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_predicts_every_ranks_moe_bytes_exactly(request, world):
+    """Expert stacks counted as (experts, rest) rows: FSDP2 pads the expert dimension; under
+    expert parallelism each rank holds experts / ep of them, sharded over the rest."""
+    runs = request.getfixturevalue(f"world{world}")
+    for name, overrides in layouts(WORLD2 if world == 2 else WORLD4).items():
+        lay, model, args = layout_from_config(load_config(TINY, overrides), world)
+        for rank in range(world):
             predicted = state_bytes(model, args, lay, lay.rank_coords(rank))
             for key in ("param", "grad", "optim"):
-                assert predicted[f"{key}_bytes"] == bytes_of(world2[name], key)[rank], (name, rank, key)
+                assert predicted[f"{key}_bytes"] == bytes_of(runs[name], key)[rank], (name, rank, key)

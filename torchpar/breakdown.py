@@ -73,10 +73,12 @@ def step_timer():
 
 
 class StepBreakdown:
-    def __init__(self, mesh, synchronize, pipeline=None, timer=None):
+    def __init__(self, mesh, synchronize, pipeline=None, timer=None, experts_view=None):
         """``synchronize``: the device's, for the communication ledger, which waits for each
-        collective; ``timer``: marks the phases' borders (default :func:`step_timer`)."""
+        collective; ``timer``: marks the phases' borders (default :func:`step_timer`);
+        ``experts_view``: the layout's, naming the expert-parallel groups in the ledger."""
         self.mesh, self.synchronize, self.pipeline = mesh, synchronize, pipeline
+        self.experts_view = experts_view
         self.timer = timer or step_timer()
         self.on = False
         self.times: dict[str, float] = defaultdict(float)
@@ -93,7 +95,7 @@ class StepBreakdown:
         """Around one whole step: ``timed`` = time its phases; ``count_bytes`` = count its traffic."""
         self.on, self.times, self.sent, self.actions, self.spans = timed, defaultdict(float), None, [], []
         if count_bytes:
-            with CommLedger(self.mesh, self.synchronize) as ledger:
+            with CommLedger(self.mesh, self.synchronize, self.experts_view) as ledger:
                 yield
             self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)
         else:

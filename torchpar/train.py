@@ -84,7 +84,8 @@ class Trainer:
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
-        self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline)
+        self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,
+                                       experts_view=lay.experts_view)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.losses: list[float] = []  # every step's global loss, as the host reads them
@@ -284,13 +285,15 @@ class Trainer:
         """One all-reduce over the world, left on the device: each dp rank's loss counted once,
         whether any rank received a stop signal (so that all stop at the same step), each
         auxiliary term's sum (counted on the first TP rank of each stage: the others hold copies),
-        then ``counts`` (the routers' loads: every rank's summed)."""
+        then ``counts`` (the routers' loads, summed over the first TP rank of each tp group: the
+        others route the same tokens alike)."""
         tp0 = self.layout.coordinate("tp") == 0
         figures = torch.stack([loss_sum if self.holds_loss else torch.zeros_like(loss_sum),
                                torch.full_like(loss_sum, float(self.signals.received > 0)),
                                *(t if tp0 else torch.zeros_like(t) for t in term_sums)])
         if counts is not None:
-            figures = torch.cat([figures, counts.to(figures)])
+            counts = counts.to(figures)
+            figures = torch.cat([figures, counts if tp0 else torch.zeros_like(counts)])
         dist.all_reduce(figures)
         return figures
 

@@ -232,6 +232,12 @@ class Parallelism:
         "the degree); 'ring' keeps the heads and passes key/value blocks around the ranks, merging partial "
         "attention by log-sum-exp (any head count; no document masking; on GPUs seq_len a multiple of 64 x "
         "the degree).", ("alltoall", "ring"))
+    expert_parallel_degree: int = opt(
+        1, "Expert parallelism (mixture-of-experts models): each MoE block's experts split over this many "
+        "ranks taken from the data_parallel_shard_degree ones (it must divide them and the expert count); "
+        "tokens travel to their experts' ranks by an all-to-all and back, attention and the other weights "
+        "stay data-parallel over those ranks, and ZeRO-3 shards the experts over the shard ranks left over. "
+        "Needs zero_stage = 3.")
     zero_stage: int = opt(
         0,
         "0: DDP; 1: + optimizer states sharded; 2: + gradients sharded; 3: + parameters sharded (FSDP2).",

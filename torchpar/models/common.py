@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,14 @@ except ImportError:  # an older torch: document masking keeps the per-document c
 #   norm       a norm over the residual stream: sequence-sharded under sequence parallelism
 #   input      a sub-module whose first input is the residual stream, converted once to replicated
 #              (one collective per sub-module instead of one per column-wise linear inside it)
-TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input")
+#   head_norm  a norm over each attention head (q/k norms) of a rank's heads: its weight replicated,
+#              its gradient summed over the tp ranks (each saw its own heads)
+#   routed     a sub-module run whole on every tp rank (a mixture of experts: its router needs every
+#              token's scores): replicated plain tensors in, its output converted back to the
+#              residual stream's layout; it splits its experts' hidden width itself (expert_plan)
+#   rowwise_replicated  a row-wise linear inside a routed module: partial sums all-reduced
+TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input", "head_norm", "routed",
+             "rowwise_replicated")
 
 
 def canonical_name(name: str) -> str:
@@ -311,6 +318,13 @@ class SeededInit(nn.Module):
         self.reset_buffers(buffer_device)
 
 
+@dataclass(frozen=True)
+class ExpertSlice:
+    """How an HF tensor holds a piece of a torchpar one: expert ``index`` of a stack
+    [experts, a, b], transposed ([b, a]) — HF keeps each expert's linears apart, as [out, in]."""
+    index: int
+
+
 class ModelAdapter(ABC):
     """One model family as the trainer, the parallel code and the planner see it. Subclasses set
     the class attributes and implement the shape methods; see ``models/llama.py``."""
@@ -327,6 +341,23 @@ class ModelAdapter(ABC):
     # Hugging Face transformers' class for this family (config.json "architectures"), or None
     # when the family has no HF mapping (then export/import in HF format is refused).
     hf_architecture: str | None = None
+
+    def layer_plan(self, args, layer: int) -> dict[str, str]:
+        """The TP plan of block ``layer`` (blocks may differ: a dense block before routed ones)."""
+        return self.block_plan
+
+    # Modules inside a block that hold stacked experts ([experts, ...] weights): their name -> each
+    # weight's name -> the dimension tensor parallelism splits (the hidden width). The module's
+    # ``run(x, counts, *weights)`` computes its rows (sorted by expert) with the pieces it is given.
+    expert_plan: dict[str, dict[str, int]] = {}
+
+    def experts(self, args) -> int:
+        """Routed experts per block, which expert parallelism splits over ranks (0: a dense model)."""
+        return 0
+
+    def expert_slots(self, args) -> int:
+        """Experts each token is sent to (top k): rows per token an expert-parallel layer moves."""
+        return 0
 
     def auxiliary_terms(self, args) -> tuple[str, ...]:
         """Names of the auxiliary losses the model adds with ``torchpar.loss.add_auxiliary_loss``
@@ -368,18 +399,30 @@ class ModelAdapter(ABC):
         """config.json fields that determine the model's math."""
         raise TypeError(f"the {self.name} family has no Hugging Face mapping")
 
-    def hf_tensors(self, args) -> list[tuple[str, str, int | None]]:
-        """(torchpar name, HF name, heads whose rows are RoPE-permuted or None) per parameter;
-        a tied head is listed once, under the embedding."""
+    def hf_problem(self, args) -> str | None:
+        """Why these args have no Hugging Face form (None: they have one)."""
+        return None if self.hf_architecture else f"the {self.name} family has no Hugging Face mapping"
+
+    def hf_tensors(self, args) -> list[tuple[str, str, object]]:
+        """(torchpar name, HF name, how) per HF tensor: ``how`` is None (the same tensor), the number
+        of heads whose rows are RoPE-permuted, or an :class:`ExpertSlice` (one torchpar stack gives
+        several HF tensors); a tied head is listed once, under the embedding."""
         raise TypeError(f"the {self.name} family has no Hugging Face mapping")
 
-    def to_hf(self, t, heads: int | None):
-        """A torchpar tensor in HF's row order (identity unless ``heads``)."""
+    def to_hf(self, t, how):
+        """A torchpar tensor as HF holds it (see :meth:`hf_tensors`; identity when ``how`` is None)."""
+        if isinstance(how, ExpertSlice):
+            return t[how.index].t()
         return t
 
-    def from_hf(self, t, heads: int | None):
-        """The inverse of :meth:`to_hf`."""
+    def from_hf(self, t, how):
+        """The inverse of :meth:`to_hf` for row-permuted heads (expert slices are read by hf.py)."""
         return t
+
+    @staticmethod
+    def hf_shape(shape: tuple[int, ...], how) -> tuple[int, ...]:
+        """The HF tensor's shape for a torchpar one of ``shape`` (see :meth:`hf_tensors`)."""
+        return (shape[2], shape[1]) if isinstance(how, ExpertSlice) else shape
 
     # -- tensor parallelism
 

@@ -244,6 +244,7 @@ class LlamaAdapter(ModelAdapter):
     top_plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
     block_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
                   "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+                  "attention.q_norm": "head_norm", "attention.k_norm": "head_norm",
                   "ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
                   "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
 
@@ -280,17 +281,22 @@ class LlamaAdapter(ModelAdapter):
             out.append(("output.weight", "lm_head.weight", None))
         return out
 
-    def to_hf(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
+    def to_hf(self, t: torch.Tensor, heads) -> torch.Tensor:
         """torchpar rotates consecutive pairs (x0, x1) of a head; HF rotates x[i] with
-        x[i + hd/2]. Within each head, HF's rows are torchpar's even rows, then its odd rows."""
-        if heads is None:
-            return t
+        x[i + hd/2]. Within each head, HF's rows are torchpar's even rows, then its odd rows (a
+        vector, e.g. a per-head norm's weight, is one column)."""
+        if not isinstance(heads, int):
+            return super().to_hf(t, heads)
+        if t.dim() == 1:
+            return self.to_hf(t[:, None], heads)[:, 0]
         rows, cols = t.shape
         return t.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
-    def from_hf(self, t: torch.Tensor, heads: int | None) -> torch.Tensor:
-        if heads is None:
-            return t
+    def from_hf(self, t: torch.Tensor, heads) -> torch.Tensor:
+        if not isinstance(heads, int):
+            return super().from_hf(t, heads)
+        if t.dim() == 1:
+            return self.from_hf(t[:, None], heads)[:, 0]
         rows, cols = t.shape
         return t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpar.loss import add_auxiliary_loss, counting
-from torchpar.models.common import SwiGLU, canonical_name
+from torchpar.models.common import ExpertSlice, SwiGLU, canonical_name
 from torchpar.models.llama import LlamaAdapter, ModelArgs, Transformer, TransformerBlock
 
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
@@ -78,7 +78,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``experts`` SwiGLU MLPs with their weights stacked: w1, w3 [e, d, h], w2 [e, h, d]."""
+    """``experts`` SwiGLU MLPs with their weights stacked: w1, w3 [e, d, h], w2 [e, h, d]. Parallel
+    code may split the stacks (experts over ranks, the hidden width h over tensor-parallel ranks)
+    and call :meth:`run` with its pieces."""
 
     def __init__(self, dim: int, hidden: int, experts: int):
         super().__init__()
@@ -88,20 +90,30 @@ class Experts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.trunc_normal_(w, std=0.02)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
         """x [n, d], rows sorted by expert, ``counts`` [e] rows each -> [n, d]."""
+        return self.run(x, counts, self.w1, self.w3, self.w2, grouped=grouped)
+
+    @staticmethod
+    def run(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+            w2: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+        """The experts of the stacks given (any number of them, any hidden width) on their rows:
+        grouped GEMM where it can run (see :func:`grouped_mm_problem`; ``grouped`` = False asks for
+        the loop), else a per-expert loop."""
         if x.device.type == "meta":
             # The planner's trace: one expert's matmuls make the same shapes (grouped GEMM's meta
             # function asks for CUDA's bf16, and the loop would read the counts).
-            return (F.silu(x @ self.w1[0]) * (x @ self.w3[0])) @ self.w2[0]
+            return (F.silu(x @ w1[0]) * (x @ w3[0])) @ w2[0]
+        if grouped is None:
+            grouped = grouped_mm_problem(x.dtype, x.device, w1.shape[1], w1.shape[2]) is None
         if grouped:
             ends = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.w1, offs=ends)) * torch._grouped_mm(x, self.w3, offs=ends)
-            return torch._grouped_mm(h, self.w2, offs=ends)
+            h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
+            return torch._grouped_mm(h, w2, offs=ends)
         out, start = [], 0
         for i, n in enumerate(counts.tolist()):  # the per-expert loop: one sync for the counts
             rows = x[start:start + n]
-            out.append((F.silu(rows @ self.w1[i]) * (rows @ self.w3[i])) @ self.w2[i])
+            out.append((F.silu(rows @ w1[i]) * (rows @ w3[i])) @ w2[i])
             start += n
         return torch.cat(out)
 
@@ -158,8 +170,7 @@ class MoE(nn.Module):
             counts = kept
         if counting():  # a training forward (not its recomputation in backward, nor evaluation)
             self.loads += counts.float()
-        grouped = self.grouped_problem(x.dtype, x.device) is None
-        out = self.experts(x[order // k], counts, grouped)  # [kept slots, d]
+        out = self.experts(x[order // k], counts)  # [kept slots, d]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         placed = out.new_zeros(t * k, shape[-1]).index_copy(0, order, out)  # each slot once
         y = placed.view(t, k, -1).sum(1)
@@ -327,6 +338,70 @@ class MoEAdapter(LlamaAdapter):
     args_class = MoEArgs
     flavors = FLAVORS
 
+    expert_plan = {"feed_forward.experts": {"w1": 2, "w3": 2, "w2": 1}}
+    # A routed block under TP: attention as Llama's; the MoE layer runs on every tp rank's copy of
+    # all tokens (routing needs them; the ranks choose alike), its experts' and shared experts'
+    # hidden width split over the tp ranks and their partial sums all-reduced.
+    routed_plan = {**{k: v for k, v in LlamaAdapter.block_plan.items() if not k.startswith("feed_forward")},
+                   "feed_forward": "routed", "feed_forward.shared.w1": "colwise",
+                   "feed_forward.shared.w3": "colwise", "feed_forward.shared.w2": "rowwise_replicated"}
+
+    def layer_plan(self, args: MoEArgs, layer: int) -> dict[str, str]:
+        return self.block_plan if layer < args.dense_layers else self.routed_plan
+
+    def experts(self, args: MoEArgs) -> int:
+        return args.experts
+
+    # -- Hugging Face: transformers' Qwen3-MoE (softmax routing, no shared expert)
+
+    hf_architecture = "Qwen3MoeForCausalLM"
+
+    def hf_problem(self, args: MoEArgs) -> str | None:
+        unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
+                  (("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
+                   ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
+                   ("tie_embeddings", not args.tie_embeddings)) if not same]
+        if unlike:
+            return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
+                    f"{self.hf_architecture} routes by softmax scores without shared experts or a route "
+                    "scale, with per-head q/k norms and an untied head")
+        return None
+
+    def hf_config(self, args: MoEArgs) -> dict:
+        dense = super().hf_config(args)
+        keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters",
+                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "hidden_act",
+                "attention_bias")
+        # (transformers 5 writes num_local_experts, 4.x num_experts: both, either read)
+        return {"architectures": [self.hf_architecture], "model_type": "qwen3_moe",
+                **{k: dense[k] for k in keep}, "moe_intermediate_size": args.moe_hidden,
+                "num_experts": args.experts, "num_local_experts": args.experts,
+                "num_experts_per_tok": args.top_k, "norm_topk_prob": args.normalize_top_k,
+                "decoder_sparse_step": 1, "mlp_only_layers": list(range(args.dense_layers))}
+
+    def hf_tensors(self, args: MoEArgs) -> list[tuple[str, str, object]]:
+        out = []
+        for name, hf, how in super().hf_tensors(args):
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
+            if layer in args.moe_layers and ".feed_forward." in name:
+                continue  # the routed block's feed-forward: below
+            out.append((name, hf, how))
+            if name.endswith("attention.wo.weight"):
+                a = f"model.layers.{layer}.self_attn"
+                out += [(f"layers.{layer}.attention.q_norm.weight", f"{a}.q_norm.weight", 1),
+                        (f"layers.{layer}.attention.k_norm.weight", f"{a}.k_norm.weight", 1)]
+            if layer in args.moe_layers and name.endswith("ffn_norm.weight"):
+                m, f = f"model.layers.{layer}.mlp", f"layers.{layer}.feed_forward"
+                out.append((f"{f}.router.gate.weight", f"{m}.gate.weight", None))
+                out += [(f"{f}.experts.{w}", f"{m}.experts.{j}.{proj}.weight", ExpertSlice(j))
+                        for j in range(args.experts)
+                        for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+        return out
+
+    def expert_slots(self, args: MoEArgs) -> int:
+        return args.top_k
+
     def auxiliary_terms(self, args: MoEArgs) -> tuple[str, ...]:
         return (BALANCE_LOSS,) if args.balance_coeff else ()
 
@@ -348,14 +423,11 @@ class MoEAdapter(LlamaAdapter):
             return (f"{' and '.join(per_sequence)}: the balance term and the capacity are computed per "
                     f"sequence, which context parallelism (cp = {degrees['cp']}) splits over ranks; set "
                     "them to 0 or the context-parallel degree to 1")
-        if degrees.get("tp", 1) > 1:
-            return (f"parallelism.tensor_parallel_degree = {degrees['tp']}: the {self.name} family's expert "
-                    "blocks have no tensor-parallel plan yet; use tensor_parallel_degree = 1 (data, context "
-                    "and pipeline parallelism and ZeRO 0-3 apply)")
         return None
 
     def tp_divisors(self, args: MoEArgs) -> dict[str, int]:
-        return {**super().tp_divisors(args), "routed expert width": args.moe_hidden}
+        shared = {"shared expert width": args.shared_hidden} if args.shared_hidden else {}
+        return {**super().tp_divisors(args), "routed expert width": args.moe_hidden, **shared}
 
     def blocks_params(self, args: MoEArgs, layers: range):
         dense = len(range(layers.start, min(layers.stop, args.dense_layers)))  # they come first
@@ -365,14 +437,15 @@ class MoEAdapter(LlamaAdapter):
         if layer is not None and layer < args.dense_layers:
             return super().block_params(args, layer)
         d, h, e = args.dim, args.moe_hidden, args.experts
-        shared = [(f"feed_forward.shared.{w}.weight", shape, None) for w, shape in
-                  (("w1", (args.shared_hidden, d)), ("w2", (d, args.shared_hidden)),
-                   ("w3", (args.shared_hidden, d)))] if args.shared_hidden else []
+        # (TP splits the shared experts like a dense SwiGLU, the routed ones along h: their columns)
+        shared = [(f"feed_forward.shared.{w}.weight", shape, tp_dim) for w, shape, tp_dim in
+                  (("w1", (args.shared_hidden, d), 0), ("w2", (d, args.shared_hidden), 1),
+                   ("w3", (args.shared_hidden, d), 0))] if args.shared_hidden else []
         return self.attention_params(args) + [
             ("ffn_norm.weight", (d, 1), None),
             ("feed_forward.router.gate.weight", (e, d), None),
-            ("feed_forward.experts.w1", (e, d * h), None), ("feed_forward.experts.w3", (e, d * h), None),
-            ("feed_forward.experts.w2", (e, h * d), None), *shared]
+            ("feed_forward.experts.w1", (e, d * h), 1), ("feed_forward.experts.w3", (e, d * h), 1),
+            ("feed_forward.experts.w2", (e, h * d), 1), *shared]
 
     def traced_args(self, args: MoEArgs) -> MoEArgs:
         # A routed block, dropless: its activations hold t x k expert rows whatever the routing.

@@ -1,7 +1,8 @@
 """One parallelize path for every model family and layout.
 
 Order (as in torchtitan): build on the meta device -> pipeline split -> per stage: context
-parallel (a forward pre-hook) -> tensor parallel -> activation checkpointing -> compile ->
+parallel (a forward pre-hook) -> tensor parallel -> experts split over ep (and tp) ranks ->
+activation checkpointing -> compile ->
 ZeRO-3 (FSDP2) -> materialize on the real device with ``init_weights`` -> ZeRO 0-2 engine or
 optimizer. The model is known only through its adapter (``torchpar.models``), the layout only
 through :class:`~torchpar.parallel.layout.Layout`.
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchpar.parallel.context import apply_context_parallel
+from torchpar.parallel.experts import apply_experts
 from torchpar.parallel.flat import FlatZero
 from torchpar.parallel.fsdp import FSDPState, apply_fsdp
 from torchpar.parallel.layout import Layout
@@ -71,8 +73,9 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         apply_context_parallel(part, layout)
         if layout.tp > 1:
             apply_tensor_parallel(
-                part, model, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel
+                part, model, args, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel
             )
+        experts = apply_experts(part, model, layout)
         apply_recompute(part, layout.activation_checkpoint, layout.activation_checkpoint_every)
         if layout.compile:
             for block in part.layers.values():
@@ -82,7 +85,8 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
             # give silently wrong gradients when blocks reshard between forward and backward.
             apply_fsdp(part, layout.dp_mesh, getattr(torch, layout.param_dtype),
                        getattr(torch, layout.reduce_dtype), reshard_after_forward=layout.pp == 1,
-                       cpu_offload=layout.cpu_offload)
+                       cpu_offload=layout.cpu_offload,
+                       experts=(experts, layout.expert_dp_mesh) if layout.ep > 1 else None)
     return parts
 
 
@@ -110,7 +114,7 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
     items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts))]
-    return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep)
+    return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep, layout.ep)
 
 
 def _buffers_to_empty(module: nn.Module, device: torch.device) -> None:

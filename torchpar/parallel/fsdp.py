@@ -18,11 +18,13 @@ from torchpar.parallel.zero import (
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool, cpu_offload: bool) -> None:
+               reshard_after_forward: bool, cpu_offload: bool, experts=None) -> None:
     """ZeRO-3: each block is one all-gather / reduce-scatter unit; the root takes the rest
     (embedding, final norm, head). ``dp_mesh`` is 1-D (dp_shard, or dp_shard_cp with context
     parallelism) or 2-D (dp_replicate and that) for HSDP, where FSDP2 shards inside the second
-    dimension and all-reduces across dp_replicate."""
+    dimension and all-reduces across dp_replicate. ``experts``: (expert modules split over ep
+    ranks, the mesh of the ranks holding the same experts): each module is a unit of its own
+    over that mesh, inside its block's."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Pinned host memory needs an accelerator; on a CPU-only run offload keeps the same code path
@@ -34,9 +36,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
         offload_policy=offload,
     )
     blocks = list(model.layers.values())
+    expert_modules, expert_mesh = experts or ((), None)
     for i, block in enumerate(blocks):
         # The last block's parameters would be gathered again at once: backward starts there.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        for m in block.modules():
+            if any(m is e for e in expert_modules):
+                fully_shard(m, reshard_after_forward=reshard, **{**kw, "mesh": expert_mesh})
+        fully_shard(block, reshard_after_forward=reshard, **kw)
     # The root's parameters are used last in forward and first in backward: keeping them
     # gathered saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kw)
@@ -46,20 +53,29 @@ class FSDPState:
     """ZeRO-3 through FSDP2: gradients are already reduce-scattered when backward returns.
 
     ``every_microstep``: each micro-step's backward reduce-scatters (only shards are ever kept);
-    otherwise the micro-steps before the last accumulate full unsharded gradients locally."""
+    otherwise the micro-steps before the last accumulate full unsharded gradients locally.
+
+    With expert parallelism (``ep`` > 1) an expert's gradient sums the tokens of its ep group's
+    ranks and FSDP2 averages it over the ranks holding the same experts, ep times fewer than the
+    other weights': :meth:`reduce_gradients` divides it by ep (FSDP2's own divide factor would
+    need a pre-multiplied sum, which gloo lacks)."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int,
-                 every_microstep: bool = True):
+                 every_microstep: bool = True, ep: int = 1):
         self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
         self.params = unique_params(model_parts)
         self.every_microstep = every_microstep
+        self.ep = ep
+        self.experts = [p for p in self.params if ep > 1 and "ep" in (p.device_mesh.mesh_dim_names or ())]
 
     def set_sync(self, enabled: bool) -> None:
         for m in self.model_parts:
             m.set_requires_gradient_sync(enabled or self.every_microstep)
 
     def reduce_gradients(self) -> None:
-        pass
+        grads = [local(p.grad) for p in self.experts if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1 / self.ep)
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
         # Every FSDP2 parameter is a DTensor over (dp..., tp) dims; its Replicate dims hold copies.

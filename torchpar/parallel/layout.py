@@ -51,6 +51,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism: each MoE block's experts split over ep of the dp_shard ranks
     cp_method: str = "alltoall"  # context parallelism's attention: alltoall | ring
     zero_stage: int = 0  # effective: see effective_zero_stage
     sequence_parallel: bool = False  # only ever true with tp > 1
@@ -72,6 +73,8 @@ class Layout:
     whole_params: bool = False  # ZeRO 0-2: the optimizer needs some parameters whole (owned by one rank)
     optimizer: object = field(default=None, compare=False, repr=False)  # [optimizer]; None: AdamW
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
+    # with ep > 1: the mesh whose dp_shard is unflattened into (efsdp, ep); see build_mesh
+    experts_view: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         self.zero_stage = effective_zero_stage(self.zero_stage, self.shard_ranks)
@@ -81,7 +84,8 @@ class Layout:
 
     def to_dict(self) -> dict:
         """The layout's fields without its mesh (for JSON and comparisons)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mesh", "optimizer")}
+        skip = ("mesh", "experts_view", "optimizer")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     # -- sizes
 
@@ -99,6 +103,11 @@ class Layout:
     def grad_ranks(self) -> int:
         """Ranks whose gradients are averaged: dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks ZeRO shards an expert over: the shard ranks holding the same experts."""
+        return self.shard_ranks // self.ep
 
     @property
     def shard_dim(self) -> str:
@@ -146,11 +155,13 @@ class Layout:
         return stage_ids(self.pp, pp_rank, self.schedule, self.stages_per_rank)
 
     def rank_coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a global rank, tp fastest."""
+        """Mesh coordinates of a global rank, tp fastest; ``ep`` and ``efsdp`` split dp_shard (ep
+        fastest)."""
         out = {}
         for name, size in reversed(list(zip(MESH_DIMS, self.degrees))):
             out[name] = rank % size
             rank //= size
+        out["ep"], out["efsdp"] = out["dp_shard"] % self.ep, out["dp_shard"] // self.ep
         return out
 
     def shard_index(self, coords: dict[str, int]) -> int:
@@ -158,11 +169,16 @@ class Layout:
         dp_shard x cp, cp fastest)."""
         return coords.get("dp_shard", 0) * self.cp + coords.get("cp", 0)
 
+    def expert_shard_index(self, coords: dict[str, int]) -> int:
+        """The index among the :attr:`expert_shard_ranks` of the rank at ``coords`` (efsdp x cp)."""
+        return coords.get("dp_shard", 0) // self.ep * self.cp + coords.get("cp", 0)
+
     # -- the mesh (trainer only)
 
     def build_mesh(self, device_type: str):
         """The one DeviceMesh, plus the flattened views: ``dp`` (replicate x shard) and, with
-        context parallelism, ``dp_shard_cp`` and ``dp_cp``."""
+        context parallelism, ``dp_shard_cp`` and ``dp_cp``; with expert parallelism, the view
+        :attr:`experts_view` whose ``dp_shard`` is unflattened into ``efsdp x ep``."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
@@ -171,6 +187,12 @@ class Layout:
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         self.mesh = mesh
+        self.experts_view = None
+        if self.ep > 1:
+            view = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
+            if self.cp > 1:
+                view["efsdp", "cp"]._flatten("efsdp_cp")
+            self.experts_view = view
         return mesh
 
     def coordinate(self, name: str) -> int:
@@ -184,6 +206,24 @@ class Layout:
     @property
     def dp_rank(self) -> int:
         return self.coordinate("dp")
+
+    @property
+    def expert_mesh(self):
+        """What an expert's weights are split over: (ep, tp), ep, tp (the hidden width), or None."""
+        if self.ep > 1:
+            return self.experts_view[("ep", "tp")] if self.tp > 1 else self.experts_view["ep"]
+        return self.mesh["tp"] if self.tp > 1 else None
+
+    @property
+    def expert_dp_mesh(self):
+        """What ZeRO-3 shards experts over: the ranks holding the same experts, efsdp (x cp), with
+        dp_replicate for HSDP; the dp mesh without expert parallelism."""
+        if self.ep == 1:
+            return self.dp_mesh
+        shard = "efsdp_cp" if self.cp > 1 else "efsdp"
+        if self.dp_replicate > 1:
+            return self.experts_view["dp_replicate", shard]
+        return self.experts_view[shard]
 
     @property
     def dp_mesh(self):
@@ -342,11 +382,12 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
     _check_model(model, args, degrees, par, tr, document_masking, device or device_type())
     _check_features(par, tr, zero, degrees["tp"])
+    _check_experts(model, args, par.expert_parallel_degree, degrees, zero)
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
     )
-    layout = Layout(**degrees, cp_method=par.context_parallel_method, zero_stage=zero,
-                    sequence_parallel=par.sequence_parallel,
+    layout = Layout(**degrees, ep=par.expert_parallel_degree, cp_method=par.context_parallel_method,
+                    zero_stage=zero, sequence_parallel=par.sequence_parallel,
                     loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
                     reduce_every_microstep=par.zero3_reduce_every_microstep,
                     local_batch_size=tr.local_batch_size, accum=accum,
@@ -363,6 +404,30 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
     return layout
+
+
+def _check_experts(model, args, ep: int, degrees: dict[str, int], zero: int) -> None:
+    """Expert parallelism against the model's experts, the shard ranks it borrows and ZeRO."""
+    key = "parallelism.expert_parallel_degree"
+    if ep < 1:
+        raise ConfigError(f"{key} = {ep}: a degree is a positive integer (1 = no expert parallelism)")
+    if ep == 1:
+        return
+    experts = model.experts(args)
+    if not experts:
+        raise ConfigError(f"{key} = {ep}: the {model.name} family has no experts; set it to 1, or train a "
+                          "mixture of experts (model.name = 'moe')")
+    if experts % ep:
+        raise ConfigError(f"{key} = {ep} does not divide the model's {experts} experts (model.experts); "
+                          "choose a degree that divides them")
+    if degrees["dp_shard"] % ep:
+        raise ConfigError(f"{key} = {ep} must divide parallelism.data_parallel_shard_degree = "
+                          f"{degrees['dp_shard']}: the experts' ranks are taken from the shard ranks; raise "
+                          "the shard degree or lower the expert degree")
+    if zero != 3:
+        raise ConfigError(f"{key} = {ep} needs parallelism.zero_stage = 3: the experts' gradients are "
+                          "reduced over fewer ranks than the other weights', which FSDP2 does per module and "
+                          f"the flat ZeRO 0-2 buffer does not (zero_stage is {zero})")
 
 
 def _check_optimizer_layout(optimizer, kind, par, degrees: dict[str, int]) -> None:
@@ -431,13 +496,20 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
     split = split_of(model, args, lay)
     out = []
     for s in lay.stage_ids(pp_rank):
-        for _, (rows, cols), tp_dim in stage_entries(model, args, split, s):
+        for name, (rows, cols), tp_dim in stage_entries(model, args, split, s):
+            if lay.ep > 1 and name in expert_names(model):
+                rows //= lay.ep
             if lay.tp > 1 and tp_dim == 0:
                 rows = chunk(rows, lay.tp, tp_index)
             elif lay.tp > 1 and tp_dim == 1:
                 cols = chunk(cols, lay.tp, tp_index)
             out.append((rows, cols))
     return out
+
+
+def expert_names(model) -> set[str]:
+    """The adapter's entry names (block-relative) of stacked expert weights: rows are experts."""
+    return {f"{module}.{weight}" for module, weights in model.expert_plan.items() for weight in weights}
 
 
 def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:

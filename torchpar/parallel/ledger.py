@@ -51,6 +51,13 @@ def _to_others(args, n):  # functional all-to-all (input, output splits, input s
     return _nbytes(args[0]) * (rows - mine) // max(rows, 1)
 
 
+def _c10d_to_others(args, n):  # c10d all-to-all (output, input, group, output splits, input splits, ...)
+    x, group, splits = args[1], dist.ProcessGroup.unbox(args[2]), args[4]
+    rows = x.shape[0]
+    mine = splits[group.rank()] if splits else rows // n
+    return _nbytes(x) * (rows - mine) // max(rows, 1)
+
+
 # op name (c10d and functional collectives) -> (kind, payload in bytes from (args, group size))
 OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first),
        "all_reduce_": ("all_reduce", _first), "all_reduce_coalesced": ("all_reduce", _first),
@@ -62,13 +69,14 @@ OPS = {"allreduce_": ("all_reduce", _first), "all_reduce": ("all_reduce", _first
        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _second),
        "reduce_scatter_tensor": ("reduce_scatter", _first), "send": ("send", _first),
        "broadcast_": ("broadcast", _first), "broadcast": ("broadcast", _first),
-       "all_to_all_single": ("all_to_all", _to_others),
+       "all_to_all_single": ("all_to_all", _to_others), "alltoall_base_": ("all_to_all", _c10d_to_others),
        # one op whose hops the ledger does not see one by one (its backward's it does)
        "ring_attention": ("all_to_all", _ring_hops)}
 # Namespaces of the ops the ledger counts: c10d's, the functional collectives', torchpar's ring.
 COUNTED = ("c10d", "_c10d_functional", "torchpar")
-# The mesh's flattened views (torchpar.parallel.layout.Layout.build_mesh).
+# The mesh's flattened views, then the dimensions of its experts' view (Layout.build_mesh).
 FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
+EXPERT_DIMS = ("efsdp", "ep", "efsdp_cp")
 # Not traffic of their own: waits, autograd wrappers, receives (the sender counts), barriers.
 IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "recv_", "recv_any_source_", "barrier"}
 
@@ -91,7 +99,7 @@ def _wait(out) -> None:
 
 
 class CommLedger(TorchDispatchMode):
-    def __init__(self, mesh=None, synchronize=None):
+    def __init__(self, mesh=None, synchronize=None, experts_view=None):
         super().__init__()
         self.synchronize = synchronize
         self.seconds: dict[str, float] = defaultdict(float)  # per mesh dim, when timed
@@ -106,6 +114,11 @@ class CommLedger(TorchDispatchMode):
             self.names[dist.group.WORLD.group_name] = "world"
         for dim in mesh.mesh_dim_names if mesh is not None else ():
             self.names[mesh[dim].get_group().group_name] = dim
+        for dim in EXPERT_DIMS if experts_view is not None else ():
+            try:
+                self.names[experts_view[dim].get_group().group_name] = dim
+            except KeyError:
+                continue
         self.unknown: set[str] = set()  # collective ops the ledger cannot size (should stay empty)
         self.records: list[tuple[str, str, int, int]] = []  # (mesh dim, kind, payload bytes, group size)
 

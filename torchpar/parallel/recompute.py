@@ -49,8 +49,13 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 def _selective_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 
+    # FSDP2's hooks mark their spans with the profiler's record_function ops; those of a unit nested
+    # in a recomputed block (the experts under expert parallelism) run a different number of times
+    # in the recomputation than in the forward. They compute nothing: let them through unmatched.
+    SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction})
     return create_selective_checkpoint_contexts(_policy)
 
 

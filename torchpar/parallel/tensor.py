@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -57,6 +58,14 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
         return ColwiseParallel()
     if word == "rowwise":
         return RowwiseParallel(output_layouts=between)
+    if word == "head_norm":  # input [b, s, heads, head size], the heads split over tp
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if word == "rowwise_replicated":
+        return RowwiseParallel(output_layouts=Replicate())
+    if word == "routed":
+        return PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(between,), use_local_output=True)
     if word == "norm":
         return SequenceParallel() if sequence_parallel else None
     if word == "input":
@@ -74,22 +83,27 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
 def _plan(module, plan: dict[str, str], sequence_parallel: bool, loss_parallel: bool) -> dict:
     out = {}
     for name, word in plan.items():
-        target = module.get_submodule(name) if getattr(module, name.split(".")[0], None) is not None else None
+        try:  # (a pipeline stage lacks some top-level modules; a block may lack optional ones)
+            target = module.get_submodule(name)
+        except AttributeError:
+            target = None
         style = _style(word, target, sequence_parallel, loss_parallel) if target is not None else None
         if style is not None:
             out[name] = style
     return out
 
 
-def apply_tensor_parallel(module, model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard ``module`` (a whole model or a pipeline stage: modules a stage lacks are skipped) in
-    place by its adapter ``model``'s plan."""
+    place by its adapter ``model``'s plan for ``args``. (Stacked experts are split by
+    ``parallel.experts``.)"""
     parallelize_module(module, tp_mesh, _plan(module, model.top_plan, sequence_parallel, loss_parallel))
     for name, word in model.top_plan.items():
         if word == "embedding" and getattr(module, name) is not None:
             getattr(module, name).register_forward_hook(_wait_for_embedding_output)
-    for block in module.layers.values():
-        parallelize_module(block, tp_mesh, _plan(block, model.block_plan, sequence_parallel, loss_parallel))
+    for layer, block in module.layers.items():
+        plan = model.layer_plan(args, int(layer))
+        parallelize_module(block, tp_mesh, _plan(block, plan, sequence_parallel, loss_parallel))
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
     module.tie_weights()

@@ -9,7 +9,14 @@ import math
 
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
-from torchpar.parallel.layout import Layout, rank_params, split_of, stage_entries
+from torchpar.parallel.layout import (
+    Layout,
+    expert_names,
+    rank_param_names,
+    rank_params,
+    split_of,
+    stage_entries,
+)
 from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD
 from torchpar.parallel.recompute import recomputed
@@ -78,17 +85,28 @@ def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[flo
     return latency, rate
 
 
-def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, layers: int, first: bool,
-                     last: bool) -> None:
+def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, blocks: list[int],
+                     first: bool, last: bool) -> None:
     """Per block and micro-step, forward and backward, one collective pair for each module the
     plan converts the residual stream for (row-wise outputs, sub-module inputs): with sequence
     parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
-    bytes); each embedding and the head add one pair. ``entries``: the rank's parameters."""
+    bytes); each embedding and the head add one pair. A routed module (a mixture of experts, run
+    whole on every tp rank) gathers its input forward and its output's gradient backward under
+    sequence parallelism; inside it each row-wise linear's partial sums are all-reduced forward and
+    its input's gradient backward, as are its routed experts' ``k`` rows per token (the dropless
+    count). ``entries``: the rank's parameters."""
     micro_batch, n_micro = lay.micro_steps
     t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes  # (seq: this rank's tokens)
-    per_block = sum(word in ("rowwise", "input") for word in model.block_plan.values())
+    plans = [model.layer_plan(args, i).values() for i in blocks]
+    per_block = sum(word in ("rowwise", "input") for plan in plans for word in plan)
     embeddings = sum(word == "embedding" for word in model.top_plan.values())
-    pairs = per_block * layers + embeddings * first + last
+    pairs = per_block + embeddings * first + last
+    routed = sum(word == "routed" for plan in plans for word in plan)
+    inner = sum(word == "rowwise_replicated" for plan in plans for word in plan)
+    sent.add("tp", "all_reduce", hidden, t, 2 * inner * n_micro)
+    sent.add("tp", "all_reduce", hidden * model.expert_slots(args), t, 2 * routed * n_micro)
+    if lay.sequence_parallel:
+        sent.add("tp", "all_gather", hidden, t, 2 * routed * n_micro)
     if lay.sequence_parallel:
         sent.add("tp", "all_gather", hidden, t, pairs * n_micro)
         sent.add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
@@ -121,20 +139,32 @@ def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
         sent.add(lay.shard_dim, "all_gather", lay.param_dtype_bytes * bounds[-1], n, calls=buckets)
 
 
-def _fsdp(
-    sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], layers: list[int], first: bool
-) -> None:
-    """FSDP2 units: each block, and the root (first- and last-stage modules). A unit's
-    collectives carry every parameter padded to a multiple of dp_shard (x cp) rows."""
-    n, r, dim = lay.shard_ranks, lay.dp_replicate, lay.shard_dim
+def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], names: list[str],
+          layers: list[int], first: bool) -> None:
+    """FSDP2 units: each block, and the root (first- and last-stage modules); under expert
+    parallelism a block's experts are a unit of their own over the ranks holding the same experts
+    (efsdp). A unit's collectives carry every parameter padded to a multiple of its shard ranks."""
+    r = lay.dp_replicate
+    n_first = len(model.stage_params(args, True, False, range(0))) if first else 0
+    ends = list(itertools.accumulate((len(model.block_params(args, i)) for i in layers), initial=n_first))
+    experts = expert_names(model) if lay.ep > 1 else set()
+    blocks, expert_units = [], []
+    for a, b in zip(ends, ends[1:]):
+        blocks.append([rc for rc, name in zip(local[a:b], names[a:b]) if name not in experts])
+        expert_units.append([rc for rc, name in zip(local[a:b], names[a:b]) if name in experts])
+    root = local[:n_first] + local[ends[-1]:]
+    _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r)
+    if any(expert_units):
+        _fsdp_units(sent, lay, expert_units, [], lay.expert_shard_ranks,
+                    "efsdp_cp" if lay.cp > 1 else "efsdp", r)
 
+
+def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim: str, r: int) -> None:
+    """The collectives of FSDP2 units sharded over ``n`` ranks of ``dim``: one per block, the
+    root's, and HSDP's all-reduce over ``r`` replicas."""
     def unit_bytes(shapes, dtype_bytes):
         return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
 
-    n_first = len(model.stage_params(args, True, False, range(0))) if first else 0
-    ends = list(itertools.accumulate((len(model.block_params(args, i)) for i in layers), initial=n_first))
-    blocks = [local[a:b] for a, b in zip(ends, ends[1:])]
-    root = local[:n_first] + local[ends[-1]:]
     # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
     # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
     gathers = lay.accum if lay.pp == 1 else 1
@@ -188,6 +218,27 @@ def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> No
             sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
 
 
+def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
+    """Expert parallelism's all-to-alls per step, for ``tokens`` of this rank (over its forwards)
+    through the blocks of global indices ``blocks`` that hold experts. Each forward of such a
+    block exchanges the per-expert counts (int64) and sends its rows to the experts' ranks and
+    takes them back; backward sends the rows' gradients both ways again; a block recomputation
+    wraps runs its forward's again. The rows: ``k`` per token (dropless) of which (ep - 1) / ep
+    leave the rank — an assumption: routing balanced over the ep ranks (skewed routing sends
+    more from some ranks, less from others)."""
+    e, act = lay.ep, lay.param_dtype_bytes
+    names = expert_names(model)
+    routed = [i for i in blocks if any(name in names for name, _, _ in model.block_params(args, i))]
+    policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
+    again = sum(recomputed(i, policy, every) for i in routed)
+    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
+        again *= 2
+    forwards = len(routed) + again
+    rows = tokens * model.expert_slots(args) * args.dim * act * (e - 1) / e
+    sent.add("ep", "all_to_all", rows, e, 2 * (forwards + len(routed)), calls=n_micro)
+    sent.add("ep", "all_to_all", 8 * model.experts(args) * (e - 1) / e, e, forwards * n_micro)
+
+
 def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
     """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
     through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
@@ -222,7 +273,6 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     micro_batch, n_micro = lay.micro_steps
     split = split_of(model, args, lay)
     stages = lay.stage_ids(pp_rank)
-    layers = sum(split[s] for s in stages)
     first, last = 0 in stages, len(split) - 1 in stages
     seq //= lay.cp  # the tokens of each sequence this rank holds
     sent = _Sent()
@@ -233,15 +283,19 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     sent.add("world", "all_reduce", 4, lay.world)
     if lay.tp > 1:
         entries = [e for s in stages for e in stage_entries(model, args, split, s)]
-        _tensor_parallel(sent, model, args, lay, seq, entries, layers, first, last)
     starts = [0, *itertools.accumulate(split)]
     blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
+    if lay.tp > 1:
+        entries = [e for s in stages for e in stage_entries(model, args, split, s)]
+        _tensor_parallel(sent, model, args, lay, seq, entries, blocks, first, last)
+    if lay.ep > 1:
+        _experts(sent, model, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.cp > 1:
         _context(sent, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.grad_ranks > 1:
         local = rank_params(model, args, lay, pp_rank)
         if lay.zero_stage == 3:
-            _fsdp(sent, model, args, lay, local, blocks, first)
+            _fsdp(sent, model, args, lay, local, rank_param_names(model, args, lay, pp_rank), blocks, first)
         else:
             _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)
@@ -252,8 +306,9 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         sent.add("pp", "send", hidden, lay.pp, sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro)
     # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.
-    t, c, n = lay.tp, lay.cp, lay.dp_shard
+    t, c, n, e = lay.tp, lay.cp, lay.dp_shard, lay.ep
     stride = {"tp": (1, t), "cp": (t, c), "dp_shard": (t * c, n), "dp_shard_cp": (t, c * n),
+              "ep": (t * c, e), "efsdp": (t * c * e, n // e), "efsdp_cp": (t, c * n),
               "dp_replicate": (t * c * n, lay.dp_replicate), "dp": (t * c, lay.dp), "dp_cp": (t, c * lay.dp),
               "pp": (t * c * lay.dp, lay.pp), "world": (1, lay.world)}
     out = {}

@@ -15,6 +15,7 @@ from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
 from torchpar.parallel.layout import (
     Layout,
     chunk,
+    expert_names,
     rank_param_names,
     rank_params,
     resolve_layout,
@@ -83,8 +84,12 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     pp, tp = coords.get("pp", 0), coords.get("tp", 0)
     local = rank_params(model, args, lay, pp, tp)
     if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard x cp
-        pieces = [((chunk(r, lay.shard_ranks, lay.shard_index(coords)), c), role)
-                  for (r, c), role in zip(local, _roles(model, args, lay, pp, local))]
+        # (an expert stack's, its ep-local experts, over the ranks holding the same experts)
+        experts = expert_names(model)
+        split = {False: (lay.shard_ranks, lay.shard_index(coords)),
+                 True: (lay.expert_shard_ranks, lay.expert_shard_index(coords))}
+        pieces = [((chunk(r, *split[name in experts]), c), role) for (r, c), role, name in
+                  zip(local, _roles(model, args, lay, pp, local), rank_param_names(model, args, lay, pp))]
         n = sum(r * c for (r, c), _ in pieces)
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s), role) for s, role in pieces)
         return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optim}
