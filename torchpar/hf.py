@@ -21,6 +21,7 @@ import torch
 
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
+from torchpar.models.common import ExpertSlice
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import LazyWeight
@@ -100,14 +101,18 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
     out.mkdir(parents=True, exist_ok=True)
     mapping = model.hf_tensors(args)
     shapes = full_shapes(model, args)
-    entries = [(hf, shapes[tp], dtype) for tp, hf, _ in mapping]
-    source = {hf: (tp, heads) for tp, hf, heads in mapping}
+    entries = [(hf, model.hf_shape(shapes[tp], how), dtype) for tp, hf, how in mapping]
+    source = {hf: (tp, how) for tp, hf, how in mapping}
     acct = _Accounting()
+    last = {}  # the last tensor read: an expert stack gives one HF tensor per expert, in a row
 
     def produce(hf_name: str) -> torch.Tensor:
-        tp_name, heads = source[hf_name]
-        value = read(tp_name)
-        converted = model.to_hf(value, heads).to(dtype)
+        tp_name, how = source[hf_name]
+        if tp_name not in last:
+            last.clear()
+            last[tp_name] = read(tp_name)
+        value = last[tp_name]
+        converted = model.to_hf(value, how).to(dtype)
         acct.hold(value, converted)
         return converted
 
@@ -177,7 +182,8 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
             "RoPE only"
         )
     have_all = {**config, "rope_theta": theta}
-    optional = {"head_dim", "attention_bias", "mlp_bias"}  # transformers' defaults equal torchpar's
+    # transformers' defaults equal torchpar's; its generations name the expert count apart
+    optional = {"head_dim", "attention_bias", "mlp_bias", "num_experts", "num_local_experts"}
     for key, want in expected.items():
         if key in ("architectures", "model_type", "max_position_embeddings", "rope_parameters"):
             continue  # the position limit changes no math below it; RoPE is checked above
@@ -212,23 +218,25 @@ class HFWeights:
         except Exception as e:  # a damaged file: one line, not a traceback
             raise ConfigError(f"{self.path}: cannot read the safetensors index or file ({type(e).__name__}: "
                               f"{e}); is the download complete?") from None
-        shapes = full_shapes(model, args)
-        self.entries = {}
-        for tp_name, hf_name, heads in model.hf_tensors(args):
+        self.shapes = full_shapes(model, args)
+        self.entries: dict[str, list] = {}  # torchpar name -> [(file, HF name, how)]: several for a stack
+        for tp_name, hf_name, how in model.hf_tensors(args):
             if hf_name not in weight_map:
                 raise ConfigError(f"{self.path}: no tensor {hf_name} in the checkpoint; it holds another "
                                   "model")
-            self.entries[tp_name] = (weight_map[hf_name], hf_name, heads, shapes[tp_name])
-        if args.tie_embeddings and "output.weight" in shapes:
+            self.entries.setdefault(tp_name, []).append((weight_map[hf_name], hf_name, how))
+        if args.tie_embeddings and "output.weight" in self.shapes:
             self.entries["output.weight"] = self.entries["tok_embeddings.weight"]
         self._files = {}
         # Every shape from the files' headers (no tensor is read), so a mismatch is found before launch.
-        for file, hf_name, _, shape in self.entries.values():
-            have = tuple(self._slice(file, hf_name).get_shape())
-            if have != shape:
-                raise ConfigError(f"{self.path / file}: {hf_name} is {have}, torchpar expects {shape} for "
-                                  "model.flavor (and its overrides); choose the flavour the weights were "
-                                  "made for")
+        for tp_name, parts in self.entries.items():
+            for file, hf_name, how in parts:
+                have = tuple(self._slice(file, hf_name).get_shape())
+                shape = model.hf_shape(self.shapes[tp_name], how)
+                if have != shape:
+                    raise ConfigError(f"{self.path / file}: {hf_name} is {have}, torchpar expects {shape} "
+                                      "for model.flavor (and its overrides); choose the flavour the weights "
+                                      "were made for")
 
     def _slice(self, file: str, name: str):
         from safetensors import safe_open
@@ -241,12 +249,22 @@ class HFWeights:
             raise ConfigError(f"{self.path / file}: cannot read {name} ({type(e).__name__}: {e})") from None
 
     def __getitem__(self, name: str) -> LazyWeight:
-        file, hf_name, heads, shape = self.entries[name]
+        parts, shape = self.entries[name], self.shapes[name]
+        if isinstance(parts[0][2], ExpertSlice):
+            def stacked(index: tuple[slice, ...]) -> torch.Tensor:
+                experts, rows, cols = index  # each expert's HF tensor is [cols, rows]: read and turn it
+                return torch.stack([self._slice(file, hf_name)[cols, rows].t()
+                                    for file, hf_name, _ in parts[experts]])
+
+            return LazyWeight(shape, stacked)
+        (file, hf_name, heads), = parts
 
         def read(index: tuple[slice, ...]) -> torch.Tensor:
             part = self._slice(file, hf_name)  # its shape was checked when the folder was opened
             if heads is None:
                 return part[index]
+            if len(index) == 1:  # a vector over one head (a q/k norm's weight): small, read whole
+                return self.model.from_hf(part[:], heads)[index]
             # Rows are permuted within each head: read the whole heads the rows fall in.
             rows, cols = index
             head_rows = shape[0] // heads
@@ -267,10 +285,10 @@ class HFWeights:
 def export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: float) -> str:
 
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
-    if family.hf_architecture is None:
-        raise ConfigError(f"the {family.name} family has no Hugging Face mapping; export with --format "
-                          "torchpar")
-    args = family.args_class(**meta["model_args"])
+    args = family.args_class(**meta["model_args"]) if family.hf_architecture else None
+    problem = family.hf_problem(args)
+    if problem:
+        raise ConfigError(f"{problem}; export with --format torchpar")
     try:
         tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
         ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}

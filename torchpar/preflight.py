@@ -192,9 +192,10 @@ def initial_weights(cfg: JobConfig, model: ModelAdapter, args):
     if not is_hf_dir(ck.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = {ck.initial_load_path!r} is not a Hugging Face "
                           "model folder (no config.json there)")
-    if model.hf_architecture is None:
-        raise ConfigError(f"model.name = {model.name!r} has no Hugging Face mapping; start it from a "
-                          "torchpar export instead")
+    problem = model.hf_problem(args)
+    if problem:
+        raise ConfigError(f"checkpoint.initial_load_path is a Hugging Face folder, but {problem}; start "
+                          f"model.name = {model.name!r} from a torchpar export instead")
     return HFWeights(ck.initial_load_path, model, args, cfg.model.flavor)
 
 
