@@ -168,7 +168,8 @@ def describe_run(trainer) -> str:
     precision = {"float32": fp32, "bfloat16": bf16}[lay.param_dtype]
     peak = "unknown" if trainer.peak_flops is None else f"{trainer.peak_flops / 1e9:.1f} GFLOP/s per rank"
     line = (f"torchpar: {cfg.model.name} {cfg.model.flavor} ({n / 1e6:.2f}M params), world {lay.world} = "
-            f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+            f"pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} "
+            + (f"(experts over ep {lay.ep} of them) " if lay.ep > 1 else "") + "x "
             + (f"cp {lay.cp} ({lay.cp_method}) x " if lay.cp > 1 else "") + f"tp {lay.tp}, zero "
             f"{lay.zero_stage}, global batch {trainer.global_batch} ({lay.accum} accumulation step(s)), "
             f"device {trainer.device}, compute {precision}; peak {peak} ({trainer.peak_source})")
@@ -180,6 +181,8 @@ def describe_run(trainer) -> str:
     mix = f", mixture exact over every {windows.mixture.period} windows" if len(windows.sources) > 1 else ""
     masking = ", attention inside documents" if cfg.data.document_masking else ""
     line += f"\ntorchpar: data {read}{mix}{masking}"
+    for note in trainer.model_family.run_notes(trainer.args, lay, trainer.device):
+        line += f"\ntorchpar: {note}"
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
 

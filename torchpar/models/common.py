@@ -355,6 +355,10 @@ class ModelAdapter(ABC):
         """Routed experts per block, which expert parallelism splits over ranks (0: a dense model)."""
         return 0
 
+    def run_notes(self, args, layout, device: torch.device) -> list[str]:
+        """Lines for the start-up message: how this family's parts run in ``layout`` (none by default)."""
+        return []
+
     def expert_slots(self, args) -> int:
         """Experts each token is sent to (top k): rows per token an expert-parallel layer moves."""
         return 0

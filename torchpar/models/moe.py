@@ -52,6 +52,12 @@ def grouped_mm_problem(dtype: torch.dtype, device: torch.device, *widths: int) -
     return None
 
 
+def how_experts_run(dtype: torch.dtype, device: torch.device, dim: int, hidden: int) -> str:
+    """Grouped GEMM, or the per-expert loop and why, for experts ``dim`` wide with ``hidden`` units."""
+    problem = grouped_mm_problem(dtype, device, dim, hidden)
+    return "grouped GEMM" if problem is None else f"a loop over the experts ({problem})"
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, experts: int, top_k: int, score: str = "softmax", normalize: bool = True,
                  route_scale: float = 1.0):
@@ -133,14 +139,9 @@ class MoE(nn.Module):
         self.register_buffer("loads", torch.zeros(experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
 
-    def grouped_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why the experts run as a per-expert loop here, or None: they run as grouped GEMM."""
-        return grouped_mm_problem(dtype, device, self.experts.w1.shape[1], self.hidden)
-
     def how(self, dtype: torch.dtype, device: torch.device) -> str:
         """How the experts run: grouped GEMM, or the per-expert loop and why."""
-        problem = self.grouped_problem(dtype, device)
-        return "grouped GEMM" if problem is None else f"a loop over the experts ({problem})"
+        return how_experts_run(dtype, device, self.experts.w1.shape[1], self.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -398,6 +399,13 @@ class MoEAdapter(LlamaAdapter):
                         for j in range(args.experts)
                         for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
         return out
+
+    def run_notes(self, args: MoEArgs, layout, device: torch.device) -> list[str]:
+        # (each rank's experts: their hidden width split over tp)
+        dtype = getattr(torch, layout.param_dtype)
+        how = how_experts_run(dtype, device, args.dim, args.moe_hidden // layout.tp)
+        return [f"experts: {args.experts // layout.ep} of {args.experts} per rank in each MoE block, run as "
+                f"{how}"]
 
     def expert_slots(self, args: MoEArgs) -> int:
         return args.top_k

@@ -45,7 +45,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = torch.clone(grad, memory_format=torch.contiguous_format)  # (autograd's buffer stays as it is)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -55,7 +55,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        x = torch.clone(x, memory_format=torch.contiguous_format)  # (the input is not changed in place)
         dist.all_reduce(x, group=group)
         return x
 
