@@ -106,10 +106,13 @@ class Experts(nn.Module):
         """The experts of the stacks given (any number of them, any hidden width) on their rows:
         grouped GEMM where it can run (see :func:`grouped_mm_problem`; ``grouped`` = False asks for
         the loop), else a per-expert loop."""
+        def expert(rows, i):
+            return (F.silu(rows @ w1[i]) * (rows @ w3[i])) @ w2[i]
+
         if x.device.type == "meta":
             # The planner's trace: one expert's matmuls make the same shapes (grouped GEMM's meta
             # function asks for CUDA's bf16, and the loop would read the counts).
-            return (F.silu(x @ w1[0]) * (x @ w3[0])) @ w2[0]
+            return expert(x, 0)
         if grouped is None:
             grouped = grouped_mm_problem(x.dtype, x.device, w1.shape[1], w1.shape[2]) is None
         if grouped:
@@ -118,8 +121,7 @@ class Experts(nn.Module):
             return torch._grouped_mm(h, w2, offs=ends)
         out, start = [], 0
         for i, n in enumerate(counts.tolist()):  # the per-expert loop: one sync for the counts
-            rows = x[start:start + n]
-            out.append((F.silu(rows @ w1[i]) * (rows @ w3[i])) @ w2[i])
+            out.append(expert(x[start:start + n], i))
             start += n
         return torch.cat(out)
 

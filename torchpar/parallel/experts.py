@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
+from torchpar.parallel.tensor import submodule
 from torchpar.parallel.zero import local
 
 
@@ -119,7 +120,7 @@ def apply_experts(part: nn.Module, model, layout) -> list[nn.Module]:
     done = []
     for block in part.layers.values():
         for name, tp_dims in model.expert_plan.items():
-            module = _find(block, name)
+            module = submodule(block, name)
             if module is None:
                 continue
             for weight, tp_dim in tp_dims.items():
@@ -137,9 +138,3 @@ def apply_experts(part: nn.Module, model, layout) -> list[nn.Module]:
             done.append(module)
     return done
 
-
-def _find(block: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return block.get_submodule(name)
-    except AttributeError:
-        return None

@@ -494,10 +494,11 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
     coordinate ``tp_index``, after tensor parallelism, in model order (first-stage modules,
     blocks, last-stage modules)."""
     split = split_of(model, args, lay)
+    experts = expert_names(model) if lay.ep > 1 else set()
     out = []
     for s in lay.stage_ids(pp_rank):
         for name, (rows, cols), tp_dim in stage_entries(model, args, split, s):
-            if lay.ep > 1 and name in expert_names(model):
+            if name in experts:
                 rows //= lay.ep
             if lay.tp > 1 and tp_dim == 0:
                 rows = chunk(rows, lay.tp, tp_index)

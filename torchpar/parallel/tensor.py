@@ -80,13 +80,19 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
     raise ValueError(f"unknown tensor-parallel style {word!r}")
 
 
+def submodule(module, name: str):
+    """``module``'s submodule ``name``, or None where it has none (a pipeline stage lacks some
+    top-level modules; a block may lack optional ones)."""
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _plan(module, plan: dict[str, str], sequence_parallel: bool, loss_parallel: bool) -> dict:
     out = {}
     for name, word in plan.items():
-        try:  # (a pipeline stage lacks some top-level modules; a block may lack optional ones)
-            target = module.get_submodule(name)
-        except AttributeError:
-            target = None
+        target = submodule(module, name)
         style = _style(word, target, sequence_parallel, loss_parallel) if target is not None else None
         if style is not None:
             out[name] = style
