@@ -2,6 +2,7 @@
 goes under one folder that is removed when the session ends: runs write checkpoints, and a suite
 left behind a few GB in /tmp each time before."""
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -11,6 +12,9 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_tmpdir():
+    # multiprocessing's own folder (the rank fork server's socket) stays where it is: it removes it
+    # at exit, after this fixture removed ours.
+    multiprocessing.util.get_temp_dir()
     folder = tempfile.mkdtemp(prefix="torchpar_tests_")
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = folder

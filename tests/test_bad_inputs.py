@@ -159,7 +159,7 @@ CASES = [
          "optimizer.head_lr_mult must be >= 0"),
     Case("kwargs that are not key=value", CHECK + " --optimizer.kwargs momentum", "is not key=value"),
     Case("a whole-matrix optimizer under ZeRO-3", CHECK + " --optimizer.name adafactor "
-         "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keep as "
+         "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keeps as "
          "DTensor shards"),
     Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss must be in [0, 1)"),
     # --- a mixture of experts
@@ -170,8 +170,8 @@ CASES = [
     Case("a negative capacity factor", CHECK + " --model.name moe --model.capacity_factor -1",
          "model.capacity_factor must be >= 0"),
     Case("a balance loss under context parallelism", CHECK + " --model.name moe --model.balance_coeff 0.01"
-         " --parallelism.context_parallel_degree 2", "model.balance_coeff = 0.01: the balance term and the "
-         "capacity are computed per sequence",
+         " --parallelism.context_parallel_degree 2", "model.balance_coeff: the moe family computes these "
+         "terms per whole sequence",
          world=2),
     Case("an expert degree that does not divide the experts", CHECK + " --model.name moe --model.experts 6 "
          "--parallelism.zero_stage 3 --parallelism.expert_parallel_degree 4",

@@ -325,7 +325,7 @@ def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, 
         return {name: fake_result() for name in layouts}, RuntimeError("a rank died")
 
     monkeypatch.setattr(selftest, "run_group", fails_at_the_end)
-    assert selftest._run(2, {"a": [], "b": []}, selftest.BASE) == {
+    assert selftest.run_each(2, {"a": [], "b": []}, selftest.BASE) == {
         "a": fake_result(), "b": "after training, at the group's end: a rank died (no Python error: a signal "
                                  "or a native abort)"}
 

@@ -199,18 +199,18 @@ def test_moe_shapes_and_layouts_are_refused_in_one_line():
         MOE_FAMILY.args("debug", top_k=9)
     with pytest.raises(ValueError, match="does not apply to the llama3 family"):
         MODELS["llama3"].args("debug", experts=4)
-    assert "computed per sequence" in MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug", balance_coeff=0.01),
-                                                                 {"cp": 2})
-    assert MOE_FAMILY.layout_problem(MOE_FAMILY.args("debug"), {"tp": 2, "cp": 2}) is None
+    assert MOE_FAMILY.sequence_terms(MOE_FAMILY.args("debug", balance_coeff=0.01, capacity_factor=1.0)) == (
+        "capacity_factor", "balance_coeff")
+    assert MOE_FAMILY.sequence_terms(MOE_FAMILY.args("debug")) == ()
 
 
 def test_the_search_leaves_out_what_the_family_refuses():
     """Auto layouts never propose what the trainer would refuse: cp with a per-sequence term."""
     from torchpar.plan.layout import PRESETS
-    from torchpar.plan.search import _degrees
+    from torchpar.plan.search import search
 
     cluster = PRESETS["H100-80GB"]  # one node of 8
-    degrees = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug", balance_coeff=0.01), cluster, 64, 256))
-    assert degrees and all(cp == 1 for tp, _, cp, _, _ in degrees) and any(tp > 1 for tp, *_ in degrees)
-    free = list(_degrees(MOE_FAMILY, MOE_FAMILY.args("debug"), cluster, 64, 256))
-    assert any(cp > 1 for _, _, cp, _, _ in free)
+    plans = search(MOE_FAMILY, MOE_FAMILY.args("debug", balance_coeff=0.01), cluster, 64, 256)
+    assert plans and all(p.layout["cp"] == 1 for p in plans) and any(p.layout["tp"] > 1 for p in plans)
+    free = search(MOE_FAMILY, MOE_FAMILY.args("debug"), cluster, 64, 256)
+    assert any(p.layout["cp"] > 1 for p in free)

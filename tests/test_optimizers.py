@@ -52,6 +52,26 @@ def same_as_torch(shape, adjust):
     assert torch.equal(ours.state[a]["momentum_buffer"], theirs.state[b]["momentum_buffer"])
 
 
+def test_muon_orthogonalizes_each_matrix_of_a_stack():
+    """A stack [experts, rows, cols] steps as its matrices would each as a parameter of its own
+    (one batched iteration, so equal within float noise), and --check's stand-ins include stacks."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.nn.Parameter(torch.randn(3, 6, 10, generator=gen))
+    alone = [torch.nn.Parameter(m.detach().clone()) for m in stack]
+    ours, each = Muon([stack], lr=0.05, weight_decay=0.1), Muon(alone, lr=0.05, weight_decay=0.1)
+    for _ in range(2):
+        g = torch.randn(3, 6, 10, generator=gen)
+        stack.grad = g.clone()
+        for p, gi in zip(alone, g):
+            p.grad = gi.clone()
+        ours.step()
+        each.step()
+    assert torch.allclose(stack, torch.stack(list(alone)), atol=1e-6)
+    with pytest.raises(ValueError, match="matrices and stacks of them"):
+        Muon([torch.nn.Parameter(torch.ones(4))])
+    check_optimizer(cfg_of("--optimizer.name", "muon"), {("matrix", 3), ("vector", 1)})
+
+
 def test_roles_and_groups_follow_the_table():
     """Weight decay on matrices only (the hidden ones and the head), lr multipliers by role, and
     decay_all keeps the old behaviour; Muon takes the hidden matrices, AdamW the rest."""
@@ -113,8 +133,8 @@ def test_bad_optimizers_are_one_line(overrides, message):
 @pytest.mark.parametrize("overrides, message", [
     (["--optimizer.name", "adafactor", "--parallelism.tensor_parallel_degree", "2",
       "--parallelism.zero_stage", "0"],
-     "'adafactor' updates whole matrices, which tensor_parallel_degree = 2 keep as DTensor shards"),
-    (["--optimizer.name", "adafactor", "--parallelism.zero_stage", "3"], "zero_stage = 3 keep as"),
+     "'adafactor' updates whole matrices, which tensor_parallel_degree = 2 keeps as DTensor shards"),
+    (["--optimizer.name", "adafactor", "--parallelism.zero_stage", "3"], "zero_stage = 3 keeps as"),
     (["--optimizer.name", "muon", "--parallelism.zero_stage", "3", "--parallelism.cpu_offload", "true"],
      "cpu_offload"),
 ])
@@ -172,7 +192,10 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 ADAFACTOR = ["--optimizer.name", "adafactor", "--optimizer.lr", "0.01"]
 SGD = ["--optimizer.name", "torch.optim.SGD", "--optimizer.kwargs", "momentum=0.9,nesterov=true",
        "--optimizer.lr", "0.1"]
-REFS = {"muon": [*MUON, Z, "0"], "adafactor": [*ADAFACTOR, Z, "0"], "sgd": [*SGD, Z, "0"]}
+# A mixture of experts: Muon orthogonalizes each expert's matrix of a stack [experts, rows, cols].
+MOE = [*MUON, "--model.name", "moe"]
+REFS = {"muon": [*MUON, Z, "0"], "adafactor": [*ADAFACTOR, Z, "0"], "sgd": [*SGD, Z, "0"],
+        "moe_muon": [*MOE, Z, "0"]}
 WORLD2 = {
     **{f"muon/dp2_zero{z}": [*MUON, LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
     "muon/tp2": [*MUON, *TP2, Z, "0"],
@@ -181,6 +204,9 @@ WORLD2 = {
     "adafactor/dp2_zero1": [*ADAFACTOR, LB, "4", Z, "1"],
     "sgd/dp2_zero2": [*SGD, LB, "4", Z, "2"],
     "sgd/dp2_zero3": [*SGD, LB, "4", Z, "3"],
+    # each rank's experts orthogonalized where they are (ep), or each stack whole on its owner (ZeRO-1)
+    "moe_muon/ep2_zero3": [*MOE, LB, "4", Z, "3", "--parallelism.expert_parallel_degree", "2"],
+    "moe_muon/dp2_zero1": [*MOE, LB, "4", Z, "1"],
 }
 WORLD4 = {
     "muon/dp_shard2_tp2_zero3": [*MUON, LB, "4", *TP2, Z, "3"],

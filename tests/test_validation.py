@@ -45,7 +45,7 @@ def build(world, monkeypatch, *overrides):
             2,
             ["--parallelism.tensor_parallel_degree", "2", "--training.compile", "true",
              "--training.activation_checkpoint", "full"],
-            "fails inside torch.compile; drop one of the three",
+            "fails inside torch.compile",
         ),
         (
             2,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpar.errors import ConfigError, did_you_mean
 
@@ -72,44 +73,59 @@ def _group(role: str, tensors: list[torch.Tensor], cfg, lr: float) -> dict:
 def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """The orthogonalized matrix U V^T of ``g`` = U S V^T, approximately, by ``steps`` iterations of
-    the quintic X <- a X + (b A + c A^2) X, A = X X^T (Muon's), in ``dtype``, on the wide side."""
+    the quintic X <- a X + (b A + c A^2) X, A = X X^T (Muon's), in ``dtype``, on the wide side. A
+    stack of matrices [..., m, n] (a mixture of experts' weights) is orthogonalized matrix by matrix,
+    in one batched iteration."""
     a, b, c = coefficients
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    if g.dim() > 2:
+        x = x.reshape(-1, *g.shape[-2:])
+    mm = torch.addmm if x.dim() == 2 else torch.baddbmm  # (the 2-D path is torch.optim.Muon's, bit for bit)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+        x = x.mT
+    # spectral norm <= Frobenius norm <= 1
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """Muon's per-matrix learning rate: x sqrt(max(1, rows / cols)) ('original', the default) or
-    0.2 sqrt(max(rows, cols)) ('match_rms_adamw': an update of AdamW's RMS)."""
-    rows, cols = shape[:2]
+    0.2 sqrt(max(rows, cols)) ('match_rms_adamw': an update of AdamW's RMS). A stack's matrices are
+    its last two dimensions."""
+    rows, cols = shape[-2:]
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr * math.sqrt(max(1.0, rows / cols)) if adjust_lr_fn in (None, "original") else lr
 
 
 class Muon(torch.optim.Muon):
-    """torch's Muon, whose matrices may also be sharded (DTensors, under TP or ZeRO-3): the momentum
-    stays sharded like the parameter; the update is gathered whole in the Newton-Schulz dtype
-    (nothing is lost: that is the precision it runs in), orthogonalized on each rank holding a shard,
-    and each keeps its own part. ``ns_dtype``: the iteration's dtype — torch's bfloat16 on GPUs; by
-    default float32 on the CPU, where bf16 matmuls are slow, and where a last-bit difference of a
-    gradient between two layouts would flip bf16 roundings that the iteration amplifies. With
-    ``ns_dtype = "bfloat16"`` it steps exactly like ``torch.optim.Muon`` (a test pins it)."""
+    """torch's Muon, whose matrices may also be sharded (DTensors, under TP or ZeRO-3) or stacked
+    (a mixture of experts' [experts, rows, cols] weights, each expert's matrix orthogonalized on its
+    own, as if it were a parameter of its own). A sharded update is gathered in the Newton-Schulz
+    dtype (nothing is lost: that is the precision it runs in) along its matrix dimensions only — a
+    stack split by experts (expert parallelism, ZeRO-3) keeps each rank's experts where they are —
+    orthogonalized on each rank holding a piece, and each keeps its own part. ``ns_dtype``: the
+    iteration's dtype — torch's bfloat16 on GPUs; by default float32 on the CPU, where bf16 matmuls
+    are slow, and where a last-bit difference of a gradient between two layouts would flip bf16
+    roundings that the iteration amplifies. With ``ns_dtype = "bfloat16"`` it steps exactly like
+    ``torch.optim.Muon`` on 2-D parameters (a test pins it)."""
 
     def __init__(self, params, ns_dtype: str | None = None, **kwargs):
         if ns_dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"ns_dtype must be 'bfloat16' or 'float32' (or unset), got {ns_dtype!r}")
-        super().__init__(params, **kwargs)
-        self.defaults["ns_dtype"] = ns_dtype
+        # torch's checks of the arguments and its defaults, on a stand-in matrix: its own check of
+        # the parameters refuses stacks, which this class orthogonalizes matrix by matrix.
+        defaults = torch.optim.Muon([torch.zeros(1, 1)], **kwargs).defaults
+        torch.optim.Optimizer.__init__(self, params, {**defaults, "ns_dtype": ns_dtype})
         for group in self.param_groups:
-            group.setdefault("ns_dtype", ns_dtype)
+            for p in group["params"]:
+                if p.dim() < 2:
+                    raise ValueError(f"Muon updates matrices and stacks of them, not a parameter of shape "
+                                     f"{tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,11 +153,13 @@ class Muon(torch.optim.Muon):
             return newton_schulz(update, *args)
         if any(pl.is_partial() for pl in update.placements):  # (reduced in fp32, before the cast)
             update = update.redistribute(placements=p.placements)
-        whole = update.to(args[-1]).full_tensor()
-        mesh = p.device_mesh
-        replicated = DTensor.from_local(newton_schulz(whole, *args), mesh, [Replicate()] * mesh.ndim,
-                                        run_check=False)
-        return replicated.redistribute(mesh, p.placements)  # (keeps this rank's part: no communication)
+        # Whole matrices: a split of a stack's leading (expert) dimension stays; the rest is gathered.
+        whole = [pl if isinstance(pl, (Shard, _StridedShard)) and pl.dim < p.dim() - 2 else Replicate()
+                 for pl in p.placements]
+        local = update.to(args[-1]).redistribute(placements=whole).to_local()
+        done = DTensor.from_local(newton_schulz(local, *args), p.device_mesh, whole, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+        return done.redistribute(p.device_mesh, p.placements)  # (keeps this rank's part: no communication)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -243,11 +261,12 @@ def _adafactor_state(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
 
 def _muon_flops(shape: tuple[int, ...], role: str, kwargs: dict) -> int:
     """Newton-Schulz on an m x n matrix (m <= n), per iteration: X X^T (2 m^2 n), the quintic's
-    A + A A (2 m^3) and its product with X (2 m^2 n); torch's default runs 5."""
-    if not PARAM_GROUPS[role]["muon"] or len(shape) != 2:
+    A + A A (2 m^3) and its product with X (2 m^2 n); torch's default runs 5. A stack [..., m, n]:
+    each of its matrices."""
+    if not PARAM_GROUPS[role]["muon"] or len(shape) < 2:
         return 0
-    m, n = sorted(shape)
-    return kwargs.get("ns_steps", 5) * (4 * m * m * n + 2 * m ** 3)
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * kwargs.get("ns_steps", 5) * (4 * m * m * n + 2 * m ** 3)
 
 
 @dataclass(frozen=True)
@@ -358,18 +377,22 @@ def _measured_per_element(cfg, matrix: bool) -> float:
     return _MEASURED[key]
 
 
-def check_optimizer(cfg) -> None:
-    """[optimizer] checked by building it over one small matrix and one vector and taking a step:
-    an unknown name, an unknown or bad keyword argument is one line here, not an error on every
-    rank at start-up."""
+def check_optimizer(cfg, kinds=(("matrix", 2), ("vector", 1))) -> None:
+    """[optimizer] checked by building it over a small stand-in of each (role, dimensions) in
+    ``kinds`` — the model's: its vectors, matrices and stacks of matrices (a mixture of experts') —
+    and taking a step: an unknown name, an unknown or bad keyword argument, a parameter shape the
+    class refuses is one line here, not an error on every rank at start-up."""
     kind = optimizer_kind(cfg)
     for key, value in cfg.kwargs.items():
         if key in ("params", "lr", "weight_decay", "betas", "fused", "foreach"):
             raise ConfigError(f"optimizer.kwargs.{key}: set it through [optimizer] itself (lr, muon_lr, "
                               "weight_decay, beta1/beta2, implementation), not kwargs")
-    matrix, vector = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    groups: dict[str, list] = {}
+    for role, ndim in sorted(set(kinds)):
+        shape = (2,) * (ndim - 2) + (4,) * min(ndim, 2)  # (a stack: 2 matrices of 4 x 4)
+        groups.setdefault(role, []).append(torch.nn.Parameter(torch.ones(shape)))
     try:
-        opt = kind.build({"matrix": [matrix], "vector": [vector]}, cfg)
+        opt = kind.build(groups, cfg)
         ensure_state(opt)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"[optimizer] name = {cfg.name!r} with kwargs {cfg.kwargs}: {e}") from None

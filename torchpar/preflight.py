@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchpar.checkpoint import checkpoint_root, find_resume, read_manifest, saved_folder, verify_files
+from torchpar.composition import Features
 from torchpar.config import JobConfig
 from torchpar.console import progress, warn
 from torchpar.data import build_source, data_identity, resume_notes, source_specs
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
-from torchpar.device import compute_dtype
+from torchpar.device import compute_dtype, device_type
 from torchpar.errors import ConfigError
 from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
-from torchpar.optim import check_optimizer
-from torchpar.parallel.layout import Layout, resolve_layout
+from torchpar.optim import check_optimizer, param_role
+from torchpar.parallel.layout import Layout, expert_names, layout_features, layout_of, resolve_layout
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import load_weights
 
@@ -72,7 +73,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             f"the tokenizer has {tokenizer.n_words} tokens but model flavor {cfg.model.flavor!r} has "
             f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
-    check_optimizer(cfg.optimizer)
+    check_optimizer(cfg.optimizer, param_kinds(model, args))
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
                             cfg.data.document_masking)
@@ -104,6 +105,28 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
         weights = initial_weights(cfg, model, args)
     return Preflight(model, args, tokenizer, layout, sources, shares, [n for n, _, _ in specs], val_source,
                      resume, weights, data, manifest)
+
+
+def features_of(cfg: JobConfig, world: int, device: str | None = None) -> Features:
+    """The job's value on every dimension of the composition table (torchpar.composition), as the
+    trainer's check reads them, on ``world`` ranks of ``device`` (default: this machine's)."""
+    model, args = adapter(cfg.model.name), model_args(cfg.model)
+    tr = cfg.training
+    dtype = compute_dtype(tr.mixed_precision_param, device)
+    lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer)
+    return layout_features(lay, model, args, cfg.data.document_masking, device or device_type(),
+                           z_loss=cfg.loss.z_loss > 0, evaluation=cfg.validation.enable)
+
+
+def param_kinds(model: ModelAdapter, args) -> set[tuple[str, int]]:
+    """(optimizer role, dimensions) of the model's parameters: vectors, matrices, stacks of experts'
+    matrices (3-D), by the adapter's entries."""
+    stacks = expert_names(model)
+    kinds = set()
+    for name, (_, cols), _ in model.stage_params(args, True, True, range(args.n_layers)):
+        ndim = 3 if name in stacks else 1 if cols == 1 else 2
+        kinds.add((param_role(name, ndim, model), ndim))
+    return kinds
 
 
 def prepared_corpora(sources) -> list[TokenizedCorpus]:

@@ -13,13 +13,17 @@ suite runs its layout tables through the same functions (:func:`run_layouts`, :f
 
 from __future__ import annotations
 
+import importlib
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
 import socket
+import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -94,8 +98,17 @@ def free_port() -> int:
     raise RuntimeError(f"no free port found in 10000..{low - 1}")
 
 
-def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) -> None:
-
+def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple, parent: dict) -> None:
+    # A forked rank starts from the fork server's state: take the caller's environment, folders
+    # and import path, then its function (a spawned rank gets them anyway).
+    os.environ.clear()
+    os.environ.update(parent["env"])
+    os.chdir(parent["cwd"])
+    sys.path[:] = parent["path"]
+    tempfile.tempdir = parent["tempdir"]
+    if isinstance(target, tuple):
+        module, _, name = target
+        target = getattr(importlib.import_module(module), name)
     # Each rank's output goes to its own file, at the descriptor level so that a C++ abort's
     # message is kept too; spawn_ranks shows it when a rank dies.
     log = open(f"{out}/rank{rank}.log", "w", buffering=1)
@@ -114,14 +127,24 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple) 
 
 
 def spawn_ranks(target, world: int, *args) -> str:
-    """Run ``target(rank, world, out, *args)`` in ``world`` spawned processes (one thread each;
-    GPU ``rank`` each where there are GPUs) in one process group, and return ``out``, the folder
-    they wrote to (the caller removes it). A rank that fails (a Python error, a signal) fails the
-    call at once, with every rank's last lines."""
+    """Run ``target(rank, world, out, *args)`` in ``world`` new processes (one thread each; GPU
+    ``rank`` each where there are GPUs) in one process group, and return ``out``, the folder they
+    wrote to (the caller removes it). A rank that fails (a Python error, a signal) fails the call at
+    once, with every rank's last lines.
+
+    The processes are forked from a server that has imported torch and the trainer once (a new
+    interpreter importing them costs seconds per rank, every time); each takes this process's
+    environment, working folder and import path. A function of a script (``__main__``) is spawned."""
     out = tempfile.mkdtemp(prefix="torchpar_ranks_")
+    parent = {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
+              "tempdir": tempfile.gettempdir()}
+    method = "spawn" if target.__module__ == "__main__" else "forkserver"
+    if method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+        target = (target.__module__, ".", target.__qualname__)  # (imported after the path is set)
     try:
-        mp.start_processes(_rank_main, args=(target, world, free_port(), out, args), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_rank_main, args=(target, world, free_port(), out, args, parent), nprocs=world,
+                           start_method=method)
     except ProcessException as e:
         tails = _log_tails(out, world, e.error_index)
         shutil.rmtree(out, ignore_errors=True)
@@ -154,6 +177,7 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
     for name, overrides in layouts.items():
         cfg = load_config(base, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
         seen.clear()
+        start = time.perf_counter()
         trainer = Trainer(cfg, on_first_step=predict_for_trainer)
         losses = trainer.train()
         trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]
@@ -161,6 +185,7 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
         dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
         if rank == 0:
             results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
+            results[name]["seconds"] = time.perf_counter() - start  # (building and training it)
         dist.barrier()  # every rank finished this layout
         if rank == 0:  # (whole or not at all: a rank killed mid-write leaves the last results)
             torch.save(results, f"{keep}/results.tmp")
@@ -248,7 +273,7 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
     for dtype in dtypes:
         tol = TOLERANCE[dev.device_type(), dtype]
         common = ["--training.mixed_precision_param", dtype, "--training.tf32", "false"]
-        ref = _run(1, {"one_device": REFERENCE + common}, base)["one_device"]
+        ref = run_each(1, {"one_device": REFERENCE + common}, base)["one_device"]
         if isinstance(ref, str):  # nothing to compare with: every layout of this dtype says so
             rows += [_error_row(n, w, dtype, f"no one-device run: {ref}")
                      for w, n, _ in [(1, "one_device", None), *table]]
@@ -256,13 +281,13 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
         rows.append(_row("one_device", 1, dtype, ref, ref, tol))
         for world in sorted({w for w, _, _ in table}):
             layouts = {n: o + common for w, n, o in table if w == world}
-            for name, result in _run(world, layouts, base).items():
+            for name, result in run_each(world, layouts, base).items():
                 rows.append(_error_row(name, world, dtype, result) if isinstance(result, str)
                             else _row(name, world, dtype, result, ref, tol))
     return rows
 
 
-def _run(world: int, layouts: dict, base) -> dict[str, dict | str]:
+def run_each(world: int, layouts: dict, base: str | Path = BASE) -> dict[str, dict | str]:
     """Each layout's result, or the one-line reason it has none. The layouts of a world train in
     one group of processes; a rank that dies ends the group, so the layout it died in gets that
     error and the layouts after it train in a new group."""

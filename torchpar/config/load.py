@@ -9,6 +9,7 @@ dataclass field. Every user mistake raises :class:`ConfigError` with one readabl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
@@ -22,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+@functools.cache  # (read for every key of every config: the type hints are resolved once)
 def _sections() -> dict[str, type]:
     return get_type_hints(JobConfig)
 
@@ -89,6 +91,7 @@ def _cli_table(where: str, text: str) -> dict:
     return out
 
 
+@functools.cache
 def _field_types(cls) -> dict[str, Any]:
     hints = get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

@@ -355,6 +355,11 @@ class ModelAdapter(ABC):
         """Routed experts per block, which expert parallelism splits over ranks (0: a dense model)."""
         return 0
 
+    def stack_shape(self, args, name: str) -> tuple[int, int, int] | None:
+        """The whole shape [experts, rows, cols] of the stacked weight ``name`` (block-relative, one of
+        :attr:`expert_plan`'s), which the planner's (rows, cols) entries flatten; None for others."""
+        return None
+
     def run_notes(self, args, layout, device: torch.device) -> list[str]:
         """Lines for the start-up message: how this family's parts run in ``layout`` (none by default)."""
         return []
@@ -430,9 +435,10 @@ class ModelAdapter(ABC):
 
     # -- tensor parallelism
 
-    def layout_problem(self, args, degrees: dict[str, int]) -> str | None:
-        """Why this family cannot train under ``degrees`` (mesh dimension -> degree), or None."""
-        return None
+    def sequence_terms(self, args) -> tuple[str, ...]:
+        """The model fields (set here) whose terms are computed over each whole sequence, which
+        context parallelism splits (a fact the composition table reads)."""
+        return ()
 
     @abstractmethod
     def tp_divisors(self, args) -> dict[str, int]:

@@ -145,6 +145,11 @@ class MoE(nn.Module):
         """How the experts run: grouped GEMM, or the per-expert loop and why."""
         return how_experts_run(dtype, device, self.experts.w1.shape[1], self.hidden)
 
+    # Eager between a compiled block's graphs: its shapes follow the routing (rows per expert, and
+    # under expert parallelism the rows each rank sends), so a graph of it would be compiled again
+    # for every new count (a minute per MoE block on a CPU), and grouped GEMM's fake kernel takes
+    # bf16 only. torch.compile still fuses the block's attention and norms around it.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = shape[0] if len(shape) == 3 else 1  # sequences (a [t, d] input is one)
@@ -355,6 +360,11 @@ class MoEAdapter(LlamaAdapter):
     def experts(self, args: MoEArgs) -> int:
         return args.experts
 
+    def stack_shape(self, args: MoEArgs, name: str) -> tuple[int, int, int] | None:
+        e, d, h = args.experts, args.dim, args.moe_hidden
+        return {"feed_forward.experts.w1": (e, d, h), "feed_forward.experts.w3": (e, d, h),
+                "feed_forward.experts.w2": (e, h, d)}.get(name)
+
     # -- Hugging Face: transformers' Qwen3-MoE (softmax routing, no shared expert)
 
     hf_architecture = "Qwen3MoeForCausalLM"
@@ -426,14 +436,9 @@ class MoEAdapter(LlamaAdapter):
         if args.score not in ("softmax", "sigmoid"):
             raise ValueError(f"router score {args.score!r} is not 'softmax' or 'sigmoid'")
 
-    def layout_problem(self, args: MoEArgs, degrees: dict[str, int]) -> str | None:
-        per_sequence = [f"model.{f} = {getattr(args, f):g}" for f in ("capacity_factor", "balance_coeff")
-                        if getattr(args, f)]
-        if degrees.get("cp", 1) > 1 and per_sequence:
-            return (f"{' and '.join(per_sequence)}: the balance term and the capacity are computed per "
-                    f"sequence, which context parallelism (cp = {degrees['cp']}) splits over ranks; set "
-                    "them to 0 or the context-parallel degree to 1")
-        return None
+    def sequence_terms(self, args: MoEArgs) -> tuple[str, ...]:
+        # (the balance term and the capacity count each sequence's slots)
+        return tuple(f for f in ("capacity_factor", "balance_coeff") if getattr(args, f))
 
     def tp_divisors(self, args: MoEArgs) -> dict[str, int]:
         shared = {"shared expert width": args.shared_hidden} if args.shared_hidden else {}

@@ -97,7 +97,10 @@ class ContextShard(SequenceShard):
         send = torch.stack([halves[:, :, 0], halves[:, :, 1].flip(2)], dim=3)  # [b, hh, cp, 2, n, hd]
         send = send.movedim(2, 0).contiguous()  # rank j's two chunks -> rank j
         got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group())
-        return got.view(cp, b, hh, full // cp, hd).movedim(0, 1).reshape(b, cp * hh, full // cp, hd)
+        out = got.view(cp, b, hh, full // cp, hd).movedim(0, 1).reshape(b, cp * hh, full // cp, hd)
+        # At b = 1 the reshape is a view of the all-to-all's buffer, which torch.compile's next graph
+        # cannot take as its input (its fake tensor cannot rebuild the view): a tensor of its own.
+        return out.clone() if out._is_view() else out
 
 
 def apply_context_parallel(part: nn.Module, layout) -> None:

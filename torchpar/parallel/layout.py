@@ -23,13 +23,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from torchpar.composition import Features, check
 from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.device import device_type
 from torchpar.errors import ConfigError
 from torchpar.optim import OPTIMIZERS, optimizer_kind
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
-from torchpar.parallel.pipeline import balanced_split, pipeline_split, stage_ids
+from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -220,10 +221,11 @@ class Layout:
         dp_replicate for HSDP; the dp mesh without expert parallelism."""
         if self.ep == 1:
             return self.dp_mesh
-        shard = "efsdp_cp" if self.cp > 1 else "efsdp"
+        # (efsdp x cp is flattened from the view, but torch registers it on the root mesh)
+        shard, mesh = ("efsdp_cp", self.mesh) if self.cp > 1 else ("efsdp", self.experts_view)
         if self.dp_replicate > 1:
-            return self.experts_view["dp_replicate", shard]
-        return self.experts_view[shard]
+            return mesh["dp_replicate", shard]
+        return mesh[shard]
 
     @property
     def dp_mesh(self):
@@ -280,11 +282,10 @@ def grad_accum_steps(local_batch_size: int, global_batch_size: int, dp: int) -> 
     return global_batch_size // per_step
 
 
-def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, device: str) -> None:
-    tp = degrees["tp"]
-    problem = context_problem(args, tr.seq_len, degrees["cp"], tp, par.sequence_parallel,
-                              par.context_parallel_method, document_masking, device)
-    problem = problem or model.layout_problem(args, degrees)
+def _check_model(model, args, lay: Layout, par, tr, device: str) -> None:
+    tp = lay.tp
+    problem = context_problem(args, tr.seq_len, lay.cp, tp, par.sequence_parallel,
+                              par.context_parallel_method, device)
     if problem:
         raise ConfigError(problem)
     if tp > 1:
@@ -306,11 +307,11 @@ def _check_model(model, args, degrees: dict, par, tr, document_masking: bool, de
 
 
 def context_problem(args, seq: int, cp: int, tp: int, sequence_parallel: bool, method: str,
-                    document_masking: bool, device: str) -> str | None:
-    """Why context parallelism of degree ``cp`` by ``method`` cannot run this model on sequences of
-    ``seq`` tokens (None: it can) — the trainer's check and the planner's search alike. Each
-    sequence is cut into 2 x cp chunks (head-tail); all-to-all attention splits every TP rank's
-    heads, KV heads included, over cp."""
+                    device: str) -> str | None:
+    """Why context parallelism of degree ``cp`` by ``method`` cannot split this model's heads or
+    sequences of ``seq`` tokens (None: it can) — the trainer's check and the planner's search alike.
+    Each sequence is cut into 2 x cp chunks (head-tail); all-to-all attention splits every TP rank's
+    heads, KV heads included, over cp. (What it cannot run beside is in torchpar.composition.)"""
     if cp == 1:
         return None
     chunks = 2 * cp * (tp if sequence_parallel else 1)
@@ -331,39 +332,56 @@ def context_problem(args, seq: int, cp: int, tp: int, sequence_parallel: bool, m
                 f"be a multiple of 64 x context_parallel_degree = {64 * cp} (each rank's half-chunks a "
                 "multiple of 32 tokens, as CUDA's attention kernel pads them); change seq_len, or use "
                 "'alltoall'")
-    elif document_masking:
-        return ("parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring "
-                "attention here keeps one causal mask over the window; use context_parallel_method = "
-                "'alltoall' (documents kept), or document_masking = false")
     return None
 
 
-def _check_features(par, tr, zero: int, tp: int) -> None:
-    """Precision, compile and offload against the ZeRO stage and TP."""
+def _check_buckets_field(par, zero: int) -> None:
+    """``bucket_mb`` is a positive size, and means something only under ZeRO 0-2."""
     if not par.bucket_mb > 0:
         raise ConfigError(f"parallelism.bucket_mb = {par.bucket_mb}: the gradient bucket size must be "
                           "positive (25 = DDP's default)")
     if zero == 3 and par.bucket_mb != Parallelism.bucket_mb:
         warn(f"parallelism.bucket_mb = {par.bucket_mb:g} has no effect under zero_stage 3 (FSDP2 reduces "
              "each block's gradients in one collective); drop it, or choose zero_stage 0-2 for buckets")
-    if tr.compile and tp > 1:
-        # Both fail inside torch 2.13's compiler: DTensor parameters whose local parts alias one
-        # storage (the flat ZeRO 0-2 engine), and a checkpoint wrapper around DTensor code.
-        if zero != 3:
-            raise ConfigError(
-                "training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 (zero "
-                "stages 0-2 keep TP shards in one flat buffer, which torch.compile cannot trace); use "
-                "zero_stage = 3 or compile = false"
-            )
-        if tr.activation_checkpoint != "none":
-            raise ConfigError(
-                "training.compile = true with tensor parallelism and training.activation_checkpoint = "
-                f"{tr.activation_checkpoint!r} fails inside torch.compile; drop one of the three"
-            )
-    if par.cpu_offload and zero != 3:
-        raise ConfigError(
-            "parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy)"
-        )
+
+
+def layout_features(lay: Layout, model, args, document_masking: bool = False, device: str = "cpu",
+                    z_loss: bool = False, evaluation: bool = False) -> Features:
+    """The facts the composition table (torchpar.composition) reads of a layout of adapter
+    ``model`` with ``args``, beside the job's other features."""
+    kind = optimizer_kind(lay.optimizer) if lay.optimizer is not None else OPTIMIZERS["adamw"]
+    schedule = lay.schedule if lay.pp > 1 else ""
+    return Features(
+        family=model.name, experts=model.experts(args) > 0, tied=bool(args.tie_embeddings),
+        sequence_terms=model.sequence_terms(args),
+        optimizer=lay.optimizer.name if lay.optimizer is not None else "adamw",
+        whole=kind.whole is not None, gathers=kind.gathers_shards, zero=lay.zero_stage,
+        replicas=lay.dp_replicate, tp=lay.tp, pp=lay.pp, schedule=schedule,
+        split_backward=schedule in SPLIT_BACKWARD, cp=lay.cp, cp_method=lay.cp_method, ep=lay.ep,
+        recompute=lay.activation_checkpoint, compile=lay.compile, document_masking=document_masking,
+        bf16=lay.param_dtype == "bfloat16", offload=lay.cpu_offload, z_loss=z_loss,
+        accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, device=device)
+
+
+def layout_of(par, tr, world: int, param_dtype: str, optimizer=None) -> Layout:
+    """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
+    check of the model or of what composes (degrees resolved, accumulation counted): what the
+    composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
+    degrees = resolve_degrees(par, world)
+    kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
+    accum = grad_accum_steps(
+        tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
+    )
+    return Layout(**degrees, ep=par.expert_parallel_degree, cp_method=par.context_parallel_method,
+                  zero_stage=par.zero_stage, sequence_parallel=par.sequence_parallel,
+                  loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
+                  reduce_every_microstep=par.zero3_reduce_every_microstep,
+                  local_batch_size=tr.local_batch_size, accum=accum, schedule=par.pipeline_parallel_schedule,
+                  microbatch_size=par.pipeline_parallel_microbatch_size,
+                  activation_checkpoint=tr.activation_checkpoint,
+                  activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
+                  reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
+                  bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer)
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
@@ -373,78 +391,40 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
     [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking;
     ``device``: the device type the job runs on (default: this machine's)."""
-    degrees = resolve_degrees(par, world)
-    kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
-    _check_optimizer_layout(optimizer, kind, par, degrees)
-    zero = effective_zero_stage(par.zero_stage, degrees["dp_shard"] * degrees["cp"])
-    if zero != par.zero_stage:
+    device = device or device_type()
+    if par.expert_parallel_degree < 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: a degree is a "
+                          "positive integer (1 = no expert parallelism)")
+    layout = layout_of(par, tr, world, param_dtype, optimizer)
+    if layout.zero_stage != par.zero_stage:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
-    _check_model(model, args, degrees, par, tr, document_masking, device or device_type())
-    _check_features(par, tr, zero, degrees["tp"])
-    _check_experts(model, args, par.expert_parallel_degree, degrees, zero)
-    accum = grad_accum_steps(
-        tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
-    )
-    layout = Layout(**degrees, ep=par.expert_parallel_degree, cp_method=par.context_parallel_method,
-                    zero_stage=zero, sequence_parallel=par.sequence_parallel,
-                    loss_parallel=par.loss_parallel, cpu_offload=par.cpu_offload,
-                    reduce_every_microstep=par.zero3_reduce_every_microstep,
-                    local_batch_size=tr.local_batch_size, accum=accum,
-                    microbatch_size=par.pipeline_parallel_microbatch_size,
-                    activation_checkpoint=tr.activation_checkpoint,
-                    activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
-                    reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                    bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer)
+    check(layout_features(layout, model, args, document_masking, device))  # what cannot run together
+    _check_model(model, args, layout, par, tr, device)
+    _check_buckets_field(par, layout.zero_stage)
+    _check_experts(model, args, layout)
     if layout.pp > 1:
-        layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(
-            par, tr, layout, model, args
-        )
+        layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(par, layout, model,
+                                                                                          args)
     _check_recompute(layout, args)
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
     return layout
 
 
-def _check_experts(model, args, ep: int, degrees: dict[str, int], zero: int) -> None:
-    """Expert parallelism against the model's experts, the shard ranks it borrows and ZeRO."""
-    key = "parallelism.expert_parallel_degree"
-    if ep < 1:
-        raise ConfigError(f"{key} = {ep}: a degree is a positive integer (1 = no expert parallelism)")
+def _check_experts(model, args, lay: Layout) -> None:
+    """Expert parallelism's degree against the model's experts and the shard ranks it borrows."""
+    key, ep = "parallelism.expert_parallel_degree", lay.ep
     if ep == 1:
         return
     experts = model.experts(args)
-    if not experts:
-        raise ConfigError(f"{key} = {ep}: the {model.name} family has no experts; set it to 1, or train a "
-                          "mixture of experts (model.name = 'moe')")
     if experts % ep:
         raise ConfigError(f"{key} = {ep} does not divide the model's {experts} experts (model.experts); "
                           "choose a degree that divides them")
-    if degrees["dp_shard"] % ep:
+    if lay.dp_shard % ep:
         raise ConfigError(f"{key} = {ep} must divide parallelism.data_parallel_shard_degree = "
-                          f"{degrees['dp_shard']}: the experts' ranks are taken from the shard ranks; raise "
+                          f"{lay.dp_shard}: the experts' ranks are taken from the shard ranks; raise "
                           "the shard degree or lower the expert degree")
-    if zero != 3:
-        raise ConfigError(f"{key} = {ep} needs parallelism.zero_stage = 3: the experts' gradients are "
-                          "reduced over fewer ranks than the other weights', which FSDP2 does per module and "
-                          f"the flat ZeRO 0-2 buffer does not (zero_stage is {zero})")
-
-
-def _check_optimizer_layout(optimizer, kind, par, degrees: dict[str, int]) -> None:
-    """An optimizer that needs whole matrices gets them from the ZeRO 0-2 engine; under TP or
-    ZeRO-3 only one that gathers a sharded matrix itself (Muon) can run."""
-    if kind.whole is None:
-        return
-    sharded = [f"{DEGREE_FIELDS['tp']} = {degrees['tp']}"] if degrees["tp"] > 1 else []
-    if par.zero_stage == 3:  # (FSDP2's parameters are DTensors even on one rank)
-        sharded.append("zero_stage = 3")
-    if sharded and not kind.gathers_shards:
-        raise ConfigError(f"optimizer.name = {optimizer.name!r} updates whole matrices, which "
-                          f"{' and '.join(sharded)} keep as DTensor shards; use zero_stage <= 2 without "
-                          "tensor parallelism, an element-wise optimizer (adamw) or muon (it gathers them)")
-    if par.cpu_offload:
-        raise ConfigError(f"optimizer.name = {optimizer.name!r} with parallelism.cpu_offload: the offloaded "
-                          "step runs element-wise optimizers only (adamw); turn cpu_offload off")
 
 
 def _check_recompute(layout: Layout, args) -> None:

@@ -158,9 +158,10 @@ def schedule_problem(name: str, pp: int, v: int, n_layers: int, n_micro: int | N
     return None
 
 
-def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, ...]]:
-    """Check the pipeline part of [parallelism] against the model and the batch; returns the
-    schedule, stages per rank and layers per stage."""
+def pipeline_split(par, layout, model, args) -> tuple[str, int, tuple[int, ...]]:
+    """Check the pipeline part of [parallelism] against the model's layers and the batch (what a
+    schedule cannot run beside is in torchpar.composition); returns the schedule, stages per rank
+    and layers per stage."""
     name = par.pipeline_parallel_schedule
     if name not in SCHEDULES:
         raise ConfigError(
@@ -170,26 +171,6 @@ def pipeline_split(par, tr, layout, model, args) -> tuple[str, int, tuple[int, .
     problem = schedule_problem(name, pp, v, args.n_layers)
     if problem:
         raise ConfigError(problem)
-    if args.tie_embeddings:
-        raise ConfigError("tied embeddings put the same weight on the first and the last stage; pipeline "
-                          "parallelism needs an untied flavour")
-    if tr.compile and name in SPLIT_BACKWARD:
-        # Measured: the losses drift from one process (6e-2 after 5 steps) when the separate input-
-        # and weight-gradient passes run through compiled blocks.
-        others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
-        raise ConfigError(
-            f"training.compile = true gives wrong gradients with {name}, whose backward is split into input "
-            f"and weight passes; set compile = false or use one of {others}"
-        )
-    if tr.activation_checkpoint == "selective" and name in SPLIT_BACKWARD:
-        # torch's selective checkpointing lets a region's kept outputs be used by one backward
-        # only; the split input- and weight-gradient passes are two ("Trying to backward an
-        # extra time").
-        others = ", ".join(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
-        raise ConfigError(
-            f"training.activation_checkpoint = 'selective' fails with {name}, whose backward is split into "
-            f"input and weight passes; use 'full' or one of {others}"
-        )
     split = _layers_per_stage(par, pp * v, v, pp, model, args)
     mb, rows = layout.microbatch_size, layout.local_batch_size * layout.accum
     if mb < 1 or rows % mb:

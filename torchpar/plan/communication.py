@@ -182,15 +182,28 @@ def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim:
         sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
 
 
-def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[int, int], str, int | None]]:
-    """(full shape, role, TP-sharded dim) of the parameters whose update the rank at ``pp_rank``
-    computes whole when the optimizer gathers shards (Muon): under ZeRO-3 every one it holds a shard
-    of; under ZeRO 0-2 those it owns (1/N of them, by size); with TP each is gathered over tp."""
+def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], str, int | None]]:
+    """(shape, role, TP-sharded dim) of the parameters whose update the rank at ``pp_rank`` computes
+    whole when the optimizer gathers shards (Muon): under ZeRO-3 every one it holds a shard of;
+    under ZeRO 0-2 those it owns (1/N of them, by size); with TP each is gathered over tp. A stack
+    of experts' matrices is [the experts this rank holds, rows, cols]: each matrix is whole on the
+    rank that holds its expert (over ep, and under ZeRO-3 over the ranks sharding the experts), so
+    only TP's split of its width is gathered."""
     if not kind_of(lay.optimizer).gathers_shards:
         return []
-    split = split_of(model, args, lay)
-    return [((r, c), param_role(name, 1 if c == 1 else 2, model), tp_dim) for s in lay.stage_ids(pp_rank)
-            for name, (r, c), tp_dim in stage_entries(model, args, split, s)]
+    split, stacks = split_of(model, args, lay), expert_names(model)
+    out = []
+    for s in lay.stage_ids(pp_rank):
+        for name, (r, c), tp_dim in stage_entries(model, args, split, s):
+            shape = (r, c)
+            if name in stacks:
+                experts, m, n = model.stack_shape(args, name)
+                held = experts // lay.ep
+                if lay.zero_stage == 3:  # (FSDP2 pads the expert dimension to a multiple of the ranks)
+                    held = math.ceil(held / lay.expert_shard_ranks)
+                shape = (held, m, n)
+            out.append((shape, param_role(name, 1 if c == 1 else 2, model), tp_dim))
+    return out
 
 
 def _owned_share(lay: Layout) -> float:
@@ -208,14 +221,14 @@ def optimizer_seconds(model, args, lay: Layout, cluster: Cluster, efficiency: fl
 def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> None:
     """Muon gathers each sharded matrix's update in bf16 (DTensor's full_tensor): over dp_shard under
     ZeRO-3 (at its TP-local width), then over tp where TP shards it."""
-    for (r, c), role, tp_dim in _whole_matrices(model, args, lay, pp_rank):
+    for shape, role, tp_dim in _whole_matrices(model, args, lay, pp_rank):
         if not PARAM_GROUPS[role]["muon"]:
             continue
-        tp_sharded = lay.tp > 1 and tp_dim is not None
-        if lay.zero_stage == 3:
-            sent.add(lay.shard_dim, "all_gather", 2 * r * c / (lay.tp if tp_sharded else 1), lay.shard_ranks)
+        size, tp_sharded = math.prod(shape), lay.tp > 1 and tp_dim is not None
+        if lay.zero_stage == 3 and len(shape) == 2:  # (a stack keeps its experts where they are)
+            sent.add(lay.shard_dim, "all_gather", 2 * size / (lay.tp if tp_sharded else 1), lay.shard_ranks)
         if tp_sharded:
-            sent.add("tp", "all_gather", 2 * r * c * _owned_share(lay), lay.tp)
+            sent.add("tp", "all_gather", 2 * size * _owned_share(lay), lay.tp)
 
 
 def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:

@@ -88,10 +88,11 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         experts = expert_names(model)
         split = {False: (lay.shard_ranks, lay.shard_index(coords)),
                  True: (lay.expert_shard_ranks, lay.expert_shard_index(coords))}
-        pieces = [((chunk(r, *split[name in experts]), c), role) for (r, c), role, name in
+        pieces = [((chunk(r, *split[name in experts]), c), role, name) for (r, c), role, name in
                   zip(local, _roles(model, args, lay, pp, local), rank_param_names(model, args, lay, pp))]
-        n = sum(r * c for (r, c), _ in pieces)
-        optim = sum(opt_state_bytes(lay.optimizer, _shape(s), role) for s, role in pieces)
+        n = sum(r * c for (r, c), _, _ in pieces)
+        optim = sum(opt_state_bytes(lay.optimizer, _shape(s, model, args, name), role)
+                    for s, role, name in pieces)
         return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optim}
     # ZeRO 0-2 (the flat engine): the compute copy whole (its buffer, padding included); the reduced
     # gradient whole (0, 1) or its owned N-th (2) in the reduction dtype — in bf16 replaced by the
@@ -112,10 +113,11 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         m = (padded - last) // n
         mine = padded // n - m + max(0, min(sliced, last + (rank + 1) * m) - (last + rank * m))
         optim += opt_state_bytes(lay.optimizer, (mine,), "vector") if mine else 0
-    for (r, c), role, start, w in zip(local, roles, starts, whole):  # whole ones in this rank's N-th
+    names = rank_param_names(model, args, lay, pp)
+    for (r, c), role, start, w, name in zip(local, roles, starts, whole, names):  # whole ones in this N-th
         k = bisect.bisect_right(bounds, start) - 1
         if w and (start - bounds[k]) // ((bounds[k + 1] - bounds[k]) // n) == rank:
-            optim += opt_state_bytes(lay.optimizer, _shape((r, c)), role)
+            optim += opt_state_bytes(lay.optimizer, _shape((r, c), model, args, name), role)
     return {"param_bytes": lay.param_dtype_bytes * bounds[-1], "grad_bytes": grads,
             "optim_bytes": optim + master}
 
@@ -137,9 +139,18 @@ def _roles(model, args, lay: Layout, pp_rank: int, local: list[tuple[int, int]])
             for name, (_, c) in zip(rank_param_names(model, args, lay, pp_rank), local)]
 
 
-def _shape(rc: tuple[int, int]) -> tuple[int, ...]:
-    """A parameter's shape from the adapter's (rows, cols), where vectors are (n, 1)."""
-    return (rc[0],) if rc[1] == 1 else rc
+def _shape(rc: tuple[int, int], model=None, args=None, name: str = "") -> tuple[int, ...]:
+    """A parameter's (or its piece's) shape from the adapter's (rows, cols), where vectors are (n, 1)
+    and a stack of experts' matrices is (experts, rows x cols): [experts, rows, cols] again, its
+    matrix dimension that TP splits (expert_plan) cut to what ``rc`` holds."""
+    stack = model.stack_shape(args, name) if model is not None else None
+    if stack is None:
+        return (rc[0],) if rc[1] == 1 else rc
+    module, _, weight = name.rpartition(".")
+    dims = list(stack[1:])
+    split = model.expert_plan[module][weight] - 1  # (its dimension in the stack, past the experts')
+    dims[split] = rc[1] // dims[1 - split]
+    return (rc[0], *dims)
 
 
 def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from torchpar.composition import refusals
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.parallel.layout import Layout, context_problem
-from torchpar.parallel.pipeline import MAX_MICROBATCHES, SPLIT_BACKWARD, balanced_split, schedule_problem
+from torchpar.parallel.layout import Layout, context_problem, layout_features
+from torchpar.parallel.pipeline import MAX_MICROBATCHES, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
 from torchpar.plan.estimate import Plan, plan
 from torchpar.plan.layout import Cluster
@@ -33,23 +34,30 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
         if any(n % tp for n in model.tp_divisors(args).values()):
             continue
         for pp in _divisors(world // tp):
-            if pp > args.n_layers or (pp > 1 and args.tie_embeddings):
+            if pp > args.n_layers:
                 continue
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 method = next((m for m in ("alltoall", "ring")
-                               if not context_problem(args, seq, cp, tp, True, m, False, device)), None)
-                if global_batch % dp == 0 and method is not None and \
-                        not model.layout_problem(args, {"tp": tp, "cp": cp}):
+                               if not context_problem(args, seq, cp, tp, True, m, device)), None)
+                if global_batch % dp == 0 and method is not None:
                     yield tp, pp, cp, method, dp
 
 
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
-             left_out: list, offload_too: bool = True, optimizer=None):
-    """Every layout of these degrees: ZeRO stage, its shard group (HSDP) and (``offload_too``)
-    offload, recomputation, micro-batch and, with a pipeline, the schedule. Pipeline layouts of
-    more than MAX_MICROBATCHES microbatches are left out (their schedules take too long to build)
-    and counted in ``left_out``."""
+             left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda"):
+    """Every layout of these degrees that the composition table lets run (on ``device``): ZeRO
+    stage, its shard group (HSDP) and (``offload_too``) offload, recomputation, micro-batch and,
+    with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
+    left out (their schedules take too long to build) and counted in ``left_out``."""
+    for lay in _every_layout(model, args, tp, pp, cp, method, dp, per_dp, param_dtype, left_out, offload_too,
+                             optimizer):
+        if not refusals(layout_features(lay, model, args, device=device)):
+            yield lay
+
+
+def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int,
+                  param_dtype: str, left_out: list, offload_too: bool, optimizer):
 
     stages = ((0, False), (1, False), (2, False), (3, False)) + ((3, True),) * offload_too
     # HSDP: ZeRO 1-3 shard over dp_shard (x cp) ranks and replicate over dp_replicate (ZeRO 0
@@ -74,8 +82,6 @@ def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_d
                 left_out.append(n_micro)
                 continue
             for schedule, v in SEARCHED_SCHEDULES:
-                if ac == "selective" and schedule in SPLIT_BACKWARD:
-                    continue  # refused by the trainer
                 # Fewer microbatches than stages is mostly bubble: not searched.
                 if n_micro >= pp and not schedule_problem(schedule, pp, v, args.n_layers, n_micro):
                     yield Layout(**common, pp=pp, local_batch_size=per_dp, microbatch_size=mbs,
@@ -93,7 +99,7 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
     plans = [plan(model, args, lay, cluster, seq, efficiency)
              for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device)
              for lay in _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype,
-                                 left_out, offload and device == "cuda", optimizer)]
+                                 left_out, offload and device == "cuda", optimizer, device)]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")

@@ -1,0 +1,158 @@
+"""What composes: the one table of feature values that cannot run together, and why.
+
+Every feature of a job is a value on a dimension (:data:`DIMENSIONS`): the model family, the
+optimizer, the ZeRO stage, tensor, pipeline, context and expert parallelism, recomputation,
+compile, document masking, precision, CPU offload, the loss terms, accumulation, evaluation. Any
+values run together and train what one process trains, except where a rule of :data:`RULES` says
+otherwise, in the one line a user reads (naming the fields and the way out).
+
+The trainer's check before launch (``resolve_layout``), the planner's search and
+``parallelism.layout = "auto"``, and ``docs/compatibility.md`` all read this table; nothing
+restates a rule elsewhere. A tested covering matrix (``torchpar.tools.matrix``) trains cells in
+which every pair of values of any two dimensions meets at least once, each equal to one process
+or refused here — so a rule taken out of the table is a cell that fails.
+
+Checks of sizes (a degree that does not divide the heads, a sequence that does not split into
+chunks) are not composition: they stay with what they measure (``parallel/layout.py``,
+``parallel/pipeline.py``). This module imports nothing of torchpar's but its errors: the features
+are facts the caller collects (``torchpar.parallel.layout.layout_features``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from torchpar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Features:
+    """One job's value on every dimension, as facts the rules read (defaults: the plain job)."""
+
+    family: str = "llama3"  # model.name
+    experts: bool = False  # the family routes tokens to experts (a mixture of experts)
+    tied: bool = False  # the flavour ties its token embedding and output head
+    # model fields (set to non-zero) whose terms are computed over each whole sequence
+    sequence_terms: tuple[str, ...] = ()
+    optimizer: str = "adamw"  # optimizer.name
+    whole: bool = False  # its update needs whole matrices (orthogonalization, row/column factors)
+    gathers: bool = False  # ...and it gathers a sharded matrix itself (Muon)
+    zero: int = 0  # the effective ZeRO stage
+    replicas: int = 1  # dp_replicate (HSDP when the stage shards)
+    tp: int = 1
+    pp: int = 1
+    schedule: str = ""  # the pipeline schedule ("" without a pipeline)
+    split_backward: bool = False  # it runs backward as separate input and weight passes
+    cp: int = 1
+    cp_method: str = "alltoall"
+    ep: int = 1
+    recompute: str = "none"  # training.activation_checkpoint: none | full | selective
+    compile: bool = False
+    document_masking: bool = False
+    bf16: bool = False  # bf16 compute (training.mixed_precision_param)
+    offload: bool = False  # parallelism.cpu_offload
+    z_loss: bool = False
+    accumulation: bool = False  # more than one micro-step per optimizer step (pp 1)
+    evaluation: bool = False  # [validation] enabled
+    device: str = "cpu"
+
+
+# Each dimension and the features that carry its value: a rule names the dimensions it reads, and
+# reads no feature of another (a test holds every rule to its word).
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "family": ("family", "experts", "tied"),
+    "optimizer": ("optimizer", "whole", "gathers"),
+    "zero": ("zero", "replicas"),
+    "tp": ("tp",),
+    "pp": ("pp", "schedule", "split_backward"),
+    "cp": ("cp", "cp_method"),
+    "ep": ("ep",),
+    "recompute": ("recompute",),
+    "compile": ("compile",),
+    "document_masking": ("document_masking",),
+    "precision": ("bf16",),
+    "offload": ("offload",),
+    "loss_terms": ("z_loss", "sequence_terms"),
+    "accumulation": ("accumulation",),
+    "evaluation": ("evaluation",),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Values of ``dims`` that cannot run together: ``applies(features)`` says when, ``reason`` (a
+    format string over the features' fields) why, and what to change."""
+
+    dims: tuple[str, ...]
+    applies: Callable[[Features], bool]
+    reason: str
+
+    def says(self, f: Features) -> str:
+        return self.reason.format(**{k.name: getattr(f, k.name) for k in fields(f)},
+                                  sequence_fields=" and ".join(f"model.{t}" for t in f.sequence_terms))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("offload", "zero"), lambda f: f.offload and f.zero != 3,
+         "parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy keeps "
+         "the sharded state on the host; zero_stage is {zero}); set zero_stage = 3 or cpu_offload = false"),
+    Rule(("optimizer", "offload"), lambda f: f.whole and f.offload,
+         "optimizer.name = {optimizer!r} with parallelism.cpu_offload: the offloaded step runs element-wise "
+         "optimizers only (adamw, a dotted element-wise torch.optim class); turn cpu_offload off"),
+    Rule(("optimizer", "tp"), lambda f: f.whole and not f.gathers and f.tp > 1,
+         "optimizer.name = {optimizer!r} updates whole matrices, which tensor_parallel_degree = {tp} keeps "
+         "as DTensor shards; use tensor_parallel_degree = 1, an element-wise optimizer (adamw) or muon (it "
+         "gathers them)"),
+    Rule(("optimizer", "zero"), lambda f: f.whole and not f.gathers and f.zero == 3,
+         "optimizer.name = {optimizer!r} updates whole matrices, which zero_stage = 3 keeps as DTensor "
+         "shards; use zero_stage <= 2 (its buckets give each matrix whole to one rank), an element-wise "
+         "optimizer (adamw) or muon (it gathers them)"),
+    Rule(("ep", "family"), lambda f: f.ep > 1 and not f.experts,
+         "parallelism.expert_parallel_degree = {ep}: the {family} family has no experts; set it to 1, or "
+         "train a mixture of experts (model.name = 'moe')"),
+    Rule(("ep", "zero"), lambda f: f.ep > 1 and f.zero != 3,
+         "parallelism.expert_parallel_degree = {ep} needs parallelism.zero_stage = 3: the experts' "
+         "gradients are reduced over fewer ranks than the other weights', which FSDP2 does per module and "
+         "the flat ZeRO 0-2 buffer does not (zero_stage is {zero})"),
+    Rule(("compile", "tp", "zero"), lambda f: f.compile and f.tp > 1 and f.zero < 3,
+         "training.compile = true with tensor parallelism needs parallelism.zero_stage = 3 (zero stages "
+         "0-2 keep TP shards in one flat buffer, which torch.compile cannot trace); use zero_stage = 3 or "
+         "compile = false"),
+    Rule(("compile", "tp", "recompute"), lambda f: f.compile and f.tp > 1 and f.recompute != "none",
+         "training.compile = true with tensor parallelism and training.activation_checkpoint = "
+         "{recompute!r} fails inside torch.compile (a checkpoint wrapper around DTensor code); drop one "
+         "of the three"),
+    Rule(("compile", "pp"), lambda f: f.compile and f.split_backward,
+         "training.compile = true gives wrong gradients with {schedule}, whose backward is split into input "
+         "and weight passes; set compile = false or use a schedule without the split (1F1B, "
+         "Interleaved1F1B, GPipe, LoopedBFS)"),
+    Rule(("recompute", "pp"), lambda f: f.recompute == "selective" and f.split_backward,
+         "training.activation_checkpoint = 'selective' fails with {schedule}, whose backward is split into "
+         "input and weight passes (torch lets a region's kept outputs serve one backward only); use "
+         "'full' or a schedule without the split (1F1B, Interleaved1F1B, GPipe, LoopedBFS)"),
+    Rule(("pp", "family"), lambda f: f.pp > 1 and f.tied,
+         "tied embeddings put the same weight on the first and the last pipeline stage; pipeline "
+         "parallelism needs an untied flavour"),
+    Rule(("cp", "document_masking"), lambda f: f.cp > 1 and f.cp_method == "ring" and f.document_masking,
+         "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
+         "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "
+         "kept), or document_masking = false"),
+    Rule(("cp", "family", "loss_terms"), lambda f: f.cp > 1 and bool(f.sequence_terms),
+         "{sequence_fields}: the {family} family computes these terms per whole sequence, which context "
+         "parallelism (context_parallel_degree = {cp}) splits over ranks; set them to 0 or the "
+         "context-parallel degree to 1"),
+)
+assert all(d in DIMENSIONS for rule in RULES for d in rule.dims), "a rule names an unknown dimension"
+
+
+def refusals(f: Features) -> list[str]:
+    """Every rule's line that ``f`` breaks, in the table's order (empty: it composes)."""
+    return [rule.says(f) for rule in RULES if rule.applies(f)]
+
+
+def check(f: Features) -> None:
+    """ConfigError with the first line of :func:`refusals`, if any."""
+    lines = refusals(f)
+    if lines:
+        raise ConfigError(lines[0])
