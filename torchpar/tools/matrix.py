@@ -225,12 +225,12 @@ def runnable_pairs() -> tuple:
 def _cost(cell: Cell) -> float:
     """Roughly the seconds a cell costs here (measured on 2 cores): its ranks' steps, more in bf16
     (slow matmuls on CPUs) and with offload, and most with compile (a first compile of each block
-    kind takes 10-40 s in a group of processes)."""
+    kind takes 10-40 s in a group of 2 processes, on their shared cores; 4 take twice as long)."""
     world = _world(cell)
     steps = {2: 1.5, 4: 3.0, 8: 8.0}.get(world, world)
     steps *= (1.5 if cell.get("precision") == "bfloat16" else 1) * (1.5 if cell.get("offload") else 1)
-    if cell.get("compile"):
-        steps += 25 if str(cell.get("family", "")).startswith("moe") else 15
+    if cell.get("compile"):  # (every rank compiles, on the machine's shared cores)
+        steps += (25 if str(cell.get("family", "")).startswith("moe") else 15) * world / 2
     return steps
 
 
