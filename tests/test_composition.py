@@ -5,14 +5,15 @@ the composition table (torchpar.composition) refuses a cell that breaks it, befo
 one line.
 
 A cell equals its reference when its losses, held-out losses and final parameters agree within
-the layout tables' tolerances (fp32: 1e-5; bf16: see BF16), its routers' figures agree, and the
-planner's parameter, gradient and optimizer bytes equal what each rank held at step 1.
+the layout tables' tolerances (fp32: losses 1e-5, parameters harness.PARAM_TOL; bf16: see BF16),
+its routers' figures agree, and the planner's parameter, gradient and optimizer bytes equal what
+each rank held at step 1.
 """
 
 import itertools
 
 import pytest
-from harness import ROOT, TINY, assert_matches, bytes_of, run_each, run_layouts
+from harness import PARAM_TOL, ROOT, TINY, assert_matches, bytes_of, run_each, run_layouts
 
 from torchpar.commands import main
 from torchpar.composition import DIMENSIONS, RULES, Features, refusals
@@ -46,7 +47,7 @@ def tolerances(cell: dict) -> dict:
         return {"param_tol": 2e-4}
     if cell["optimizer"] == "muon":
         return {"param_tol": 1e-4}
-    return {}
+    return {"param_tol": PARAM_TOL}
 
 
 @pytest.fixture(scope="module")

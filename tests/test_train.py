@@ -141,3 +141,12 @@ def test_validation_on_local_files(tmp_path):
     # Evaluating the training file instead gives other numbers: the held-out files were read.
     same = held_out_losses(tmp_path / "train.txt", "same")
     assert abs(same[0]["val_loss"] - val[0]["val_loss"]) > 1e-3
+
+
+def test_the_old_entry_point_says_how_to_train(tmp_path):
+    """``python -m torchpar.train`` (scripts copied from the first releases) trains nothing: it
+    says which command does, and exits 2 instead of 0."""
+    r = run([sys.executable, "-m", "torchpar.train", "--config", str(TINY)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "torchpar train --config" in r.stderr and "run_train.sh" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -361,3 +362,11 @@ class Trainer:
         self.signals.restore()
         if self.run_lock is not None:
             self.run_lock.release()
+
+
+if __name__ == "__main__":
+    # Scripts written for torchpar's first releases ran this module; it holds no command now.
+    print("torchpar: error: python -m torchpar.train trains nothing; run `torchpar train --config FILE "
+          "[--section.key value ...]` (under torchrun: `torchrun ... -m torchpar train ...`), or "
+          "./run_train.sh", file=sys.stderr)
+    raise SystemExit(2)

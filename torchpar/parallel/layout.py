@@ -17,6 +17,7 @@ summed like those of data-parallel ranks: ZeRO shards over ``dp_shard x cp`` (th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, fields
@@ -473,19 +474,32 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
     """(rows, cols) of each parameter the rank holds at pipeline position ``pp_rank`` and TP
     coordinate ``tp_index``, after tensor parallelism, in model order (first-stage modules,
     blocks, last-stage modules)."""
-    split = split_of(model, args, lay)
-    experts = expert_names(model) if lay.ep > 1 else set()
+    return list(params_at(model, args, rank_key(model, args, lay, pp_rank), lay.ep, lay.tp, tp_index))
+
+
+def rank_key(model, args, lay: Layout, pp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What of a layout fixes the parameters of the rank at ``pp_rank``: (layers per stage, its
+    stages). The planner's search prices thousands of layouts that share a few of these, so what
+    is computed from them is cached by them (:func:`params_at`, :func:`names_at`)."""
+    return tuple(split_of(model, args, lay)), tuple(lay.stage_ids(pp_rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def params_at(model, args, key: tuple, ep: int, tp: int, tp_index: int) -> tuple[tuple[int, int], ...]:
+    """:func:`rank_params` of the rank :func:`rank_key` ``key`` names, at ``ep``, ``tp``, ``tp_index``."""
+    split, stages = key
+    experts = expert_names(model) if ep > 1 else set()
     out = []
-    for s in lay.stage_ids(pp_rank):
-        for name, (rows, cols), tp_dim in stage_entries(model, args, split, s):
+    for s in stages:
+        for name, (rows, cols), tp_dim in stage_entries(model, args, list(split), s):
             if name in experts:
-                rows //= lay.ep
-            if lay.tp > 1 and tp_dim == 0:
-                rows = chunk(rows, lay.tp, tp_index)
-            elif lay.tp > 1 and tp_dim == 1:
-                cols = chunk(cols, lay.tp, tp_index)
+                rows //= ep
+            if tp > 1 and tp_dim == 0:
+                rows = chunk(rows, tp, tp_index)
+            elif tp > 1 and tp_dim == 1:
+                cols = chunk(cols, tp, tp_index)
             out.append((rows, cols))
-    return out
+    return tuple(out)
 
 
 def expert_names(model) -> set[str]:
@@ -495,9 +509,14 @@ def expert_names(model) -> set[str]:
 
 def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:
     """The names of :func:`rank_params`' parameters, in its order."""
-    split = split_of(model, args, lay)
-    return [name for s in lay.stage_ids(pp_rank)
-            for name, _, _ in stage_entries(model, args, split, s)]
+    return list(names_at(model, args, rank_key(model, args, lay, pp_rank)))
+
+
+@functools.lru_cache(maxsize=4096)
+def names_at(model, args, key: tuple) -> tuple[str, ...]:
+    """:func:`rank_param_names` of the rank that :func:`rank_key` ``key`` names."""
+    split, stages = key
+    return tuple(name for s in stages for name, _, _ in stage_entries(model, args, list(split), s))
 
 
 def _check_buckets(layout: Layout, model, args) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,11 @@ def balanced_split(model, args, num_stages: int) -> list[int]:
     Lookups (embeddings) cost nothing; the head costs its matmul weights over a block's. Exact
     search over contiguous splits (dynamic programming).
     """
+    return list(_balanced_split(model, args, num_stages))
+
+
+@functools.lru_cache(maxsize=256)  # (the planner's search asks for the same few splits thousands of times)
+def _balanced_split(model, args, num_stages: int) -> tuple[int, ...]:
     block, head_weights = model.matmul_params(args)
     head = head_weights / block
     L = args.n_layers
@@ -111,7 +117,7 @@ def balanced_split(model, args, num_stages: int) -> list[int]:
         k = cut[s][n]
         sizes.append(n - k)
         n = k
-    return sizes[::-1]
+    return tuple(sizes[::-1])
 
 
 def _layers_per_stage(par, num_stages: int, v: int, pp: int, model, args) -> list[int]:

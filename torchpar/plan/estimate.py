@@ -60,15 +60,28 @@ def in_flight(lay: Layout, n_micro: int, pp_rank: int, actions: dict | None = No
     a running pipeline's own, else built on a fake process group)."""
     if lay.pp == 1:
         return 1.0
-    acts = actions or _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)[0]
+    if actions is None:
+        peak = _held_peak(lay.schedule, lay.pp, n_micro, lay.stages_per_rank, pp_rank)
+    else:
+        peak = _peak(actions[pp_rank])
+    return float(peak) / len(lay.stage_ids(pp_rank))
+
+
+@functools.lru_cache(maxsize=None)  # (the search asks for a few schedules thousands of times)
+def _held_peak(schedule: str, pp: int, n_micro: int, v: int, pp_rank: int) -> int:
+    return _peak(_actions(schedule, pp, n_micro, v)[0][pp_rank])
+
+
+def _peak(rank_actions) -> int:
+    """The most microbatch-stages a rank's actions hold forward activations of at once."""
     held, peak = {}, 0
-    for kind, stage, _mb in acts[pp_rank]:
+    for kind, stage, _mb in rank_actions:
         if kind == "F":
             held[stage] = held.get(stage, 0) + 1
         elif kind in ("B", "I"):
             held[stage] -= 1
         peak = max(peak, sum(held.values()))
-    return float(peak) / len(lay.stage_ids(pp_rank))
+    return peak
 
 
 # ------------------------------------------------------------------ the plan
@@ -196,8 +209,11 @@ def pipeline_bubble(lay: Layout, n_micro: int, actions: dict | None = None) -> f
     """Bubble fraction from the schedule's action order (the same as `torchpar schedule`)."""
     if lay.pp == 1:
         return 0.0
-    acts, num_stages = _actions(lay.schedule, lay.pp, n_micro, lay.stages_per_rank) if actions is None \
-        else (actions, lay.num_stages)
-    return simulate(acts, num_stages)["bubble"]
+    if actions is None:
+        return _bubble(lay.schedule, lay.pp, n_micro, lay.stages_per_rank)
+    return simulate(actions, lay.num_stages)["bubble"]
 
 
+@functools.lru_cache(maxsize=None)  # (the search asks for a few schedules thousands of times)
+def _bubble(schedule: str, pp: int, n_micro: int, v: int) -> float:
+    return simulate(*_actions(schedule, pp, n_micro, v))["bubble"]

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
-from torchpar.optim import needs_whole, param_role
+from torchpar.optim import kind_of, param_role
 from torchpar.optim import state_bytes as opt_state_bytes
 from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
 from torchpar.parallel.layout import (
     Layout,
     chunk,
     expert_names,
+    names_at,
+    params_at,
+    rank_key,
     rank_param_names,
     rank_params,
     resolve_layout,
@@ -89,7 +93,7 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         split = {False: (lay.shard_ranks, lay.shard_index(coords)),
                  True: (lay.expert_shard_ranks, lay.expert_shard_index(coords))}
         pieces = [((chunk(r, *split[name in experts]), c), role, name) for (r, c), role, name in
-                  zip(local, _roles(model, args, lay, pp, local), rank_param_names(model, args, lay, pp))]
+                  zip(local, _roles(model, args, lay, pp, tp), rank_param_names(model, args, lay, pp))]
         n = sum(r * c for (r, c), _, _ in pieces)
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s, model, args, name), role)
                     for s, role, name in pieces)
@@ -126,17 +130,30 @@ def flat_rank_layout(model, args, lay: Layout, pp_rank: int, tp_index: int = 0):
     """The flat ZeRO 0-2 buffer of the rank at ``pp_rank`` / ``tp_index``: each parameter's role,
     whether the optimizer takes it whole, where it starts, and the bucket bounds (as FlatZero
     lays them out: :func:`torchpar.parallel.flat.flat_layout`)."""
-    local = rank_params(model, args, lay, pp_rank, tp_index)
-    roles = _roles(model, args, lay, pp_rank, local)
-    whole = [needs_whole(lay.optimizer, role, 1 if c == 1 else 2) for (_, c), role in zip(local, roles)]
-    starts, bounds = flat_layout([r * c for r, c in local], flat_shards(lay), bucket_elements(lay), whole)
-    return roles, whole, starts, bounds
+    return _flat_rank_layout(model, args, (rank_key(model, args, lay, pp_rank), lay.ep, lay.tp, tp_index),
+                             kind_of(lay.optimizer).whole, flat_shards(lay), bucket_elements(lay))
 
 
-def _roles(model, args, lay: Layout, pp_rank: int, local: list[tuple[int, int]]) -> list[str]:
+@functools.lru_cache(maxsize=4096)  # (the search prices thousands of layouts with a few buffers)
+def _flat_rank_layout(model, args, at: tuple, whole_rule, shards: int, bucket: int):
+    # (``at``: the rank's rank_key, ep, tp, tp index; ``whole_rule``: the optimizer's Kind.whole)
+    local, roles = params_at(model, args, *at), _roles_of(model, args, *at)
+    whole = [whole_rule is not None and whole_rule(role, 1 if c == 1 else 2)
+             for (_, c), role in zip(local, roles)]
+    starts, bounds = flat_layout([r * c for r, c in local], shards, bucket, whole)
+    return roles, tuple(whole), tuple(starts), tuple(bounds)  # (cached: read-only)
+
+
+def _roles(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> tuple[str, ...]:
     """Each of :func:`rank_params`' parameters' role (torchpar.optim.param_role)."""
-    return [param_role(name, 1 if c == 1 else 2, model)
-            for name, (_, c) in zip(rank_param_names(model, args, lay, pp_rank), local)]
+    return _roles_of(model, args, rank_key(model, args, lay, pp_rank), lay.ep, lay.tp, tp_index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _roles_of(model, args, key: tuple, ep: int, tp: int, tp_index: int) -> tuple[str, ...]:
+    local = params_at(model, args, key, ep, tp, tp_index)
+    names = names_at(model, args, key)
+    return tuple(param_role(name, 1 if c == 1 else 2, model) for name, (_, c) in zip(names, local))
 
 
 def _shape(rc: tuple[int, int], model=None, args=None, name: str = "") -> tuple[int, ...]:
