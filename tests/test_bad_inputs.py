@@ -4,8 +4,8 @@ tokenizer, checkpoints, runtime faults and every subcommand.
 Each case runs ``torchpar <command> ...`` (the ``torchpar`` entry point's ``main``, in this process:
 the same code as the console script without a new interpreter per case) and asserts the exit
 code, that the last line on stderr that is not a warning is one ``torchpar: error: ...`` naming the
-field or file, that no file that was in the dump folder before changed, that nothing reached the
-user as a traceback, and a wall-time bound. A closed pipe runs as real processes.
+field or file, that no file that was in the dump folder before changed, and that nothing reached
+the user as a traceback. A closed pipe runs as real processes.
 """
 
 from __future__ import annotations
@@ -558,6 +558,7 @@ def test_a_disk_fault_no_check_foresaw_is_one_line(capfd):
     assert error_line(err) == "torchpar: error: /data/run/metrics.jsonl: No space left on device", err
 
 
+@pytest.mark.slow  # (real processes)
 def test_a_closed_pipe_is_one_line(tmp_path):
     """`torchpar plan ... | head -1`: the reader goes away; one line, no BrokenPipeError traceback."""
     # 129 kB of output: more than a pipe holds, so the write fails while the command runs.

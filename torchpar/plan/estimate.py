@@ -14,7 +14,7 @@ from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
 from torchpar.plan.communication import communication, exposed_seconds, optimizer_seconds
-from torchpar.plan.layout import Cluster, flat_rank_layout, state_bytes, transient_bytes
+from torchpar.plan.layout import Cluster, by_state, flat_rank_layout, state_bytes, transient_bytes
 
 # ------------------------------------------------------------------ activations and recomputation
 
@@ -137,6 +137,7 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     return mem
 
 
+@by_state
 def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
     """ZeRO 0-2's gradient storage as backward ends: the whole flat gradient (stages 0, 1), or
     (stage 2) the owned shard, the buckets in flight and the one being filled, and up to a block's

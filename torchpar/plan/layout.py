@@ -81,6 +81,34 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     return lay, model, args
 
 
+# Layout fields that change no rank's parameter, gradient or optimizer bytes, nor ZeRO 0-2's peaks
+# outside the step: the search prices thousands of layouts that differ in these alone.
+_NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activation_checkpoint",
+                        "activation_checkpoint_every", "compile", "reduce_every_microstep", "cp_method",
+                        "sequence_parallel", "loss_parallel", "optimizer"})
+
+
+def by_state(fn):
+    """``fn(model, args, lay, *rest)``, remembered by what of ``lay`` fixes its state bytes (its
+    fields but _NOT_STATE's and the mesh, and the [optimizer] section's values)."""
+    memo: dict = {}
+
+    @functools.wraps(fn)
+    def remembered(model, args, lay: Layout, *rest):
+        fixed = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in lay.to_dict().items()
+                      if k not in _NOT_STATE)
+        key = (model, args, repr(lay.optimizer), fixed,
+               *(tuple(sorted(r.items())) if isinstance(r, dict) else r for r in rest))
+        if key not in memo:
+            if len(memo) > 100_000:  # (a long-lived process that plans many models)
+                memo.clear()
+            memo[key] = fn(model, args, lay, *rest)
+        value = memo[key]
+        return dict(value) if isinstance(value, dict) else value
+    return remembered
+
+
+@by_state
 def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes of the rank at ``coords`` (pp, dp_shard, cp,
     tp), as torchpar lays them out: exact, including uneven shards and ZeRO 0-2 padding; the
@@ -170,6 +198,7 @@ def _shape(rc: tuple[int, int], model=None, args=None, name: str = "") -> tuple[
     return (rc[0], *dims)
 
 
+@by_state
 def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
     """ZeRO 0-2's peaks outside the step, on the rank at ``pp_rank``: ``startup_peak`` — the
     engine's buffer and fp32 master while they are filled, one parameter's initial fp32 value at
