@@ -29,7 +29,7 @@ from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.device import device_type
 from torchpar.errors import ConfigError
-from torchpar.optim import OPTIMIZERS, optimizer_kind
+from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
@@ -350,7 +350,7 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
                     z_loss: bool = False, evaluation: bool = False) -> Features:
     """The facts the composition table (torchpar.composition) reads of a layout of adapter
     ``model`` with ``args``, beside the job's other features."""
-    kind = optimizer_kind(lay.optimizer) if lay.optimizer is not None else OPTIMIZERS["adamw"]
+    kind = kind_of(lay.optimizer)
     schedule = lay.schedule if lay.pp > 1 else ""
     return Features(
         family=model.name, experts=model.experts(args) > 0, tied=bool(args.tie_embeddings),
@@ -369,7 +369,7 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None) -> Layout:
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
     degrees = resolve_degrees(par, world)
-    kind = optimizer_kind(optimizer) if optimizer is not None else OPTIMIZERS["adamw"]
+    kind = kind_of(optimizer)
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
     )
@@ -464,7 +464,8 @@ def split_of(model, args, lay: Layout) -> list[int]:
     return balanced_split(model, args, lay.num_stages)
 
 
-def stage_entries(model, args, split: list[int], stage: int) -> list[tuple[str, tuple[int, int], int | None]]:
+def stage_entries(model, args, split: list[int] | tuple[int, ...],
+                  stage: int) -> list[tuple[str, tuple[int, int], int | None]]:
     """The adapter's parameter entries (``stage_params``) of pipeline stage ``stage`` of ``split``."""
     start = sum(split[:stage])
     return model.stage_params(args, stage == 0, stage == len(split) - 1, range(start, start + split[stage]))
@@ -491,7 +492,7 @@ def params_at(model, args, key: tuple, ep: int, tp: int, tp_index: int) -> tuple
     experts = expert_names(model) if ep > 1 else set()
     out = []
     for s in stages:
-        for name, (rows, cols), tp_dim in stage_entries(model, args, list(split), s):
+        for name, (rows, cols), tp_dim in stage_entries(model, args, split, s):
             if name in experts:
                 rows //= ep
             if tp > 1 and tp_dim == 0:
@@ -516,7 +517,7 @@ def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:
 def names_at(model, args, key: tuple) -> tuple[str, ...]:
     """:func:`rank_param_names` of the rank that :func:`rank_key` ``key`` names."""
     split, stages = key
-    return tuple(name for s in stages for name, _, _ in stage_entries(model, args, list(split), s))
+    return tuple(name for s in stages for name, _, _ in stage_entries(model, args, split, s))
 
 
 def _check_buckets(layout: Layout, model, args) -> None:
