@@ -98,7 +98,6 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     """Build one rank of the real trainer's model and optimizer on a fake process group with
     fake tensors (shapes, no storage), run a forward and backward through its hooks, create
     the optimizer state, and read the bytes back as the trainer logs them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchpar.config import load_config
@@ -111,9 +110,9 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
     try:
         layout, family, args = layout_from_config(cfg, world)
         layout.build_mesh("cpu")
-        model = build_shapes_only(family, args, layout, OptimizerFactory(cfg.optimizer, family))
+        model, fake_mode = build_shapes_only(family, args, layout, OptimizerFactory(cfg.optimizer, family))
         first = set(family.first_stage)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_mode:
             for part in model.parts:
                 has_first = any(getattr(part, name, None) is not None for name in first)
                 x = torch.zeros(1, 8, dtype=torch.long) if has_first else torch.zeros(1, 8, args.dim)
@@ -161,7 +160,10 @@ def test_planner_bytes_equal_the_real_model_at_scale(name):
     from torchpar.plan import layout_from_config, state_bytes
 
     world, overrides, ranks = BIG[name]
-    overrides = [*overrides, "--training.seq_len", "8", "--training.local_batch_size", "8"]
+    # The default bucket size: the tiny job's 1 MB would give the flat engine thousands of buckets,
+    # each a few fake-tensor ops per parameter it touches.
+    overrides = [*overrides, "--training.seq_len", "8", "--training.local_batch_size", "8",
+                 "--parallelism.bucket_mb", "25"]
     lay, model, args = layout_from_config(load_config(TINY, overrides), world)
     # A fresh process per rank: DTensor caches meshes of a destroyed process group.
     ctx = mp.get_context("spawn")

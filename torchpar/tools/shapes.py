@@ -5,16 +5,17 @@ are checked against the trainer's own code for layouts far bigger than this mach
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchpar.parallel import ParallelModel, materialize, parallelize
 
 
-def build_shapes_only(model, args, layout, build_optimizer) -> ParallelModel:
-    """``layout`` must have its mesh built (on a fake process group). The result has no
-    pipeline schedule: nothing runs across ranks."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def build_shapes_only(model, args, layout, build_optimizer) -> tuple[ParallelModel, FakeTensorMode]:
+    """``layout`` must have its mesh built (on a fake process group). The model has no pipeline
+    schedule (nothing runs across ranks); run it under the returned mode, which made its
+    tensors: under another, every op converts each of them again (at 8B, minutes)."""
     parts = parallelize(model, args, layout)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
         state = materialize(parts, layout, torch.device("cpu"), 0, build_optimizer)
-    return ParallelModel(parts, state, None)
+    return ParallelModel(parts, state, None), mode
