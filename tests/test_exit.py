@@ -14,8 +14,11 @@ from test_train import env
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
-LAST_ACTS = ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async", "--checkpoint.interval", "1",
-             "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1"]
+# What runs last before an exit (an async save, an evaluation), on two layers: the exit is what is
+# tested, and each of the many processes starts sooner.
+LAST_ACTS = ["--model.n_layers", "2", "--checkpoint.enable", "true", "--checkpoint.async_mode", "async",
+             "--checkpoint.interval", "1", "--validation.enable", "true", "--validation.freq", "1",
+             "--validation.steps", "1"]
 
 
 def burn_cpu():
