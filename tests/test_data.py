@@ -526,19 +526,27 @@ def test_prepare_data_never_writes_among_other_files(tmp_path, capfd):
 def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops every process with
     one line and no traceback; the same command then goes on from the shards written."""
-    import signal
-    import time
-
     out = tmp_path / "p"
-    cmd = [sys.executable, "-m", "torchpar", "prepare-data", "--config", str(TINY), "--out", str(out),
-           "--processes", "2", "--docs-per-shard", "16"]
+    # The Ctrl-C comes from the worker that has just written shard 1 (the workers are forked, so
+    # they run this patch): a whole preparation takes a second or two, and a test that polls for
+    # that shard was starved on a loaded machine until the run had finished.
+    ctrl_c_after_shard_1 = (
+        "import os, signal, sys\n"
+        "from torchpar.data import tokenized\n"
+        "write = tokenized._write_json\n"
+        "def write_then_ctrl_c(path, data):\n"
+        "    write(path, data)\n"
+        "    if path.name == 'shard-00001.json':\n"
+        "        os.killpg(os.getpgrp(), signal.SIGINT)\n"
+        "tokenized._write_json = write_then_ctrl_c\n"
+        "from torchpar.commands import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    cmd = [sys.executable, "-c", ctrl_c_after_shard_1, "prepare-data", "--config", str(TINY), "--out",
+           str(out), "--processes", "2", "--docs-per-shard", "16"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while not (out / "shard-00001.json").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.count("torchpar: error:") == 1, err
     assert "run the same command again to resume" in err.splitlines()[-1]
