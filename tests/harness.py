@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # ring CP (losses within 1e-5): 2e-5 bounds it with room, two orders below a real error (a lost
 # gradient, a wrong shard), which the tables see at 1e-3 and above.
 PARAM_TOL = 2e-5
+# The layout and checkpoint tables' model depth: four layers hold every kind of parameter a layer
+# has and split into 2 x 2 pipeline stages, and the self-test job's eight cost each run about a
+# third more. A layout that needs more stages says so.
+LAYERS = ["--model.n_layers", "4"]
 
 
 def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | None = None,

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import assert_matches, run_layouts
+from harness import LAYERS, assert_matches, run_layouts
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
@@ -18,9 +18,7 @@ Z = "--parallelism.zero_stage"
 LB = "--training.local_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
-# Four layers: what a checkpoint holds per layer is the same for each (the self-test's eight
-# cost every run a third more).
-STEPS = ["--training.steps", "6", "--model.n_layers", "4"]
+STEPS = ["--training.steps", "6", *LAYERS]
 MUON = ["--optimizer.name", "muon"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 # A mixture of experts with both balancing methods: the routing bias is saved beside the weights.

@@ -261,9 +261,9 @@ def test_killed_rank_is_restarted_and_resumes_from_the_async_save_written_just_b
     before step 20); torchrun restarts the group, which resumes from step 10 and ends with the
     weights of an uninterrupted run. (Running the same command again after a kill takes the same
     path: the restarted ranks' preflight.)"""
-    steps = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size",
-             "4", "--parallelism.zero_stage", "3", "--checkpoint.enable", "true",
-             "--checkpoint.interval", "10", "--checkpoint.async_mode", "async", "--metrics.log_freq", "1"]
+    steps = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "10",
+             "--checkpoint.async_mode", "async", "--metrics.log_freq", "1"]
     ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     folder = tmp_path / "killed"
@@ -290,9 +290,9 @@ def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
     """SIGTERM to the launcher mid-run (what SLURM sends before a kill): every rank finishes the same
     step, a checkpoint of it is written, the ranks exit with 128 + 15 and one line; running the same
     command again ends with the weights of an uninterrupted run, bit for bit."""
-    steps = ["--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size",
-             "4", "--parallelism.zero_stage", "3", "--checkpoint.enable", "true",
-             "--checkpoint.interval", "100", "--metrics.log_freq", "1"]
+    steps = ["--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "4",
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "100",
+             "--metrics.log_freq", "1"]
     ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     folder = tmp_path / "stopped"

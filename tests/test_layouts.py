@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from harness import PARAM_TOL, ROOT, assert_matches, bytes_of, run_group, run_layouts
+from harness import LAYERS, PARAM_TOL, ROOT, assert_matches, bytes_of, run_group, run_layouts
 
 from torchpar.parallel.pipeline import SCHEDULES
 
@@ -136,9 +136,6 @@ WORLD8 = {**{f"pp2_dp2_tp2_{s}": pp(2, s, LB, "4", *TP2, Z, "3")
                                   Z, "1")}
 
 
-# Four layers (the self-test job's eight cost each layout about a third more); a layout that needs
-# more stages than that says so.
-LAYERS = ["--model.n_layers", "4"]
 FAMILIES = {"llama3": LAYERS, "gpt2": ["--model.name", "gpt2", *LAYERS]}
 # Every layout runs for Llama. The GPT-2-style model runs those that meet what it has and Llama
 # has not: biases under TP (column-sharded, row-replicated) and in the ZeRO 0-2 buffers, learned
@@ -327,9 +324,10 @@ def test_tensor_parallel_halves_the_sharded_weights(world2, refs, family):
     from harness import TINY
 
     from torchpar.config import load_config
-    from torchpar.plan import layout_from_config
+    from torchpar.models import adapter, model_args
 
-    _, model, args = layout_from_config(load_config(TINY, FAMILIES[family]), 1)
+    cfg = load_config(TINY, FAMILIES[family])
+    model, args = adapter(cfg.model.name), model_args(cfg.model)
     entries = model.stage_params(args, True, True, range(args.n_layers))
     whole = 4 * sum(
         r * c for _, (r, c), tp_dim in entries if tp_dim is None
