@@ -17,14 +17,13 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 fail() { echo "run_train.sh: error: $*" >&2; exit 2; }
-# torchpar/device.py is the one place that knows the accelerator.
-read -r DEFAULT_NPROC DEVICE_TYPE < <(python -m torchpar.device)
-NGPU=${NGPU:-$DEFAULT_NPROC}
+# NGPU unset: torchpar/device.py, the one place that knows the accelerator, decides (in the launcher).
+NGPU=${NGPU:-auto}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-[[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || fail "NGPU=$NGPU: give the number of processes on this node, 1 or more"
+[[ "$NGPU" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU=$NGPU: give the number of processes on this node, 1 or more"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES=$NNODES: give the number of nodes, 1 or more"
 [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] || fail "NODE_RANK=$NODE_RANK: give 0..$((NNODES - 1))"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS=$MAX_RESTARTS: give 0 or more"
@@ -35,11 +34,6 @@ NODE_RANK=${NODE_RANK:-0}
 if [ "${SLURM_STEP_NUM_TASKS:-1}" -gt "$NNODES" ]; then
   fail "started by srun as ${SLURM_STEP_NUM_TASKS} tasks for NNODES=$NNODES: start one per node (srun --ntasks-per-node=1) and set NNODES, NODE_RANK and RDZV_ENDPOINT, as scripts/slurm/train.sbatch does"
 fi
-# Oversubscribed CPU ranks slow down badly with more than one thread each.
-if [ "$DEVICE_TYPE" = cpu ]; then
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-fi
-
 if [ "$NNODES" -gt 1 ]; then
   [ -n "${RDZV_ENDPOINT:-}" ] || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, an address of the first node every node can reach"
   [[ "$RDZV_ENDPOINT" =~ ^.+:[1-9][0-9]*$ ]] || fail "RDZV_ENDPOINT=$RDZV_ENDPOINT: give host:port, e.g. node0:29500"
@@ -56,10 +50,9 @@ fi
 if [ "$MAX_RESTARTS" -gt 0 ]; then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
-# Check the config, data and layout once for the whole world, so a mistake is one line, not one
-# traceback per rank.
-NODE_RANK=$NODE_RANK WORLD_SIZE=$((NNODES * NGPU)) LOCAL_WORLD_SIZE=$NGPU python -m torchpar train --check --config "$CONFIG_FILE" "$@" || exit $?
-# torchrun, with torchpar's reporting: one line and the failing rank's code, waits that say so.
+# torchrun, with torchpar's reporting: the config, data and layout checked once for the whole world
+# before any rank starts (a mistake is one line, not one traceback per rank), then one line and the
+# failing rank's code, and waits that say so.
 exec python -m torchpar.commands.launch "${LAUNCH[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "${LOG_RANK:-0}" \
   -m torchpar train --config "$CONFIG_FILE" "$@"

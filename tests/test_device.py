@@ -331,10 +331,9 @@ def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, 
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# Records each call and the variables gpu_check.sh sets; run_train.sh asks torchpar.device first.
+# Records each call and the variables gpu_check.sh sets.
 echo "$* | NCCL_DEBUG=${NCCL_DEBUG:-} PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-}" >> "$FAKE_LOG"
 case "$*" in
-  "-m torchpar.device") echo "2 cuda" ;;
   *"torchpar selftest"*) exit 3 ;;
   *"zero_stage 3"*) sleep 30 ;;
 esac
@@ -366,8 +365,6 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     stages = [
         ("-c import torch", ""),
         ("-m torchpar train --config torchpar/assets/selftest.toml --training.steps 3", ""),
-        ("-m torchpar.device", "INFO"),
-        ("-m torchpar train --check", "INFO"),
         ("-m torchpar.commands.launch --standalone --nproc-per-node 2", "INFO"),
         ("-m torchpar selftest --json", ""),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),

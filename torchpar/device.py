@@ -268,7 +268,8 @@ def join_process_group(name: str, timeout_s: int, device: torch.device) -> None:
         return (f"torchpar: rank {rank} of {world}: waiting for {whom} at {host}:{port} ({seconds:.0f} s; "
                 f"at most comm.timeout_s = {timeout_s} s)")
 
-    with progress("", shown=srun, line=note):
+    # (a short timeout still says whom it waits for before it ends)
+    with progress("", shown=srun, line=note, after_s=min(10.0, timeout_s / 4)):
         try:
             if srun and rank != 0:
                 wait_for_listener(host, port, timeout_s)
@@ -464,7 +465,3 @@ def peak_flops(dtype: torch.dtype, matmul_dim: int, tf32: bool = True,
     return (2 * m * k * n / best,
             f"measured: best of 5 {m}x{k}x{n} {dtype} matmuls on {torch.get_num_threads()} thread(s)")
 
-
-if __name__ == "__main__":
-    # For run_train.sh, which must not ask torch.cuda itself: "<default processes> <device type>".
-    print(default_nproc(), device_type())

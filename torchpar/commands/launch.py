@@ -1,8 +1,10 @@
-"""run_train.sh's torchrun: torchrun itself (its options, agent and rendezvous), reporting the way
-torchpar does.
+"""run_train.sh's torchrun: torchrun itself (its options, agent and rendezvous), after the job's
+check and reporting the way torchpar does.
 
     python -m torchpar.commands.launch [torchrun options] -m torchpar train --config FILE [overrides]
 
+- Before any rank starts, ``torchpar train --check`` for the whole job runs in this process: a
+  mistake in the config, data, layout or checkpoint is its one line and exit code 2.
 - A failed job ends with one line and the first failing rank's exit code: that rank's own
   ``torchpar: ...`` line, read from the error file torchrun gives each rank (written by
   :class:`torchpar.console.Reason`) — printed unless the console showed it already. A stop on
@@ -30,11 +32,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
+from torchpar import device as dev
+from torchpar.commands.train import main as train_command
 from torchpar.commands.train import parse_train_args
 from torchpar.config import load_config
-from torchpar.console import progress
-from torchpar.device import wait_for_listener
-from torchpar.errors import ConfigError
+from torchpar.console import progress, run_command
 
 PROG = "run_train.sh"
 
@@ -122,7 +124,9 @@ class Launch:
                         f"comm.timeout_s = {self.timeout} s")
 
             try:
-                with progress("", shown=self.nnodes > 1, line=note, until=started):
+                # (a short timeout still says whom it waits for before it ends)
+                with progress("", shown=self.nnodes > 1, line=note, until=started,
+                              after_s=min(10.0, self.timeout / 4)):
                     self._rendezvous()
                     run(self.args)
                 return 0
@@ -157,7 +161,7 @@ class Launch:
         deadline = time.monotonic() + self.timeout
         if self.nnodes > 1 and self.args.node_rank != 0:
             host, port = self.args.rdzv_endpoint.rsplit(":", 1)
-            wait_for_listener(host.strip("[]"), int(port), self.timeout)
+            dev.wait_for_listener(host.strip("[]"), int(port), self.timeout)
         left = max(1, round(deadline - time.monotonic()))
         conf = f"join_timeout={left},read_timeout={left}"
         self.args.rdzv_conf = f"{conf},{self.args.rdzv_conf}" if self.args.rdzv_conf else conf
@@ -218,14 +222,23 @@ class Launch:
 
 
 def main(argv: list[str]) -> int:
+    """torchrun's options and entry point; ``--nproc-per-node auto``: one process per visible GPU,
+    else 2 CPU ranks (``run_train.sh`` without NGPU)."""
     args = parse_args(argv)
-    try:
-        script_args = args.training_script_args  # (-m torchpar) train --config ...
-        script_args = script_args[1:] if script_args[:1] == ["train"] else script_args
-        config, overrides, _, _ = parse_train_args(script_args, "")
-        cfg = load_config(config, overrides)
-    except ConfigError as e:  # run_train.sh checked the config before: this is a launch of another shape
-        return Launch._say(f"{PROG}: error: {e}", 2)
+    if args.nproc_per_node == "auto":
+        args.nproc_per_node = str(dev.default_nproc())
+    nproc = int(args.nproc_per_node)
+    shown = args.local_ranks_filter.split(",") if args.local_ranks_filter else []
+    if any(int(r) >= nproc for r in shown):  # (else no rank's output would reach the console)
+        return Launch._say(f"{PROG}: error: LOG_RANK={args.local_ranks_filter}: this node runs local ranks "
+                           f"0-{nproc - 1} (NGPU={nproc}); give local ranks below {nproc}", 2)
+    script_args = args.training_script_args  # (-m torchpar) train --config ...
+    script_args = script_args[1:] if script_args[:1] == ["train"] else script_args
+    code = check_once(args, script_args)
+    if code:
+        return code
+    config, overrides, _, _ = parse_train_args(script_args, "")
+    cfg = load_config(config, overrides)  # (the check loaded the same: no error left)
     # The agent turns these signals into its own exception from the moment it starts ranks; before
     # that (the rendezvous) too, so that a stop while waiting is one line.
     def stop(signum, frame):
@@ -234,6 +247,28 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
     return Launch(args, cfg).run()
+
+
+def check_once(args, script_args: list[str]) -> int:
+    """``torchpar train --check`` for the whole job, in this process before torchrun starts a
+    rank (a process of its own would import torch and the trainer once more, seconds on every
+    launch): its exit code, its error already said in one line. Sets each CPU rank's threads."""
+    nproc = int(args.nproc_per_node)
+    if dev.device_type() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Oversubscribed CPU ranks slow down badly with more than one thread each.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    world = parse_min_max_nnodes(args.nnodes)[1] * nproc
+    job = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": str(args.node_rank)}
+    before = {k: os.environ.get(k) for k in job}
+    os.environ.update(job)  # (the check reads the job's shape as a rank would)
+    try:
+        return run_command(train_command, ["--check", *script_args])
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":

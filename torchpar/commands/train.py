@@ -35,14 +35,8 @@ def main(argv: list[str]) -> int:
     if not check:
         dev.adopt_slurm_environment()  # srun without torchrun: WORLD_SIZE from srun's variables
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if check:  # run_train.sh calls this once before torchrun starts any rank
-        if cfg.parallelism.layout == "auto":  # the layout that fits best by memory alone stands in
-            cfg = plan_candidates(cfg, world, room_of(cfg, world), keep=1)[0][0].cfg
-        pre = preflight(cfg, world)
-        check_memory_cap(cfg, pre.layout, pre.model, pre.args)
-        verify_contents(cfg, pre)
-        if os.environ.get("NODE_RANK", "0") == "0":  # other nodes' checks may run after rank 0 took it
-            claim_folders(cfg, 0).release()  # the launcher's check: is another run using the folder?
+    if check:
+        check_job(cfg, world, int(os.environ.get("NODE_RANK", "0")))
         return 0
 
     trainer, figures = None, None
@@ -70,6 +64,19 @@ def main(argv: list[str]) -> int:
     finally:
         dev.shutdown_distributed()  # after the trainer's threads, before the interpreter's exit
     return 0
+
+
+def check_job(cfg, world: int, node_rank: int = 0) -> None:
+    """What the launcher checks once per node before torchrun starts a rank: config, tokenizer,
+    data, layout, memory cap and the checkpoint's files for ``world`` ranks, so that a mistake is
+    one line, not one traceback per rank. Raises ConfigError."""
+    if cfg.parallelism.layout == "auto":  # the layout that fits best by memory alone stands in
+        cfg = plan_candidates(cfg, world, room_of(cfg, world), keep=1)[0][0].cfg
+    pre = preflight(cfg, world)
+    check_memory_cap(cfg, pre.layout, pre.model, pre.args)
+    verify_contents(cfg, pre)
+    if node_rank == 0:  # other nodes' checks may run after rank 0 took the folder
+        claim_folders(cfg, 0).release()  # is another run using the folder?
 
 
 def parse_train_args(argv: list[str], usage: str) -> tuple[str | None, list[str], bool, bool]:
