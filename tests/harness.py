@@ -7,7 +7,15 @@ tests and ``torchpar selftest`` start and compare their processes with the same 
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+
+import torch
 
 from torchpar.selftest import BASE as TINY  # noqa: F401 (re-exported, like the names below)
 from torchpar.selftest import NATIVE_ERROR, free_port, run_each, run_group, run_layouts, spawn_ranks  # noqa: F401
@@ -54,3 +62,52 @@ def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | N
 def bytes_of(run: dict, key: str) -> list[int]:
     """Each rank's ``key`` (param / grad / optim) bytes at step 1 of a layout's run."""
     return run["step1"][f"{key}_bytes_per_rank"]
+
+
+def cli(argv: list[str], env: dict[str, str], timeout: float = 300, script: str | None = None
+        ) -> subprocess.CompletedProcess:
+    """``python -m torchpar *argv`` (or ``python -c script *argv``) with ``env`` in the repository
+    root, in a process forked from the server that has imported torch and the trainer for the ranks
+    (a new interpreter spends seconds importing them each time): its exit code, stdout and stderr,
+    as ``subprocess.run`` gives them. A process of its own: its signals, exit code, output and exit
+    handlers are the command's. Tests of what a new interpreter does (a signal to a starting
+    process, torchrun, the heap of a fresh process) start one."""
+    out = tempfile.mkdtemp(prefix="torchpar_cli_")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torchpar.selftest"])  # (the ranks' server: the first call sets it)
+    proc = context.Process(target=_cli_main, args=(argv, env, out, script))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise subprocess.TimeoutExpired(["torchpar", *argv], timeout)
+    stdout, stderr = (Path(out, name).read_text(errors="replace") for name in ("stdout", "stderr"))
+    for name in ("stdout", "stderr"):
+        Path(out, name).unlink()
+    os.rmdir(out)
+    return subprocess.CompletedProcess(["torchpar", *argv], proc.exitcode, stdout, stderr)
+
+
+def _cli_main(argv: list[str], env: dict[str, str], out: str, script: str | None) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    tempfile.tempdir = None  # (read from TMPDIR again)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        f = os.open(f"{out}/{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    if "OMP_NUM_THREADS" in env:  # (read by a new interpreter's first parallel op; the server's ran none)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        if script is not None:
+            sys.argv = ["-c", *argv]
+            exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = [str(ROOT / "torchpar" / "__main__.py"), *argv]
+            from torchpar.commands import main
+
+            sys.exit(main(argv))
+    finally:
+        atexit._run_exitfuncs()  # what the interpreter runs at its exit (a forked child exits without)

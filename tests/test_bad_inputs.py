@@ -14,11 +14,10 @@ import json
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT, TINY
+from harness import ROOT, TINY, cli
 from test_checkpoint_files import folder_digest
 from test_train import env
 
@@ -33,9 +32,8 @@ def trained(tmp_path_factory) -> Path:
     """A dump folder with complete checkpoints of steps 3 and 6 of the tiny model."""
     tmp = tmp_path_factory.mktemp("bad_inputs")
     folder = tmp / "trained"
-    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "6",
-           "--checkpoint.enable", "true", "--checkpoint.interval", "3", "--job.dump_folder", str(folder)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
+    r = cli(["train", "--config", str(TINY), "--training.steps", "6", "--checkpoint.enable", "true",
+             "--checkpoint.interval", "3", "--job.dump_folder", str(folder)], env(tmp))
     assert r.returncode == 0, r.stderr
     return folder
 

@@ -255,17 +255,31 @@ def assert_same_weights(tmp_path, ref: Path, other: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_killed_rank_is_restarted_and_resumes_from_the_async_save_written_just_before(tmp_path):
+# The killed-rank and SIGTERM runs: 2 ranks, 30 steps of the debug model (their windows for a kill or a
+# stop are counted in steps, and its eight layers make them long enough).
+TWO_RANKS = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
+             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--metrics.log_freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run that the killed-rank and SIGTERM runs must end equal to: the same 30 steps, never
+    stopped, saved at the end (how often a run saves changes no weight)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    r = run(["./run_train.sh", *TWO_RANKS, "--checkpoint.interval", "100", "--job.dump_folder",
+             str(tmp / "ref")], tmp, NGPU="2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "ref"
+
+
+def test_killed_rank_is_restarted_and_resumes_from_the_async_save_written_just_before(tmp_path,
+                                                                                      uninterrupted):
     """An asynchronous save is a checkpoint as soon as its files are written, not at the next save
     point: SIGKILL one rank between two save points (after the async save of step 10 was written,
     before step 20); torchrun restarts the group, which resumes from step 10 and ends with the
     weights of an uninterrupted run. (Running the same command again after a kill takes the same
     path: the restarted ranks' preflight.)"""
-    steps = ["--training.steps", "30", "--training.seq_len", "32", "--training.local_batch_size", "4",
-             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "10",
-             "--checkpoint.async_mode", "async", "--metrics.log_freq", "1"]
-    ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    steps = [*TWO_RANKS, "--checkpoint.interval", "10", "--checkpoint.async_mode", "async"]
     folder = tmp_path / "killed"
     proc = subprocess.Popen(["./run_train.sh", *steps, "--job.dump_folder", str(folder)], cwd=ROOT,
                             env=env(tmp_path, NGPU="2", MAX_RESTARTS="1", LOG_RANK="0,1"),
@@ -283,18 +297,14 @@ def test_killed_rank_is_restarted_and_resumes_from_the_async_save_written_just_b
     assert committed, f"step 10 was not committed by step {at}"
     assert proc.returncode == 0, (out + err)[-4000:]
     assert f"resumed from {saved} at step 10" in out, out[-3000:]
-    assert_same_weights(tmp_path, tmp_path / "ref", folder)
+    assert_same_weights(tmp_path, uninterrupted, folder)
 
 
-def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
+def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path, uninterrupted):
     """SIGTERM to the launcher mid-run (what SLURM sends before a kill): every rank finishes the same
     step, a checkpoint of it is written, the ranks exit with 128 + 15 and one line; running the same
     command again ends with the weights of an uninterrupted run, bit for bit."""
-    steps = ["--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "4",
-             "--parallelism.zero_stage", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "100",
-             "--metrics.log_freq", "1"]
-    ref = run(["./run_train.sh", *steps, "--job.dump_folder", str(tmp_path / "ref")], tmp_path, NGPU="2")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    steps = [*TWO_RANKS, "--checkpoint.interval", "100"]
     folder = tmp_path / "stopped"
     cmd = ["./run_train.sh", *steps, "--job.dump_folder", str(folder)]
     proc = subprocess.Popen(
@@ -316,14 +326,14 @@ def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path):
     stopped = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
     assert stopped, (out + err)[-4000:]
     step = int(stopped[0].split("after step ")[1].split(";")[0])
-    assert 5 <= step < 20 and f"step-{step:08d}" in stopped[0]
+    assert 5 <= step < 30 and f"step-{step:08d}" in stopped[0]
     assert "KeyboardInterrupt" not in err and err.count("torchpar: stopped by SIGTERM") == 1  # rank 0 says it
     assert proc.returncode == 128 + signal.SIGTERM and "ChildFailedError" not in err, err[-3000:]
     assert sorted(d.name for d in (folder / "checkpoint").glob("step-*")) == [f"step-{step:08d}"]
     again = run(cmd, tmp_path, NGPU="2")
     assert again.returncode == 0 and f"resumed from {folder}/checkpoint/step-{step:08d}" in again.stdout, \
         again.stderr[-3000:]
-    assert_same_weights(tmp_path, tmp_path / "ref", folder)
+    assert_same_weights(tmp_path, uninterrupted, folder)
 
 
 def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):

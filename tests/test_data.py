@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, TINY
+from harness import ROOT, TINY, cli
 from test_train import env
 
 from torchpar.config import load_config
@@ -173,9 +173,7 @@ def folder_bytes(folder: Path) -> dict:
 
 
 def prepare_cli(tmp_path, out, *more):
-    cmd = [sys.executable, "-m", "torchpar", "prepare-data", "--config", str(TINY), "--out", str(out),
-           *more]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    r = cli(["prepare-data", "--config", str(TINY), "--out", str(out), *more], env(tmp_path))
     assert r.returncode == 0, r.stderr
     return r.stdout + r.stderr
 
@@ -441,10 +439,9 @@ def test_document_attention_per_document_equals_the_mask(monkeypatch):
 
 
 def train(tmp_path, folder, *overrides, config=TINY):
-    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(config), "--job.dump_folder",
-           str(folder), "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-           "--checkpoint.async_mode", "off", *overrides]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    r = cli(["train", "--config", str(config), "--job.dump_folder", str(folder), "--checkpoint.enable",
+             "true", "--checkpoint.interval", "2", "--checkpoint.async_mode", "off", *overrides],
+            env(tmp_path))
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -532,6 +529,9 @@ def test_prepare_data_interrupted_is_one_line_and_resumes(tmp_path):
     # that shard was starved on a loaded machine until the run had finished.
     ctrl_c_after_shard_1 = (
         "import os, signal, sys\n"
+        # A shell without job control starts a background command with SIGINT ignored, and Python
+        # then never raises KeyboardInterrupt; a terminal's foreground command has the default.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from torchpar.data import tokenized\n"
         "write = tokenized._write_json\n"
         "def write_then_ctrl_c(path, data):\n"

@@ -3,13 +3,12 @@ LlamaForCausalLM into torchpar, exporting torchpar checkpoints to HF folders, an
 training from an HF model under tensor and pipeline parallelism."""
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, TINY, assert_matches, run_layouts
+from harness import ROOT, TINY, assert_matches, cli, run_layouts
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -46,7 +45,9 @@ def torchpar_model(values, flavor: str):
 
 
 def run(args, cwd):
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    """``python -m torchpar ...`` (args[0] == 'torchpar'), forked (harness.cli), in the repository root."""
+    assert args[0] == "torchpar" and cwd == ROOT, args
+    return cli(args[1:], dict(os.environ), timeout=600)
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-tied"])

@@ -2,14 +2,13 @@
 worked examples, search and the command line."""
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import ROOT, TINY, spawn_ranks
+from harness import ROOT, TINY, cli, spawn_ranks
 
 from torchpar.errors import ConfigError
 from torchpar.parallel.recompute import OPTIONS, option_overrides
@@ -343,10 +342,7 @@ def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
 
 
 def run_plan(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "torchpar", "plan", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=300
-    )
+    return cli(["plan", *args], dict(os.environ))
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""End to end: the real entry points in real processes."""
+"""End to end: the real entry points in real processes (a new interpreter for ``python -m torchpar``
+and the ``torchpar`` script here; the other files' runs of them are forked, see ``run``)."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT, TINY
+from harness import ROOT, TINY, cli
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
@@ -20,7 +21,16 @@ def env(tmp_path, **extra):
     return e
 
 
-def run(cmd, tmp_path, **extra):
+def run(cmd, tmp_path, fresh: bool = False, **extra):
+    """``cmd`` in the repository root with ``env(tmp_path, **extra)``. ``python -m torchpar ...``,
+    ``torchpar ...`` and ``python -c SCRIPT ...`` run forked from the ranks' server (harness.cli)
+    unless ``fresh``: a new interpreter, as anything else gets."""
+    argv = (cmd[3:] if cmd[:3] == [sys.executable, "-m", "torchpar"] else
+            cmd[1:] if cmd[:1] == ["torchpar"] else None)
+    if argv is not None and not fresh:
+        return cli(argv, env(tmp_path, **extra), timeout=600)
+    if cmd[:2] == [sys.executable, "-c"] and not fresh:
+        return cli(cmd[3:], env(tmp_path, **extra), timeout=600, script=cmd[2])
     return subprocess.run(
         cmd, cwd=ROOT, env=env(tmp_path, **extra), capture_output=True, text=True, timeout=600
     )
@@ -36,7 +46,8 @@ def test_single_process_loss_falls_and_logs_everything(tmp_path):
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "40",
              "--training.seq_len", "64", "--metrics.log_freq", "10", "--job.dump_folder", str(out),
-             "--validation.enable", "true", "--validation.freq", "25", "--validation.steps", "2"], tmp_path)
+             "--validation.enable", "true", "--validation.freq", "25", "--validation.steps", "2"], tmp_path,
+            fresh=True)
     assert r.returncode == 0, r.stderr
     recs = records(out)
     assert [x["step"] for x in recs] == [1, 10, 20, 30, 40]
@@ -108,7 +119,7 @@ def test_print_config_and_help(tmp_path):
         tmp_path,
     )
     assert r.returncode == 0 and "[training]\nsteps = 9\n" in r.stdout
-    r = run(["torchpar", "train", "--help"], tmp_path)
+    r = run(["torchpar", "train", "--help"], tmp_path, fresh=True)  # the installed script
     assert (
         r.returncode == 0
         and "--optimizer.weight_decay (float, default 0.1): Decoupled weight decay, of matrices" in r.stdout

@@ -2,7 +2,8 @@
 
 import pytest
 import torch.distributed as dist
-from harness import TINY
+from harness import TINY, cli
+from test_train import env
 
 from torchpar.config import load_config
 from torchpar.errors import ConfigError
@@ -180,16 +181,9 @@ def test_recompute_every_k_beyond_the_layers(capfd):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A dump folder with a checkpoint of step 2 of the tiny model."""
-    import subprocess
-    import sys
-
-    from harness import ROOT
-    from test_train import env
-
     tmp = tmp_path_factory.mktemp("resume")
-    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", "2",
-           "--checkpoint.enable", "true", "--job.dump_folder", str(tmp / "run")]
-    r = subprocess.run(cmd, cwd=ROOT, env=env(tmp), capture_output=True, text=True, timeout=300)
+    r = cli(["train", "--config", str(TINY), "--training.steps", "2", "--checkpoint.enable", "true",
+             "--job.dump_folder", str(tmp / "run")], env(tmp))
     assert r.returncode == 0, r.stderr
     return tmp / "run"
 
