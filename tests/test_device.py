@@ -10,11 +10,12 @@ import subprocess
 import sys
 import zlib
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import ROOT, TINY, free_port
+from harness import ROOT, TINY, cli, free_port
 
 from torchpar import device as dev
 from torchpar.errors import ConfigError
@@ -206,9 +207,7 @@ def test_srun_without_torchrun_is_one_job(tmp_path):
     assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 2" in outs[0]
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # one writer
-    r = subprocess.run(
-        cmd, cwd=ROOT, env={**base, "SLURM_LOCALID": "0"}, capture_output=True, text=True, timeout=120
-    )
+    r = cli(cmd[3:], {**base, "SLURM_LOCALID": "0"}, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "torchpar: error: started by srun with 2 tasks, but SLURM_PROCID is not set, so this process cannot "
         "tell its rank: launch through torchrun (scripts/slurm/train.sbatch) instead"
@@ -267,15 +266,8 @@ def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
     one of them already): each equals one process; a layout whose learning rate differs (a broken
     layout, on purpose) fails the run."""
     out = tmp_path / "rows.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "torchpar", "selftest", "--nproc", "2", "--only", "zero3,dp2_zero1", "--json",
-         str(out), "--layout", "broken=--optimizer.lr 4e-3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    r = cli(["selftest", "--nproc", "2", "--only", "zero3,dp2_zero1", "--json", str(out), "--layout",
+             "broken=--optimizer.lr 4e-3"], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     rows = {row["layout"]: row for row in json.loads(out.read_text())}
     assert r.returncode == 1, r.stdout + r.stderr
     assert rows.pop("broken")["status"] == "FAIL" and "failed: broken (float32)" in r.stdout
@@ -419,25 +411,8 @@ def test_two_nodes_on_one_machine_equal_one_process(tmp_path):
         )
         for n in range(2)
     ]
-    ref = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchpar",
-            "train",
-            "--config",
-            str(TINY),
-            "--parallelism.zero_stage",
-            "0",
-            "--job.dump_folder",
-            str(tmp_path / "ref"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
-    )
+    ref = cli(["train", "--config", str(TINY), "--parallelism.zero_stage", "0", "--job.dump_folder",
+               str(tmp_path / "ref")], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     outs = [p.communicate(timeout=300)[0] for p in nodes]
     codes = [p.returncode for p in nodes] + [ref.returncode]
     printed = {"node 0": outs[0], "node 1": outs[1], "one process": ref.stderr}
@@ -630,3 +605,48 @@ def test_the_checkpoint_writers_group_gets_the_configured_timeout(tmp_path):
         saver.close()
     finally:
         dev.shutdown_distributed()
+
+
+class _Sent(Exception):
+    """What the recording all_reduce raises once it has seen the tensor (a meta tensor has no value)."""
+
+
+def test_a_rank_with_nothing_of_its_own_reduces_on_the_device(monkeypatch):
+    """The figures a rank all-reduces without holding any of the values behind them (a rank that
+    owns no gradient piece; the trials' step times of layout = 'auto') are on the device the job
+    runs on, never the host: a host tensor has no backend in an NCCL-only group, and the collective
+    raises on the first GPU job. A meta device stands for the GPU here."""
+    from torchpar.config import load_config
+    from torchpar.parallel.zero import clip_grad_norm
+    from torchpar.tools import auto_layout
+
+    seen = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise _Sent
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    class NoPieces:
+        def grad_pieces(self):
+            return []
+
+    with pytest.raises(_Sent):
+        clip_grad_norm(NoPieces(), 1.0, torch.device("meta"))
+
+    class Trial:  # a trainer whose steps take 0.1 s
+        device = torch.device("meta")
+
+        def __init__(self, cfg, on_logged_step):
+            self.on_logged_step = on_logged_step
+
+        def train(self):
+            for step in (1, 2, 3):
+                self.on_logged_step(self, {"step": step, "step_s": 0.1})
+
+    monkeypatch.setattr(auto_layout, "Trainer", Trial)
+    with pytest.raises(_Sent):
+        auto_layout.trial(load_config(TINY, []), 3, Path("/nonexistent/trial"))
+    assert seen == [torch.device("meta")] * 2

@@ -67,6 +67,8 @@ class Trainer:
         with progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0):
             self.rank, world = dev.init_distributed(cfg.comm.timeout_s, lay.cpu_offload, tr.tf32)
             self.device = dev.local_device(tr.tf32)
+            # where the gradients live: the host under CPU offload (its group has gloo for them)
+            self.grad_device = torch.device("cpu") if lay.cpu_offload else self.device
             dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
         if on_process_group is not None:
@@ -178,7 +180,7 @@ class Trainer:
             loss_sum = self._forward_backward(batches, scale, phase)
         with phase("reduce_clip"):
             state.reduce_gradients()
-            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm(state, self.cfg.training.max_norm, self.grad_device)
             routed = self.routing.take() if self.routing is not None else None
             summed = self.global_figures(loss_sum, terms.values(loss_sum), routed)
             n = 2 + len(self.loss_terms)

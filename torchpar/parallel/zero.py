@@ -200,16 +200,17 @@ def shaped_like(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return piece
 
 
-def clip_grad_norm(state, max_norm: float, world_group=None) -> torch.Tensor:
+def clip_grad_norm(state, max_norm: float, device: torch.device, world_group=None) -> torch.Tensor:
     """The true global gradient norm over every mesh dimension, and clipping to ``max_norm``.
 
     Each rank sums the squares of the gradient values it holds, divided by how many ranks hold
     identical copies; one all-reduce over the whole world then counts every value exactly once
-    (TP shards, FSDP shards, pipeline stages and replicas alike).
+    (TP shards, FSDP shards, pipeline stages and replicas alike). ``device``: where the gradients
+    live (the host under CPU offload); a rank that holds none still takes part in the all-reduce
+    from there — a host tensor has no backend in an NCCL-only group.
     """
     pieces = state.grad_pieces()
-    device = pieces[0][0].device if pieces else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=pieces[0][0].device if pieces else device)
     by_copies: dict[int, list[torch.Tensor]] = {}
     for t, copies in pieces:
         by_copies.setdefault(copies, []).append(t)

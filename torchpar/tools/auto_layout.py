@@ -244,7 +244,8 @@ def trial(cfg: JobConfig, steps: int, folder: Path) -> float:
     except BaseException:
         trainer.close(graceful=False)
         raise
-    median = torch.tensor([statistics.median(times.seconds)], dtype=torch.float64)
+    # (on the trainer's device: a host tensor has no backend in an NCCL-only group)
+    median = torch.tensor([statistics.median(times.seconds)], dtype=torch.float64, device=trainer.device)
     del trainer
     gc.collect()  # the engine's hooks hold it in reference cycles
     dev.empty_cache()  # the next trial's layout starts from an empty device
