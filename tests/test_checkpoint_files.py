@@ -336,7 +336,10 @@ def test_sigterm_saves_and_the_resumed_run_is_bitwise_the_same(tmp_path, uninter
     assert_same_weights(tmp_path, uninterrupted, folder)
 
 
-def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_to_one_process_saves_and_exits_128_plus_its_number_with_one_line(tmp_path, stop):
+    """SIGTERM, and SIGHUP (the terminal or ssh session that started the run went away), save the
+    step the run is at and exit with 128 + the signal's number and one line."""
     folder = tmp_path / "run"
     proc = subprocess.Popen(
         [
@@ -360,11 +363,11 @@ def test_sigterm_to_one_process_exits_143_with_one_line(tmp_path):
     while time.time() < deadline and not ((folder / "metrics.jsonl").exists() and
                                           len((folder / "metrics.jsonl").read_text().splitlines()) >= 3):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + stop, err[-3000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
-        "torchpar: stopped by SIGTERM after"
+        f"torchpar: stopped by {stop.name} after"
     )
     (saved,) = (folder / "checkpoint").glob("step-*")
     assert saved.name in err.strip().splitlines()[-1]

@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGINT end the
-run cleanly instead of with a traceback per rank.
+"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job), SIGINT and SIGHUP
+(the terminal or ssh session that started the run went away) end the run cleanly instead of with a
+traceback per rank, or with nothing saved.
 
 A signal only sets a flag. The trainer sends the flag along with the step's loss in the one
 all-reduce it makes anyway, so every rank learns of it at the same step boundary (whichever rank
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import signal
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopSignals:

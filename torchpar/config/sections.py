@@ -329,8 +329,8 @@ class Checkpoint:
         "auto", "Format of initial_load_path: 'torchpar' (an export file), 'hf' (a Hugging Face folder), "
         "'auto' = 'hf' for a folder with config.json.", ("auto", "torchpar", "hf"))
     save_on_signal: bool = opt(
-        True, "On SIGTERM/SIGINT (preemption), finish the current step and save a checkpoint before exiting "
-        "(exit code 128 + the signal's number).")
+        True, "On SIGTERM/SIGINT/SIGHUP (preemption, a closed terminal), finish the current step and save a "
+        "checkpoint before exiting (exit code 128 + the signal's number).")
     verify_checksums: bool = opt(
         True,
         "Before loading, check every file's CRC32 against the manifest (reads the checkpoint once more); "
