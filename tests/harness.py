@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,9 +84,7 @@ def cli(argv: list[str], env: dict[str, str], timeout: float = 300, script: str 
         proc.join()
         raise subprocess.TimeoutExpired(["torchpar", *argv], timeout)
     stdout, stderr = (Path(out, name).read_text(errors="replace") for name in ("stdout", "stderr"))
-    for name in ("stdout", "stderr"):
-        Path(out, name).unlink()
-    os.rmdir(out)
+    shutil.rmtree(out)
     return subprocess.CompletedProcess(["torchpar", *argv], proc.exitcode, stdout, stderr)
 
 

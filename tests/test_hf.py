@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, TINY, assert_matches, cli, run_layouts
+from harness import TINY, assert_matches, cli, run_layouts
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -44,10 +44,9 @@ def torchpar_model(values, flavor: str):
     return model.eval()
 
 
-def run(args, cwd):
-    """``python -m torchpar ...`` (args[0] == 'torchpar'), forked (harness.cli), in the repository root."""
-    assert args[0] == "torchpar" and cwd == ROOT, args
-    return cli(args[1:], dict(os.environ), timeout=600)
+def run(args):
+    """``torchpar *args`` in the repository root, forked (harness.cli)."""
+    return cli(args, dict(os.environ), timeout=600)
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-tied"])
@@ -88,12 +87,8 @@ def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
 def trained(tmp_path_factory):
     """A torchpar checkpoint trained for 4 steps (untied, GQA)."""
     folder = tmp_path_factory.mktemp("trained")
-    r = run(
-        ["torchpar", "train", "--config", str(TINY), "--training.steps", "4", "--job.dump_folder",
-         str(folder),
-         "--checkpoint.enable", "true"],
-        ROOT,
-    )
+    r = run(["train", "--config", str(TINY), "--training.steps", "4", "--job.dump_folder", str(folder),
+             "--checkpoint.enable", "true"])
     assert r.returncode == 0, r.stderr[-3000:]
     return folder
 
@@ -104,8 +99,8 @@ def test_export_is_read_by_transformers(trained, tmp_path, dtype):
     from torchpar.weights import load_model
 
     out = tmp_path / "hf"
-    r = run(["torchpar", "export", "--checkpoint", str(trained), "--out", str(out), "--format", "hf",
-             "--dtype", dtype, "--max-shard-mb", "2"], ROOT)
+    r = run(["export", "--checkpoint", str(trained), "--out", str(out), "--format", "hf",
+             "--dtype", dtype, "--max-shard-mb", "2"])
     assert r.returncode == 0, r.stderr
     assert "safetensors file(s)" in r.stdout
     config = json.loads((out / "config.json").read_text())
@@ -165,26 +160,26 @@ def test_export_never_replaces_what_it_did_not_write(trained, tmp_path, capfd):
 @pytest.mark.slow
 def test_config_mismatch_and_damage_are_one_line(tmp_path):
     make_hf_llama(tmp_path / "hf", "debug")
-    check = ["torchpar", "train", "--config", str(TINY), "--checkpoint.initial_load_path",
+    check = ["train", "--config", str(TINY), "--checkpoint.initial_load_path",
              str(tmp_path / "hf")]
-    r = run([*check, "--check"], ROOT)
+    r = run([*check, "--check"])
     assert r.returncode == 0, r.stderr
     for extra, message in (
         (["--model.n_layers", "4"], "num_hidden_layers = 8, but model.flavor = 'debug' has 4"),
         (["--model.flavor", "debug-tied"], "tie_word_embeddings = False"),
         (["--model.name", "gpt2"], "the gpt2 family has no Hugging Face mapping"),
     ):
-        r = run([*check, *extra, "--check"], ROOT)
+        r = run([*check, *extra, "--check"])
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("torchpar: error: ") and message in r.stderr, (
             r.stderr
         )
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x00" * 64)
-    r = run([*check, "--check"], ROOT)
+    r = run([*check, "--check"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "safetensors" in r.stderr, r.stderr
     # A folder whose tokenizer is a tokenizers JSON file: one line saying what to do.
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
-    r = run([*check, "--model.tokenizer_path", str(tmp_path / "hf"), "--check"], ROOT)
+    r = run([*check, "--model.tokenizer_path", str(tmp_path / "hf"), "--check"])
     assert r.returncode == 2 and "holds only tokenizer.json" in r.stderr, r.stderr
 
 
