@@ -69,3 +69,23 @@ def test_ranks_exit_cleanly_under_load():
             assert time.time() - t0 < 200
     finally:
         burner.kill()
+
+
+def _dereference_null():
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def _crashing_worker(rank, world, out):
+    _dereference_null()
+
+
+def test_a_rank_killed_by_a_native_crash_fails_with_what_each_thread_ran():
+    """A segmentation fault in a rank fails the call at once, with the native report and the
+    Python stack of the thread that crashed (faulthandler's, after torch's own handler)."""
+    with pytest.raises(RuntimeError) as failed:
+        spawn_ranks(_crashing_worker, 1)
+    report = str(failed.value)
+    assert "SIGSEGV" in report and "Current thread" in report, report
+    assert "in _dereference_null" in report and "in _crashing_worker" in report, report

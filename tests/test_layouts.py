@@ -365,3 +365,13 @@ def test_planner_predicts_every_ranks_bytes_exactly(world, world2, world4, world
                 assert (
                     runs[name]["step1"][f"predicted_{key}_bytes_per_rank"][rank] == predicted[f"{key}_bytes"]
                 )
+
+
+def test_a_layout_with_an_earlier_ones_degrees_builds_no_process_group(world4):
+    """A trainer takes the mesh (and its groups) of an earlier trainer of the same degrees in its
+    process: the count of groups does not grow over three HSDP layouts in a row, nor at dp 4 after
+    another dp 4 layout."""
+    groups = {n: world4[n]["process_groups"] for n in list(world4)[:6]}
+    assert groups["llama3/dp4_zero3"] < groups["llama3/dp_shard2_tp2"] < groups["llama3/hsdp2x2"]
+    assert groups["llama3/hsdp2x2"] == groups["llama3/hsdp2x2_zero2"] == groups["llama3/hsdp2x2_zero1"]
+    assert groups["llama3/dp4_zero1"] == groups["llama3/hsdp2x2"]

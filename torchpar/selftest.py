@@ -13,6 +13,7 @@ suite runs its layout tables through the same functions (:func:`run_layouts`, :f
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import multiprocessing
@@ -114,7 +115,10 @@ def _rank_main(rank: int, target, world: int, port: int, out: str, args: tuple, 
     log = open(f"{out}/rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    torch._C._set_print_stack_traces_on_fatal_signal(True)  # a native crash logs every thread's stack
+    # A native crash logs every thread's native stack, then (torch's handler calls the one it
+    # replaced) every thread's Python stack: what each thread was running.
+    faulthandler.enable(all_threads=True)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -187,7 +191,9 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
             results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
             results[name]["seconds"] = time.perf_counter() - start  # (building and training it)
         dist.barrier()  # every rank finished this layout
-        if rank == 0:  # (whole or not at all: a rank killed mid-write leaves the last results)
+        if rank == 0:
+            results[name]["process_groups"] = len(dist.distributed_c10d._world.pg_map)  # (so far)
+            # (whole or not at all: a rank killed mid-write leaves the last results)
             torch.save(results, f"{keep}/results.tmp")
             os.replace(f"{keep}/results.tmp", f"{keep}/results.pt")
 
@@ -247,10 +253,26 @@ def _log_tails(out: str, world: int, failed: int) -> str:
             skip = "Warning: " in line  # a warning's second line is the source line
         if rank == failed:
             native = [line for line in lines[:-40] if NATIVE_ERROR.search(line)][:10]
-            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + lines[-40:]))
+            python = _python_stacks(lines[:-40])
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + python + lines[-40:]))
         else:
             parts.append(f"--- rank {rank} ---\n" + "\n".join(lines[-3:]))
     return "\n".join(parts)
+
+
+def _python_stacks(lines: list[str]) -> list[str]:
+    """faulthandler's report in a rank's log (after a fatal signal): the thread that crashed,
+    then the others, each thread's frames most recent first (at most 60 lines)."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if start is None:
+        return []
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not (line == "" or line.startswith(("Thread 0x", "Current thread 0x", "  File", "  <no Python"))):
+            break
+        block.append(line)
+    current = next((i for i, line in enumerate(block) if line.startswith("Current thread")), 0)
+    return (block[:1] + block[current:] + block[1:current])[:60]
 
 
 def _row(name: str, world: int, dtype: str, run: dict, ref: dict, tol: float) -> dict:

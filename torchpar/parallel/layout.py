@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.distributed as dist
 
 from torchpar.composition import Features, check
 from torchpar.config import Parallelism
@@ -44,6 +45,14 @@ def effective_zero_stage(zero_stage: int, shard_ranks: int) -> int:
     """ZeRO-1/2 shard over dp_shard x cp; over one rank they shard nothing and run as stage 0
     (gradients all-reduced over the replicas). The one place this rule lives."""
     return 0 if zero_stage in (1, 2) and shard_ranks == 1 else zero_stage
+
+
+# The meshes this process built, by (device type, degrees, ep): a trainer with the degrees of an
+# earlier one (auto's trials, the self-test's layouts) takes its mesh, and so its process groups,
+# instead of building new ones beside them (each group holds a communicator: threads and connections
+# on gloo, buffers on NCCL). Torch's DTensor caches key on equal meshes, so an equal mesh with groups
+# of its own would be served the first one's anyway.
+_MESHES: dict[tuple, tuple] = {}
 
 
 @dataclass(kw_only=True)
@@ -183,6 +192,12 @@ class Layout:
         :attr:`experts_view` whose ``dp_shard`` is unflattened into ``efsdp x ep``."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        key = (device_type, self.degrees, self.ep)
+        if any(world is not dist.GroupMember.WORLD for world, _, _ in _MESHES.values()):
+            _MESHES.clear()  # (the default group they were built in is gone, and their groups with it)
+        if key in _MESHES:
+            _, self.mesh, self.experts_view = _MESHES[key]
+            return self.mesh
         mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         if self.cp > 1:
@@ -195,6 +210,7 @@ class Layout:
             if self.cp > 1:
                 view["efsdp", "cp"]._flatten("efsdp_cp")
             self.experts_view = view
+        _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view)
         return mesh
 
     def coordinate(self, name: str) -> int:
