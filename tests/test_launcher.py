@@ -235,10 +235,40 @@ def pick(ended: list[Ended]) -> tuple[int, int]:
 # --- start-up waits: who is waited for, and an end at comm.timeout_s
 
 
+def srun_task(tmp_path, task: int, port: int) -> Run:
+    """One task of a 2-task srun step that starts python -m torchpar train itself (no torchrun)."""
+    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--job.dump_folder",
+           str(tmp_path / "run"), *SHORT]
+    return Run(tmp_path, cmd, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
+               SLURM_STEP_NODELIST="localhost", SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
+               MASTER_PORT=str(port))
+
+
+@pytest.fixture(scope="module")
+def waits(tmp_path_factory):
+    """The start-up waits that end at their timeout, started together (each spends most of its
+    time waiting, idle): {name: (its Run, its folder, the port it waits at)}."""
+    runs = {}
+
+    def start(name, make):
+        folder, port = tmp_path_factory.mktemp(name.replace(" ", "_")), free_port()
+        runs[name] = (make(folder, port), folder, port)
+
+    start("node alone", lambda f, p: train_sh(f, *SHORT, NNODES="2", NODE_RANK="0",
+                                              RDZV_ENDPOINT=f"127.0.0.1:{p}"))
+    start("first node silent", lambda f, p: train_sh(f, *SHORT, NNODES="2", NODE_RANK="1",
+                                                     RDZV_ENDPOINT=f"127.0.0.2:{p}"))
+    for task in (0, 1):
+        start(f"srun task {task}", lambda f, p, task=task: srun_task(f, task, p))
+    yield runs
+    for run, _, _ in runs.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+
+
 @pytest.mark.slow
-def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
-    port = free_port()
-    run = train_sh(tmp_path, *SHORT, NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=f"127.0.0.1:{port}")
+def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(waits):
+    run, folder, port = waits["node alone"]
     assert run.wait() == 2
     assert_one_line(run, 2, f"run_train.sh: error: the other node of NNODES=2 at 127.0.0.1:{port}",
                     "did not join within comm.timeout_s = 6 s", "RDZV_ENDPOINT")
@@ -246,15 +276,14 @@ def test_a_node_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path):
     assert waiting < 35, run.lines
     assert run.elapsed < waiting + 6 + 15, (waiting, run.elapsed)  # 6 s after the first note at most
     # nothing started: the launch check's lock file and torchrun's report only
-    files = sorted(str(p.relative_to(tmp_path / "run")) for p in (tmp_path / "run").rglob("*") if p.is_file())
+    files = sorted(str(p.relative_to(folder / "run")) for p in (folder / "run").rglob("*") if p.is_file())
     assert files == ["logs/torchrun_node0.log", "torchpar.lock"], files
 
 
 @pytest.mark.slow
-def test_a_node_whose_first_node_never_answers_says_so_and_stops_at_the_timeout(tmp_path):
+def test_a_node_whose_first_node_never_answers_says_so_and_stops_at_the_timeout(waits):
     """NODE_RANK 1 waits for the rendezvous on the first node (nothing listens at 127.0.0.2)."""
-    port = free_port()
-    run = train_sh(tmp_path, *SHORT, NNODES="2", NODE_RANK="1", RDZV_ENDPOINT=f"127.0.0.2:{port}")
+    run, _, port = waits["first node silent"]
     assert run.wait() == 2
     assert_one_line(run, 2, f"run_train.sh: error: the rendezvous at RDZV_ENDPOINT=127.0.0.2:{port} did not "
                     "answer within comm.timeout_s = 6 s", "start NODE_RANK 0 there")
@@ -276,20 +305,10 @@ def test_a_stop_while_waiting_for_the_other_node_is_one_line(tmp_path):
     assert_one_line(run, 143, "run_train.sh: stopped by SIGTERM before the ranks could stop at a step")
 
 
-def srun_task(tmp_path, task: int, port: int) -> Run:
-    """One task of a 2-task srun step that starts python -m torchpar train itself (no torchrun)."""
-    cmd = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--job.dump_folder",
-           str(tmp_path / "run"), *SHORT]
-    return Run(tmp_path, cmd, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NUM_NODES="1",
-               SLURM_STEP_NODELIST="localhost", SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
-               MASTER_PORT=str(port))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("task", [0, 1])
-def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(tmp_path, task):
-    port = free_port()
-    run = srun_task(tmp_path, task, port)
+def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(waits, task):
+    run, _, port = waits[f"srun task {task}"]
     assert run.wait() == 2
     whom = "the other ranks to join" if task == 0 else "rank 0 to answer"
     waiting = run.first(f"torchpar: rank {task} of 2: waiting for {whom} at localhost:{port}")
