@@ -346,21 +346,27 @@ def test_launch_variables_that_do_not_add_up(tmp_path, extra, message):
     assert folder_digest(folder) == before
 
 
-def test_the_slurm_script_hands_srun_its_cpus(tmp_path):
-    """srun inherits no --cpus-per-task from the batch since Slurm 22.05: the script passes it on
-    (srun and scontrol stand-ins record what the script asks of them)."""
+@pytest.mark.parametrize("cpus, given", [({"SLURM_CPUS_PER_TASK": "16"}, "16"), ({}, "96")],
+                         ids=["cpus-per-task given", "the whole node"])
+def test_the_slurm_script_hands_srun_its_cpus(tmp_path, cpus, given):
+    """srun inherits no --cpus-per-task from the batch since Slurm 22.05: the script passes on the
+    batch's, or every CPU of the node where sbatch was given none (srun and scontrol stand-ins record
+    what the script asks of them); it leaves torch's NCCL error handling as it is."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu001\\ngpu002\\n'\n")
-    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n'
+                                  'echo "$TORCH_NCCL_ASYNC_ERROR_HANDLING" > "$SRUN_ARGS.nccl"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    slurm = {"SLURM_CPUS_PER_TASK": "64", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[001-002]",
-             "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT)}
+    slurm = {"SLURM_CPUS_ON_NODE": "96", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[001-002]",
+             "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT), **cpus}
     slurm.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_ARGS=str(tmp_path / "srun_args"))
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCH_NCCL"))}
     r = subprocess.run(["bash", "scripts/slurm/train.sbatch", "--training.steps", "3"], cwd=ROOT,
-                       env={**os.environ, **slurm}, capture_output=True, text=True, timeout=60)
+                       env={**environment, **slurm}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     args = (tmp_path / "srun_args").read_text().splitlines()
-    assert {"--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"} <= set(args), args
+    assert {"--ntasks-per-node=1", f"--cpus-per-task={given}", "--kill-on-bad-exit=1"} <= set(args), args
+    assert (tmp_path / "srun_args.nccl").read_text() == "\n"  # (unset: torch's default)
     assert args[-3:] == ["bash", "--training.steps", "3"], args  # the overrides reach run_train.sh
