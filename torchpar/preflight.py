@@ -254,6 +254,25 @@ class RunLock:
             self.file.close()
 
 
+def _not_its_own(folder: Path) -> str:
+    """What makes ``folder`` a place a run must not write into ('' if nothing): the file
+    system's root, the home folder, the working folder or one above it, a Git repository's root."""
+    where = folder.expanduser().resolve()
+    if where == Path(where.anchor):
+        return "the file system's root"
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # (no HOME and no password entry: no home folder to protect)
+        home = None
+    if where == home:
+        return "the home folder"
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        return "the working folder" if where == Path.cwd().resolve() else "a folder above the working folder"
+    if (where / ".git").exists():
+        return "a Git repository's root"
+    return ""
+
+
 def claim_folders(cfg: JobConfig, rank: int) -> RunLock | None:
     """The dump folder (and the checkpoint folder) exist and are writable folders, before
     training rather than at the first save; rank 0 takes the run lock."""
@@ -262,6 +281,11 @@ def claim_folders(cfg: JobConfig, rank: int) -> RunLock | None:
     if cfg.checkpoint.enable:
         folders.append(("checkpoint.folder", checkpoint_root(cfg)))
     for field, folder in folders:
+        shared = _not_its_own(folder)
+        if shared:
+            raise ConfigError(f"{field} = {folder} is {shared}: a run writes its checkpoints, logs, metrics and "
+                              f"lock file there and prunes old checkpoints; give {field} a folder of its own "
+                              "(e.g. ./outputs/<run name>)")
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{field}: {folder} is a file, not a folder; choose another {field}")
         try:
