@@ -283,9 +283,9 @@ def claim_folders(cfg: JobConfig, rank: int) -> RunLock | None:
     for field, folder in folders:
         shared = _not_its_own(folder)
         if shared:
-            raise ConfigError(f"{field} = {folder} is {shared}: a run writes its checkpoints, logs, metrics and "
-                              f"lock file there and prunes old checkpoints; give {field} a folder of its own "
-                              "(e.g. ./outputs/<run name>)")
+            raise ConfigError(f"{field} = {folder} is {shared}: a run writes its checkpoints, logs, metrics "
+                              f"and lock file there and prunes old checkpoints; give {field} a folder of its "
+                              "own (e.g. ./outputs/<run name>)")
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{field}: {folder} is a file, not a folder; choose another {field}")
         try:

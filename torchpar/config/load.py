@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
@@ -45,13 +46,17 @@ def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
         if isinstance(value, bool):
             raise bad
         if isinstance(value, (int,) if typ is int else (int, float)):
-            return typ(value)
-        if from_cli:
+            number = typ(value)
+        elif from_cli:
             try:
-                return typ(value)
+                number = typ(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        else:
+            raise bad
+        if not math.isfinite(number):  # (TOML and float() both read nan and inf; no field means them)
+            raise ConfigError(f"{where}: got {value!r}, not a finite number; give a finite value")
+        return number
     if typ is str:
         if isinstance(value, str):
             return value
@@ -221,6 +226,13 @@ def validate(cfg: JobConfig) -> None:
                            ("head_lr_mult", o.head_lr_mult >= 0, ">= 0")):
         if not ok:
             raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
+    m = cfg.model
+    for name, value, what in (("model.capacity_factor", m.capacity_factor, "0 = dropless"),
+                              ("model.balance_coeff", m.balance_coeff, "0 = no balance loss"),
+                              ("model.bias_rate", m.bias_rate, "0 = no bias balancing"),
+                              ("training.memory_cap_gib", t.memory_cap_gib, "0 = no cap")):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0 ({what}), got {value}")
     p = cfg.parallelism
     if p.auto_trials < 0 or p.auto_trial_steps < 2:
         raise ConfigError("parallelism.auto_trials must be >= 0 and auto_trial_steps >= 2 (the first step "

@@ -20,9 +20,9 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass
 class Job:
-    dump_folder: str = opt("./outputs", "Folder for metrics.jsonl, wandb files and checkpoints; a folder of its "
-                           "own (not /, the home folder, the working folder or one above it, or a Git "
-                           "repository's root: refused).")
+    dump_folder: str = opt(
+        "./outputs", "Folder for metrics.jsonl, wandb files and checkpoints; a folder of its own (not /, "
+        "the home folder, the working folder or one above it, or a Git repository's root: refused).")
     description: str = opt("torchpar job", "Free text describing the run; logged with the config.")
     rank_logs: bool = opt(True, "Under torchrun, every rank also writes its output to "
                                 "<dump_folder>/logs/rank_<N>.log (the console shows LOG_RANK's ranks).")
