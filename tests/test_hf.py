@@ -15,6 +15,7 @@ safetensors = pytest.importorskip("safetensors")
 
 from torchpar.hf import HFWeights, write_hf  # noqa: E402
 from torchpar.models import MODELS  # noqa: E402
+from torchpar.outputs import MARKER  # noqa: E402
 
 LLAMA = MODELS["llama3"]
 MOE = MODELS["moe"]
@@ -81,6 +82,16 @@ def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
     largest = max(p.numel() * 4 for p in params.values())
     total = sum(p.numel() * 4 for p in params.values())
     assert stats["peak_bytes"] <= 2 * largest < total / 2, (stats["peak_bytes"], largest, total)
+    # Written again as one file: the earlier shards go; a file a hand-edited marker names stays.
+    marker = tmp_path / "out" / MARKER
+    listed = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**listed, "files": listed["files"] + ["notes.txt", "../elsewhere.txt"]}))
+    (tmp_path / "out" / "notes.txt").write_text("the user's")
+    (tmp_path / "elsewhere.txt").write_text("the user's")
+    write_hf(tmp_path / "out", LLAMA, args, lambda name: params[name].detach(), torch.float32)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [MARKER, "notes.txt", "model.safetensors", "config.json", "generation_config.json"])
+    assert (tmp_path / "elsewhere.txt").exists()
 
 
 @pytest.fixture(scope="module")

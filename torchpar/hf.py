@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def _write_file(path: Path, entries: list, produce, acct: _Accounting) -> None:
 
 
 EXPORT_COMMAND = "torchpar export --format hf"  # the name in the folder's marker (torchpar.outputs)
+# The names write_hf gives its files: the only ones an export removes as an earlier export's
+EXPORT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                          r"(generation_)?config\.json")
 
 
 def is_own_export(folder: Path) -> bool:
@@ -124,7 +128,8 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
     earlier = read_marker(out, EXPORT_COMMAND) or {"files": []}
     write_marker(out, EXPORT_COMMAND, written)
     for stale in set(earlier["files"]) - set(written):
-        (out / Path(stale).name).unlink(missing_ok=True)
+        if EXPORT_FILES.fullmatch(Path(stale).name):  # (a marker edited by hand names no file of the user's)
+            (out / Path(stale).name).unlink(missing_ok=True)
     for file, shard in zip(files, shards):
         _write_file(out / file, shard, produce, acct)
     total = sum(math.prod(s) * d.itemsize for _, s, d in entries)
