@@ -147,6 +147,10 @@ CASES = [
     Case("a negative z-loss", CHECK + " --loss.z_loss -0.1", "loss.z_loss must be in [0, 1)"),
     Case("an unknown optimizer", CHECK + " --optimizer.name adamv", "optimizer.name = 'adamv' is not one of",
          "Did you mean 'adamw'"),
+    Case("an optimizer path to a module without that class", CHECK + " --optimizer.name torchpar.optim.Lion",
+         "optimizer.name = 'torchpar.optim.Lion'", "optim.py defines no class 'Lion' at its top level"),
+    Case("an optimizer path to no module", CHECK + " --optimizer.name nopackage.Lion",
+         "no module 'nopackage' on the import path"),
     Case("an optimizer argument it does not take", CHECK + " --optimizer.name muon --optimizer.kwargs "
          "betas=1",
          "optimizer.kwargs.betas: set it through [optimizer] itself"),

@@ -12,10 +12,13 @@ To add an optimizer: write a ``torch.optim.Optimizer`` (or name one by its dotte
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -295,6 +298,42 @@ ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "Adagrad", "R
                "ASGD", "Rprop"}
 
 
+def _not_a_class_in_source(module: str, attr: str) -> str:
+    """Why ``module``'s source, read without running it (importing runs its code, and a config
+    names it), defines or imports no ``attr`` at its top level; '' if it does. The top-level
+    package is found by the import system's finders (finding runs no code), the rest by folder."""
+    top, *inner = module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"no module {top!r} on the import path"
+    if not inner:
+        candidates = [Path(spec.origin)] if spec.origin else []
+    else:
+        *packages, leaf = inner
+        folders = [Path(loc).joinpath(*packages) for loc in spec.submodule_search_locations or []]
+        candidates = [path for folder in folders
+                      for path in (folder / f"{leaf}.py", folder / leaf / "__init__.py")]
+    path = next((c for c in candidates if c.suffix == ".py" and c.is_file()), None)
+    if path is None:
+        return f"no Python source for module {module!r}"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError) as e:
+        return f"{path} cannot be read ({e})"
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return "" if attr in names else f"{path} defines no class {attr!r} at its top level"
+
+
 def optimizer_kind(cfg) -> Kind:
     """The :class:`Kind` that [optimizer] ``name`` names: a registered one, or a torch.optim class by
     dotted path (``torch.optim.SGD``); its state bytes measured on a small tensor."""
@@ -305,6 +344,11 @@ def optimizer_kind(cfg) -> Kind:
         raise ConfigError(f"optimizer.name = {cfg.name!r} is not one of {sorted(OPTIMIZERS)} nor a dotted "
                           f"class path like 'torch.optim.SGD'.{did_you_mean(name, list(OPTIMIZERS))}")
     module, _, attr = cfg.name.rpartition(".")
+    if module.split(".")[0] != "torch":
+        problem = _not_a_class_in_source(module, attr)
+        if problem:
+            raise ConfigError(f"optimizer.name = {cfg.name!r}: {problem}; name a torch.optim.Optimizer class "
+                              "by its dotted path (e.g. 'torch.optim.SGD' or 'my_package.my_module.Lion')")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
