@@ -37,6 +37,17 @@ fi
 if [ "$NNODES" -gt 1 ]; then
   [ -n "${RDZV_ENDPOINT:-}" ] || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, an address of the first node every node can reach"
   [[ "$RDZV_ENDPOINT" =~ ^.+:[1-9][0-9]*$ ]] || fail "RDZV_ENDPOINT=$RDZV_ENDPOINT: give host:port, e.g. node0:29500"
+  # (torch would retry a host it cannot resolve, with pages of warnings, until its timeout)
+  rdzv_host=${RDZV_ENDPOINT%:*} rdzv_port=${RDZV_ENDPOINT##*:}
+  [ "${#rdzv_port}" -le 5 ] && [ "$rdzv_port" -le 65535 ] ||
+    fail "RDZV_ENDPOINT=$RDZV_ENDPOINT: the port must be 1-65535"
+  if [[ "$rdzv_host" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    IFS=. read -r -a parts <<< "$rdzv_host"
+    for part in "${parts[@]}"; do
+      [ "${#part}" -le 3 ] && [ "$((10#$part))" -le 255 ] ||
+        fail "RDZV_ENDPOINT=$RDZV_ENDPOINT: $rdzv_host is not an IPv4 address (each part 0-255)"
+    done
+  fi
   # c10d rendezvous: the agents meet at the first node's store and agree on every rank.
   LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
           --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-torchpar}}")

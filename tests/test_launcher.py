@@ -328,11 +328,15 @@ def test_an_srun_task_alone_says_whom_it_waits_for_and_stops_at_the_timeout(wait
     ({"NGPU": "-2"}, "NGPU=-2: give the number of processes"),
     ({"NNODES": "2", "RDZV_ENDPOINT": "node0"}, "RDZV_ENDPOINT=node0: give host:port"),
     ({"NNODES": "2", "RDZV_ENDPOINT": "node0:"}, "RDZV_ENDPOINT=node0:: give host:port"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "256.1.1.1:29500"},
+     "RDZV_ENDPOINT=256.1.1.1:29500: 256.1.1.1 is not an IPv4 address (each part 0-255)"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0:70000"}, "RDZV_ENDPOINT=node0:70000: the port must be 1-65535"),
     ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS=abc is not a number of tasks"),
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: give 0 or more"),
     ({"LOG_RANK": "all"}, "LOG_RANK=all: give local ranks"),
     ({"LOG_RANK": "0,5"}, "LOG_RANK=0,5: this node runs local ranks 0-1 (NGPU=2); give local ranks below 2"),
-], ids=["NGPU=0", "NGPU=-2", "endpoint without port", "endpoint with empty port", "srun tasks abc",
+], ids=["NGPU=0", "NGPU=-2", "endpoint without port", "endpoint with empty port", "endpoint not an address",
+        "endpoint port too large", "srun tasks abc",
         "negative restarts", "LOG_RANK all", "LOG_RANK beyond the node's ranks"])
 def test_launch_variables_that_do_not_add_up(tmp_path, extra, message):
     folder = tmp_path / "run"
