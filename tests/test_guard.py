@@ -86,10 +86,11 @@ def test_an_optimizer_without_a_fused_kernel_is_guarded_on_the_host(tmp_path):
 
 
 def test_infinite_learning_rate_never_saves_its_weights(tmp_path):
-    """The first update with lr = inf makes the weights non-finite while its loss and gradient
-    norm were finite: the save after it refuses, so no checkpoint exists."""
+    """The first update with lr = 1e39 (a finite float, infinite in fp32; the config refuses inf
+    itself) makes the weights non-finite while its loss and gradient norm were finite: the save
+    after it refuses, so no checkpoint exists."""
     r = run([*TRAIN, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "true",
-             "--checkpoint.interval", "1", "--optimizer.lr", "inf", "--training.steps", "3"], tmp_path)
+             "--checkpoint.interval", "1", "--optimizer.lr", "1e39", "--training.steps", "3"], tmp_path)
     expect_error(r, "step 1: the updated weights are not finite", "last good checkpoint: none", code=3)
     assert not list((tmp_path / "run" / "checkpoint").glob("step-*"))
 
