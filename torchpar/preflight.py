@@ -266,8 +266,11 @@ def _not_its_own(folder: Path) -> str:
         home = None
     if where == home:
         return "the home folder"
-    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
-        return "the working folder" if where == Path.cwd().resolve() else "a folder above the working folder"
+    cwd = Path.cwd().resolve()
+    if where == cwd:
+        return "the working folder"
+    if where in cwd.parents:
+        return "a folder above the working folder"
     if (where / ".git").exists():
         return "a Git repository's root"
     return ""

@@ -217,22 +217,24 @@ def validate(cfg: JobConfig) -> None:
     if t.loss_spike_factor < 0 or t.loss_spike_window < 1:
         raise ConfigError("training.loss_spike_factor must be >= 0 and loss_spike_window >= 1 (got "
                           f"{t.loss_spike_factor}, {t.loss_spike_window})")
-    # Checked here so a bad value stops before launch instead of inside torch.optim on every rank.
-    o = cfg.optimizer
-    for name, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
-                           ("beta2", 0 <= o.beta2 < 1, "in [0, 1)"), ("eps", o.eps > 0, "> 0"),
-                           ("weight_decay", o.weight_decay >= 0, ">= 0"), ("muon_lr", o.muon_lr >= 0, ">= 0"),
-                           ("embedding_lr_mult", o.embedding_lr_mult >= 0, ">= 0"),
-                           ("head_lr_mult", o.head_lr_mult >= 0, ">= 0")):
+    # Checked here so a bad value stops before launch instead of inside torch.optim (or the router)
+    # on every rank: (field, its value, whether it is allowed, the rule).
+    o, m = cfg.optimizer, cfg.model
+    for name, value, ok, rule in (
+            ("optimizer.lr", o.lr, o.lr >= 0, ">= 0"),
+            ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+            ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+            ("optimizer.eps", o.eps, o.eps > 0, "> 0"),
+            ("optimizer.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+            ("optimizer.muon_lr", o.muon_lr, o.muon_lr >= 0, ">= 0"),
+            ("optimizer.embedding_lr_mult", o.embedding_lr_mult, o.embedding_lr_mult >= 0, ">= 0"),
+            ("optimizer.head_lr_mult", o.head_lr_mult, o.head_lr_mult >= 0, ">= 0"),
+            ("model.capacity_factor", m.capacity_factor, m.capacity_factor >= 0, ">= 0 (0 = dropless)"),
+            ("model.balance_coeff", m.balance_coeff, m.balance_coeff >= 0, ">= 0 (0 = no balance loss)"),
+            ("model.bias_rate", m.bias_rate, m.bias_rate >= 0, ">= 0 (0 = no bias balancing)"),
+            ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
         if not ok:
-            raise ConfigError(f"optimizer.{name} must be {rule}, got {getattr(o, name)}")
-    m = cfg.model
-    for name, value, what in (("model.capacity_factor", m.capacity_factor, "0 = dropless"),
-                              ("model.balance_coeff", m.balance_coeff, "0 = no balance loss"),
-                              ("model.bias_rate", m.bias_rate, "0 = no bias balancing"),
-                              ("training.memory_cap_gib", t.memory_cap_gib, "0 = no cap")):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0 ({what}), got {value}")
+            raise ConfigError(f"{name} must be {rule}, got {value}")
     p = cfg.parallelism
     if p.auto_trials < 0 or p.auto_trial_steps < 2:
         raise ConfigError("parallelism.auto_trials must be >= 0 and auto_trial_steps >= 2 (the first step "
