@@ -25,6 +25,7 @@ Nothing here imports the distributed package: the TP plan is a table of style na
 from __future__ import annotations
 
 import functools
+import inspect
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
@@ -39,6 +40,8 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # an older torch: document masking keeps the per-document calls everywhere
     varlen_attn = None
+# torch 2.11's varlen_attn has no enable_gqa: grouped K/V heads are repeated to the query heads there.
+VARLEN_GROUPS_HEADS = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 # Tensor-parallel styles a plan may name (the words of the plan, not DTensor objects):
 #   embedding  rows (vocabulary or positions) sharded; replicated ids in, the residual stream out
@@ -154,13 +157,13 @@ def _varlen_serves(device: torch.device, dtype: torch.dtype) -> bool:
 def _varlen_fails(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why varlen_attn cannot run on ``device`` in ``dtype`` (None: it runs). One tiny call with
     grouped query heads answers for this torch, GPU and dtype: the flash kernel takes fp16 and bf16
-    only, on recent GPUs only, and older signatures lack window_size or enable_gqa."""
+    only, on recent GPUs only, and older signatures lack window_size."""
     if varlen_attn is None:
         return "is not in this torch"
-    q, kv = torch.zeros(2, 2, 8, dtype=dtype, device=device), torch.zeros(2, 1, 8, dtype=dtype, device=device)
+    q, kv = (torch.zeros(1, h, 2, 8, dtype=dtype, device=device) for h in (2, 1))  # [b, h, s, hd]
     cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
     try:
-        varlen_attn(q, kv, kv, cu, cu, 2, 2, window_size=(-1, 0), enable_gqa=True)
+        _varlen(q, kv, kv, PackedDocuments((), cu, 2), gqa=True)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
         return f"fails: {(str(e).splitlines() or [type(e).__name__])[0]}"
     return None
@@ -228,8 +231,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = No
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
             gqa: bool) -> torch.Tensor:
     # One kernel over every document of the batch, none across two; window (-1, 0) = causal.
+    grouped = {"enable_gqa": gqa} if VARLEN_GROUPS_HEADS else {}
+    if gqa and not VARLEN_GROUPS_HEADS:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     out = varlen_attn(pack(q), pack(k), pack(v), docs.cu_seqlens, docs.cu_seqlens, docs.max_len,
-                      docs.max_len, window_size=(-1, 0), enable_gqa=gqa)  # [b*s, h, hd]
+                      docs.max_len, window_size=(-1, 0), **grouped)  # [b*s, h, hd]
     return unpack(out, q.shape[0])  # [b, h, s, hd]
 
 
