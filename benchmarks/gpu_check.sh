@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The GPU figures in the README, cheapest stage first, so a short lease gets the most answers:
+# The GPU figures in the docs, cheapest and most asked-for stage first, so a short lease gets the most answers:
 #   env          nvidia-smi, and the torch build and the GPUs it sees
 #   smoke_1gpu   the self-test's tiny job, 3 steps on one GPU
 #   smoke_2gpu   the same on 2 GPUs through run_train.sh (torchrun, nccl) with NCCL_DEBUG=INFO: the first
 #                distributed stage, so NCCL's set-up is on the record (skipped with one GPU)
+#   1B_zero0, 1B_zero3   the 1B flavour for 20 steps in bf16 with ZeRO-0 (autocast over fp32 weights) and
+#                ZeRO-3 (FSDP2 mixed precision): tokens/s, MFU, peak memory
+#   cuda_tests   the tests that need a GPU: varlen attention, the ring's CUDA kernels (a ring of one rank),
+#                a step that never waits for the GPU
+#   moe          the MoE debug model in bf16, its experts as grouped GEMM: ep 2 on 2 GPUs, else ep 1
+#   ring_cp2     context parallelism by ring attention on 2 GPUs, bf16 (skipped with one GPU)
+#   muon_zero3   the 1B flavour under Muon and ZeRO-3 (Newton-Schulz on FSDP2's shards): tokens/s
+#   auto         layout = "auto" on the 1B flavour with 2 trials: the planner's pick against measurement
 #   selftest     `torchpar selftest`: fp32 and bf16, every layout the GPUs hold, each against one GPU
-#   1B_zero0, 1B_zero3   the 1B flavour for 20 steps in bf16 on one GPU with ZeRO-0 (autocast over fp32
-#                weights) and ZeRO-3 (FSDP2 mixed precision): tokens/s, MFU, peak memory
-# and a last line with each stage's result: ok or its exit code, and its seconds.
+# then each run's figures (tokens/s, MFU, memory) and a last line with each stage's result: ok or its
+# exit code, and its seconds.
 #   benchmarks/gpu_check.sh [OUT_FOLDER]     (default outputs/gpu_check)
 # Each stage has its own time limit (SMOKE_S, default 180 s, for env and the smoke stages; STAGE_S,
 # default 240 s, for the others), so one stall cannot use up a short lease. At its limit a stage's
@@ -50,6 +57,10 @@ stage() {
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 TINY=(--config torchpar/assets/selftest.toml --training.steps 3)
+# A real-sized job's common flags: no checkpoints or evaluation, figures every 5 steps.
+RUN=(--checkpoint.enable false --validation.enable false --metrics.log_freq 5)
+ONE_B=(--config train_configs/debug_model.toml --model.flavor 1B --training.steps 20 --training.seq_len 2048
+       --training.local_batch_size 4 "${RUN[@]}")
 stage env "$SMOKE_S" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && python -c \"import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count())\""
 stage smoke_1gpu "$SMOKE_S" python -m torchpar train "${TINY[@]}" --job.dump_folder "$OUT/smoke_1gpu"
 if [ "$GPUS" -ge 2 ]; then
@@ -58,28 +69,48 @@ if [ "$GPUS" -ge 2 ]; then
 else
   SUMMARY+=("smoke_2gpu skipped ($GPUS GPU)")
 fi
+for zero in 0 3; do
+  stage "1B_zero$zero" "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --parallelism.zero_stage "$zero" \
+    --job.dump_folder "$OUT/1B_zero$zero"
+done
+stage cuda_tests "$STAGE_S" python -m pytest -q -p no:cacheprovider tests/test_attention.py \
+  tests/test_context.py::test_the_ring_drives_cudas_kernels \
+  tests/test_guard.py::test_an_unlogged_step_never_waits_for_the_gpu
+# (run_train.sh's config is its CONFIG_FILE, train_configs/debug_model.toml by default)
+MOE=(--model.name moe --training.steps 20 --training.seq_len 2048 --training.local_batch_size 8 "${RUN[@]}")
+if [ "$GPUS" -ge 2 ]; then
+  stage moe "$STAGE_S" env NGPU=2 ./run_train.sh "${MOE[@]}" --parallelism.expert_parallel_degree 2 \
+    --job.dump_folder "$OUT/moe"
+  stage ring_cp2 "$STAGE_S" env NGPU=2 ./run_train.sh --training.steps 20 --training.seq_len 4096 --training.local_batch_size 4 "${RUN[@]}" \
+    --parallelism.context_parallel_degree 2 --parallelism.context_parallel_method ring \
+    --job.dump_folder "$OUT/ring_cp2"
+else
+  stage moe "$STAGE_S" python -m torchpar train --config train_configs/debug_model.toml "${MOE[@]}" \
+    --job.dump_folder "$OUT/moe"
+  SUMMARY+=("ring_cp2 skipped ($GPUS GPU)")
+fi
+stage muon_zero3 "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --optimizer.name muon \
+  --parallelism.zero_stage 3 --job.dump_folder "$OUT/muon_zero3"
+stage auto "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --parallelism.layout auto \
+  --parallelism.auto_trials 2 --job.dump_folder "$OUT/auto"
 mkdir -p "$OUT/tmp/selftest"
 stage selftest "$STAGE_S" env TMPDIR="$OUT/tmp/selftest" python -m torchpar selftest --json "$OUT/selftest.json"
 if [ "$RC" -eq 0 ]; then rm -rf "$OUT/tmp"; fi
-for zero in 0 3; do
-  stage "1B_zero$zero" "$STAGE_S" python -m torchpar train --config train_configs/debug_model.toml \
-    --model.flavor 1B --training.steps 20 --training.seq_len 2048 --training.local_batch_size 4 \
-    --parallelism.zero_stage "$zero" --checkpoint.enable false --validation.enable false \
-    --metrics.log_freq 5 --job.dump_folder "$OUT/1B_zero$zero"
-done
 python - "$OUT" <<'PY' || true
 import json, sys
 from pathlib import Path
-for zero in (0, 3):
-    path = Path(sys.argv[1]) / f"1B_zero{zero}" / "metrics.jsonl"
-    if not path.exists():
-        continue
+for path in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    last = [r for r in records if "loss" in r][-1]
-    mfu = "n/a" if last["mfu"] is None else f"{100 * last['mfu']:.1f}%"
-    print(f"1B bf16 zero {zero}: step {last['step']} loss {last['loss']:.4f} tokens/s {last['tokens_per_sec']:,.0f} "
-          f"MFU {mfu} peak allocated {last['mem_max_allocated_gib']:.1f} GiB "
-          f"reserved {last['mem_max_reserved_gib']:.1f} GiB")
+    steps = [r for r in records if "loss" in r]
+    if not steps:
+        continue
+    last = steps[-1]
+    mfu = "n/a" if last.get("mfu") is None else f"{100 * last['mfu']:.1f}%"
+    memory = "".join(f" {what} {last[key]:.1f} GiB" for what, key in
+                     (("peak allocated", "mem_max_allocated_gib"), ("reserved", "mem_max_reserved_gib"))
+                     if last.get(key) is not None)
+    print(f"{path.parent.name}: step {last['step']} loss {last['loss']:.4f} tokens/s "
+          f"{last['tokens_per_sec']:,.0f} step {last['step_s']:.3f} s MFU {mfu}{memory}")
 PY
 LINE=$(printf ' | %s' "${SUMMARY[@]}")
 echo "gpu_check: ${LINE:3}"

@@ -338,7 +338,8 @@ else echo "NVIDIA H200, 143771 MiB, 570.86.15"; fi
 
 def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     """benchmarks/gpu_check.sh with a fake python and nvidia-smi on PATH (2 GPUs): the stages in
-    order (env, one-GPU smoke step, two-GPU torchrun smoke step, selftest, the 1B runs), NCCL_DEBUG
+    order (env, one-GPU smoke step, two-GPU torchrun smoke step, the 1B runs, the CUDA tests, MoE
+    with ep 2, the ring on 2 GPUs, Muon under ZeRO-3, auto with 2 trials, selftest), NCCL_DEBUG
     only in the first distributed stage, Python's fault handler on everywhere, a stage past its
     limit stopped by SIGABRT (exit 124), and one summary line at the end; exit 1."""
     script = ROOT / "benchmarks" / "gpu_check.sh"
@@ -354,13 +355,20 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
                             "STAGE_S": "2", "SMOKE_S": "20"})
     assert r.returncode == 1, r.stdout + r.stderr
     calls = [line.split(" | ") for line in log.read_text().splitlines()]
+    launch = ("-m torchpar.commands.launch --standalone --nproc-per-node 2 --max-restarts 0 "
+              "--local-ranks-filter 0 -m torchpar train --config train_configs/debug_model.toml")
     stages = [
         ("-c import torch", ""),
         ("-m torchpar train --config torchpar/assets/selftest.toml --training.steps 3", ""),
         ("-m torchpar.commands.launch --standalone --nproc-per-node 2", "INFO"),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        ("-m pytest -q -p no:cacheprovider tests/test_attention.py", ""),
+        (f"{launch} --model.name moe", ""),
+        (f"{launch} --training.steps 20 --training.seq_len 4096", ""),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
         ("-m torchpar selftest --json", ""),
-        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
-        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
         ("- " + str(out), ""),
     ]
     assert len(calls) == len(stages), calls
@@ -368,8 +376,9 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
         assert args.startswith(start) and env == f"NCCL_DEBUG={nccl} PYTHONFAULTHANDLER=1", (args, env)
     summary = r.stdout.splitlines()[-1]
     assert re.fullmatch(r"gpu_check: env ok \d+s \| smoke_1gpu ok \d+s \| smoke_2gpu ok \d+s \| "
-                        r"selftest exit 3 \d+s \| 1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s",
-                        summary), summary
+                        r"1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s \| cuda_tests ok \d+s \| "
+                        r"moe ok \d+s \| ring_cp2 ok \d+s \| muon_zero3 exit 124 \(limit\) \d+s \| "
+                        r"auto ok \d+s \| selftest exit 3 \d+s", summary), summary
     assert "NVIDIA H200, 143771 MiB" in (out / "env.log").read_text()
     assert (out / "tmp" / "selftest").is_dir()  # a failed self-test keeps its ranks' logs
 
