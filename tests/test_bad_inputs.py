@@ -379,6 +379,8 @@ CASES = [
     Case("divergence", TRAIN + " --optimizer.lr 1e30", "step 2: non-finite loss nan",
          "the update was not applied",
          "last good checkpoint: none", code=3),
+    Case("dead model", TRAIN + " --optimizer.lr 1e6 --training.max_norm 0", "step 2: gradient norm 0",
+         "the model is dead", "last good checkpoint: none", code=3),
     # --- launch variables that do not add up (srun's tasks, torchrun's ranks), refused before any wait
     Case("srun: task index past the tasks", TRAIN, "SLURM_PROCID=2 but SLURM_STEP_NUM_TASKS=2",
          env={**SRUN, "SLURM_PROCID": "2"}),

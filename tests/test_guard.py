@@ -59,6 +59,16 @@ def test_nan_batch_is_skipped_and_training_goes_on(tmp_path):
     assert finite_checkpoint(tmp_path / "run" / "checkpoint" / "step-00000005")
 
 
+def test_a_dead_model_stops_after_ten_steps_skipped_in_a_row(tmp_path):
+    """lr = 1e6 without clipping kills the model at step 1 (from step 2 the loss sits at ln V and no
+    parameter gets a gradient): under 'skip' the run stops at the 10th skipped step, not at its end
+    with exit 0."""
+    dead = ["--optimizer.lr", "1e6", "--training.max_norm", "0", "--training.on_divergence", "skip"]
+    r = run([*TRAIN, "--job.dump_folder", str(tmp_path / "run"), *dead, "--training.steps", "30"], tmp_path)
+    expect_error(r, "step 11: gradient norm 0", "10 steps skipped in a row", code=3)
+    assert [x["skipped_steps"] for x in records(tmp_path / "run", "skipped_steps")] == list(range(1, 10))
+
+
 def saved_tensors(folder) -> dict:
     """A checkpoint's model and optimizer tensors by key."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

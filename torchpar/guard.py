@@ -1,5 +1,7 @@
-"""The divergence guard: a step whose loss or gradient norm is not finite (or, optionally, whose
-loss spikes far above the recent mean) is never applied, and non-finite weights are never saved.
+"""The divergence guard: a step whose loss or gradient norm is not finite, or whose gradient norm is
+exactly 0 (no parameter got any gradient: a dead model, e.g. after a learning rate far too high;
+a live language model's cross-entropy always has one), or, optionally, whose loss spikes far above
+the recent mean, is never applied, and non-finite weights are never saved.
 
 Every figure it looks at is already global (all-reduced over the world), so every rank takes the
 same decision without another collective; only the check of the weights before a save adds one.
@@ -22,6 +24,10 @@ import torch.distributed as dist
 from torchpar import device as dev
 from torchpar.parallel.zero import local
 
+# Under on_divergence = 'skip', this many steps skipped in a row stop the run: the model is no
+# longer recovering (a dead or exploded model would otherwise skip to the end and exit 0).
+SKIPS_IN_A_ROW = 10
+
 
 class DivergenceGuard:
     def __init__(self, tr, optimizer: torch.optim.Optimizer):
@@ -29,6 +35,7 @@ class DivergenceGuard:
         self.spike_factor = tr.loss_spike_factor
         self.recent: deque[float] = deque(maxlen=tr.loss_spike_window)
         self.skipped = 0
+        self.in_a_row = 0  # steps skipped since the last one applied
         # Fused AdamW skips a step on the device (the found_inf input GradScaler uses).
         self.on_device = bool(optimizer.defaults.get("fused")) and self.spike_factor == 0
         self.pending: deque[tuple[int, torch.Tensor, object]] = deque()
@@ -39,7 +46,7 @@ class DivergenceGuard:
         returns 1.0 where the step must not be applied."""
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
         self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
-        return (~torch.isfinite(figures[:2]).all()).float()
+        return ((~torch.isfinite(figures[:2]).all()) | (figures[1] == 0)).float()
 
     def settle(self, upto: int) -> list[tuple[int, float, float, bool, list[float], str | None]]:
         """The recorded figures of the steps up to ``upto``, read now (waiting for those steps
@@ -58,6 +65,9 @@ class DivergenceGuard:
         """Why this step must not be applied, or None."""
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             return f"non-finite loss {loss} or gradient norm {grad_norm}"
+        if grad_norm == 0:
+            return (f"gradient norm 0 at loss {loss:.4f}: no parameter got a gradient, the model is dead "
+                    f"(a learning rate far too high is the usual cause)")
         if self.spike_factor > 0 and len(self.recent) == self.recent.maxlen:
             mean = sum(self.recent) / len(self.recent)
             if loss > self.spike_factor * mean:

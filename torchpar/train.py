@@ -20,7 +20,7 @@ from torchpar.console import progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
-from torchpar.guard import DivergenceGuard, skipped_where, weights_finite
+from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
@@ -245,16 +245,22 @@ class Trainer:
             if problem is not None:
                 self._diverged(step, problem)
                 rejected.add(step)
+            else:
+                self.guard.in_a_row = 0
         return rejected
 
     def _diverged(self, step: int, problem: str) -> None:
-        """A step that was not applied: stop with one line, or skip it (counted and logged)."""
-        if self.cfg.training.on_divergence == "stop":
+        """A step that was not applied: stop with one line, or skip it (counted and logged) unless
+        it is the SKIPS_IN_A_ROW-th in a row."""
+        self.guard.in_a_row += 1
+        skip = self.cfg.training.on_divergence == "skip"
+        if not skip or self.guard.in_a_row >= SKIPS_IN_A_ROW:
             self.checkpointer.wait()
             last = self.checkpointer.latest()
+            why = (f"; {SKIPS_IN_A_ROW} steps skipped in a row (training.on_divergence = 'skip' stops there)"
+                   if skip else " (training.on_divergence = 'skip' drops such batches instead)")
             raise TrainingStopped(f"step {step}: {problem}; the update was not applied and nothing after it "
-                                  f"was saved; last good checkpoint: {last or 'none'} "
-                                  "(training.on_divergence = 'skip' drops such batches instead)")
+                                  f"was saved; last good checkpoint: {last or 'none'}{why}")
         self.guard.skipped += 1
         self.logger.log({"step": step, "skipped_steps": self.guard.skipped, "skip_reason": problem})
         warn(f"step {step} skipped: {problem}")

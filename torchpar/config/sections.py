@@ -151,11 +151,13 @@ class Training:
         "global index); the others keep all their activations.")
     compile: bool = opt(False, "torch.compile each transformer block.")
     on_divergence: str = opt(
-        "stop", "A step whose loss or gradient norm is not finite (or spikes, see loss_spike_factor) is "
-                "never applied: 'stop' = end the run with one line naming the step and the last good "
-                "checkpoint; 'skip' = drop that batch's update and go on (counted in metrics as "
-                "skipped_steps; the learning-rate schedule still advances). The host learns of it at the "
-                "next step, log, evaluation or save, and never saves after it.", ("stop", "skip"))
+        "stop", "A step whose loss or gradient norm is not finite, whose gradient norm is exactly 0 (a dead "
+                "model), or whose loss spikes (see loss_spike_factor) is never applied: 'stop' = end the "
+                "run with one line naming the step and the last good checkpoint; 'skip' = drop that "
+                "batch's update and go on (counted in metrics as skipped_steps; the learning-rate "
+                "schedule still advances), and stop as 'stop' does after 10 skipped in a row. The host "
+                "learns of it at the next step, log, evaluation or save, and never saves after it.",
+        ("stop", "skip"))
     loss_spike_factor: float = opt(
         0.0, "Treat a loss above this factor x the mean of the last loss_spike_window steps as divergence "
         "(0 = only non-finite values). The check reads the loss on the host before each update.")
