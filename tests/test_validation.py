@@ -210,3 +210,13 @@ def test_what_a_resume_overrides_or_changes_warns(trained, capfd, monkeypatch):
         f"torchpar: warning: data.document_masking = true, but the checkpoint {step} (step 2) was trained "
         "with false: from step 3 on, attention stays inside each document and positions restart at each "
         "one; set it back to false to train on as before"]
+
+
+@pytest.mark.parametrize("factor, dropped", [("0.001", "99.9%"), ("0.5", "50.0%"), ("1", None), ("0", None)])
+def test_a_capacity_below_an_even_share_warns(factor, dropped, capfd):
+    """A capacity factor under 1 drops slots even when the routing is perfectly even: one warning
+    naming the share; 1 and above, and 0 (dropless), say nothing."""
+    load_config(TINY, ["--model.name", "moe", "--model.capacity_factor", factor])
+    said = warnings_in(capfd.readouterr().err)
+    assert len(said) == (dropped is not None), said
+    assert dropped is None or f"model.capacity_factor = {factor}" in said[0] and f"drops about {dropped}" in said[0]
