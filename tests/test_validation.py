@@ -219,4 +219,5 @@ def test_a_capacity_below_an_even_share_warns(factor, dropped, capfd):
     load_config(TINY, ["--model.name", "moe", "--model.capacity_factor", factor])
     said = warnings_in(capfd.readouterr().err)
     assert len(said) == (dropped is not None), said
-    assert dropped is None or f"model.capacity_factor = {factor}" in said[0] and f"drops about {dropped}" in said[0]
+    assert dropped is None or (f"model.capacity_factor = {factor}" in said[0]
+                               and f"drops about {dropped}" in said[0])

@@ -236,11 +236,11 @@ def validate(cfg: JobConfig) -> None:
             ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
-    if 0 < m.capacity_factor < 1:
-        warn(f"model.capacity_factor = {m.capacity_factor:g} gives each expert {m.capacity_factor:.1%} of an even "
-             f"share of a sequence's slots (rounded up to whole slots): even perfectly balanced routing drops "
-             f"about {1 - m.capacity_factor:.1%} of them (counted in moe/dropped); 1 to 1.25 is usual, "
-             "0 = dropless")
+    c = m.capacity_factor
+    if 0 < c < 1:
+        warn(f"model.capacity_factor = {c:g} gives each expert {c:.1%} of an even share of a sequence's "
+             f"slots (rounded up to whole slots): even perfectly balanced routing drops about {1 - c:.1%} "
+             "of them (counted in moe/dropped); 1 to 1.25 is usual, 0 = dropless")
     p = cfg.parallelism
     if p.auto_trials < 0 or p.auto_trial_steps < 2:
         raise ConfigError("parallelism.auto_trials must be >= 0 and auto_trial_steps >= 2 (the first step "
