@@ -140,20 +140,55 @@ def test_a_check_only_a_rank_makes_is_its_line(tmp_path, log_rank):
     assert run.elapsed < 120, run.elapsed
 
 
+# SIGINT as a terminal's foreground job has it (Python's KeyboardInterrupt), whatever the test
+# runner's shell left: one started in the background ignores SIGINT, and its children inherit that.
+DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 @pytest.mark.slow
-def test_sigterm_stop_keeps_its_code(tmp_path):
+@pytest.mark.parametrize("sig, to", [(signal.SIGTERM, "rank 1"), (signal.SIGINT, "every process")],
+                         ids=["SIGTERM-rank1", "SIGINT-all"])
+def test_a_stop_signal_saves_and_keeps_its_code(tmp_path, sig, to):
     """SIGTERM to one rank (SIGTERM to the launcher, which torchrun passes on to every rank, is
-    test_checkpoint_files' resume test): a save after the same step on every rank, rank 0's line,
-    143."""
+    test_checkpoint_files' resume test), and SIGINT to the launcher and every rank at once (an
+    interactive srun's Ctrl-C; the ranks get it twice, the launcher's agent passes it on too): a
+    save after the same step on every rank, rank 0's line, 128 + the signal, no traceback."""
     folder = tmp_path / "run"
-    run = train_sh(tmp_path, *LONG, "--checkpoint.enable", "true", "--checkpoint.interval", "100000")
+    command = ["./run_train.sh", "--job.dump_folder", str(folder), *LONG, "--checkpoint.enable", "true",
+               "--checkpoint.interval", "100000"]
+    run = Run(tmp_path, [sys.executable, "-c", DEFAULT_SIGINT, *command])
     wait_for_steps(run, folder, 3)
-    for pid in _rank_pids(1, folder):
-        os.kill(pid, signal.SIGTERM)
-    assert run.wait() == 128 + signal.SIGTERM
-    line = assert_one_line(run, 143, "torchpar: stopped by SIGTERM after step ", "saved checkpoint")
+    pids = _rank_pids(1, folder) if to == "rank 1" else [run.proc.pid, *_rank_pids(0, folder),
+                                                          *_rank_pids(1, folder)]
+    for pid in pids:
+        os.kill(pid, sig)
+    assert run.wait() == 128 + sig
+    line = assert_one_line(run, 128 + sig, f"torchpar: stopped by {sig.name} after step ", "saved checkpoint")
     (saved,) = (folder / "checkpoint").glob("step-*")
     assert saved.name in line
+
+
+def test_the_relayed_copy_of_a_stop_signal_is_not_a_second_one(monkeypatch):
+    """A rank's stop flag: the same signal again within RELAYED_S (the launcher's agent relaying
+    the Ctrl-C every process got) is ignored; later, it ends the process at once
+    (here: the handler it replaced runs)."""
+    from torchpar import signals
+
+    clock, ended = [100.0], []
+    monkeypatch.setattr(signals.time, "monotonic", lambda: clock[0])
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: ended.append(signum))
+    try:
+        for later in (0.01, signals.RELAYED_S):
+            flags = signals.StopSignals().install()  # (the handlers it replaces: restored below)
+            signal.raise_signal(signal.SIGHUP)
+            clock[0] += later
+            signal.raise_signal(signal.SIGHUP)
+            assert flags.received == signal.SIGHUP
+            assert ended == ([] if later < signals.RELAYED_S else [signal.SIGHUP]), later
+            flags.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 @pytest.mark.slow
