@@ -102,6 +102,7 @@ class Launch:
         self.timeout = cfg.comm.timeout_s
         self.logs = Path(cfg.job.dump_folder) / "logs"
         self.report = self.logs / f"torchrun_node{args.node_rank}.log"
+        self.report_where = str(self.report)  # as the lines name it: the path, or why it is not there
         self.shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
 
     def where(self) -> str:
@@ -152,7 +153,7 @@ class Launch:
                 self._to_report(e)
                 first = (str(e).strip().splitlines() or [""])[0]
                 return self._say(f"{PROG}: error: torchrun failed: {type(e).__name__}: {first} "
-                                 f"(its report: {self.report})", 1)
+                                 f"(its report: {self.report_where})", 1)
 
     def _rendezvous(self) -> None:
         """The rendezvous gives up when comm.timeout_s is over: the agents' wait for each other, and
@@ -175,11 +176,11 @@ class Launch:
                   else f"LOG_RANK={first.local_rank} shows its output")
         if first.exception:
             return self._say(f"{PROG}: error: rank {first.rank} failed: {first.exception} ({output}; "
-                             f"torchrun's report: {self.report})", code)
+                             f"torchrun's report: {self.report_where})", code)
         killed = first.code is not None and first.code < 0
         how = f"was killed by {signal.Signals(-first.code).name}" if killed else f"exited with code {code}"
         return self._say(f"{PROG}: error: rank {first.rank} {how} without a message ({output}; torchrun's "
-                         f"report: {self.report})", code)
+                         f"report: {self.report_where})", code)
 
     def _stopped(self, signum: int, log_dir: str) -> int:
         """This launcher got a stop signal and torchrun passed it on: the ranks' own lines and codes,
@@ -194,7 +195,7 @@ class Launch:
             return self._failed(ended)
         name = signal.Signals(signum).name
         return self._say(f"{PROG}: stopped by {name} before the ranks could stop at a step (nothing was "
-                         f"saved; torchrun's report: {self.report})", 128 + signum)
+                         f"saved; torchrun's report: {self.report_where})", 128 + signum)
 
     @staticmethod
     def _say(line: str, code: int) -> int:
@@ -202,12 +203,14 @@ class Launch:
         return code
 
     def _log_to_report(self) -> None:
-        """torchrun's log lines (and Python's warnings here) go to the report file, not the console."""
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with open(self.report, "a") as f:  # appended to by every launch on this node
-            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
-                    f"torchrun {' '.join(sys.argv[1:])}\n")
-        handler = logging.FileHandler(self.report)
+        """torchrun's log lines (and Python's warnings here) go to the report file, not the console;
+        a report that cannot be written (a full disk) loses them, not the run or its one line."""
+        header = (f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
+                  f"torchrun {' '.join(sys.argv[1:])}\n")
+        handler: logging.Handler = logging.NullHandler()
+        if self._append(header):
+            handler = logging.FileHandler(self.report)
+            handler.handleError = self._unwritten  # (logging's own would print a traceback to stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.captureWarnings(True)
         for name in ("torch.distributed", "py.warnings"):
@@ -217,8 +220,23 @@ class Launch:
             log.propagate = False
 
     def _to_report(self, e: BaseException) -> None:
-        with open(self.report, "a") as f:
-            f.write("".join(traceback.format_exception(e)))
+        self._append("".join(traceback.format_exception(e)))
+
+    def _append(self, text: str) -> bool:
+        """``text`` appended to the report (by every launch on this node); False where it could not be."""
+        try:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            with open(self.report, "a") as f:
+                f.write(text)
+            return True
+        except OSError as e:
+            self._unwritten(e)
+            return False
+
+    def _unwritten(self, why) -> None:
+        if self.report_where == str(self.report):
+            reason = why if isinstance(why, OSError) else sys.exc_info()[1]
+            self.report_where = f"{self.report} could not be written: {reason}"
 
 
 def main(argv: list[str]) -> int:
