@@ -91,3 +91,65 @@ def test_a_step_without_progress_is_a_hang_a_long_phase_is_not(monkeypatch):
     assert re.match(r"no progress for \d+ s in step 5", verdict), verdict
     assert "every rank is there" in verdict
     assert run_watchdog(monkeypatch, short=False, seconds=4) == []
+
+
+class Clock:
+    """A watchdog thread's time, run in this thread: each wait of a beat moves the clock on by
+    it, lets ``each`` act (the neighbour beats, the main thread moves), and ends after ``seconds``."""
+
+    def __init__(self, monkeypatch):
+        self.now = 1000.0
+        monkeypatch.setattr("torchpar.watchdog.time.monotonic", lambda: self.now)
+        monkeypatch.setattr("torchpar.watchdog.time.sleep", lambda s: None)
+
+    def run(self, wd, records, seconds, each=lambda: None) -> list[str]:
+        verdicts, end = [], self.now + seconds
+
+        class Stop:
+            def wait(_, beat):
+                self.now += beat
+                records.write(1, int(self.now * 10), "step 5")
+                each()
+                return self.now > end or bool(verdicts)
+
+            def is_set(_):
+                return bool(verdicts)
+
+        wd._stop = Stop()
+        wd._end = lambda why, elect=True, stopped=None: verdicts.append(why)
+        wd._run()
+        return verdicts
+
+
+def test_a_step_may_take_three_times_the_last_measured_one(monkeypatch):
+    """Under a 2 s limit: a warm-up step of 50 s and short steps of 10 s measured, the next step
+    is a hang only past 30 s (3 x 10), an evaluation of 4 batches past 120 s; a step that ends
+    in time is no hang; the verdict says it went beyond its measured steps."""
+    clock, records = Clock(monkeypatch), Records(2)
+    wd = records.watchdog()
+    wd.phase("step 1", short=False, step=True)
+    clock.now += 50
+    wd.phase("step 2", step=True)
+    assert wd.step_s == 50 and wd.phase_state[3] == 150  # (the warm-up's, until a step is measured)
+    clock.now += 10
+    wd.phase("step 3", step=True)
+    clock.now += 12
+    wd.phase("the evaluation after step 3", steps=4)
+    assert wd.step_s == 12 and wd.phase_state[3] == 3 * 4 * 12
+    wd.phase("step 4", step=True)
+    assert wd.step_s == 12 and wd.phase_state[3] == 36
+    assert clock.run(wd, records, 34) == []  # (each run of the thread starts the phase's time again)
+    (verdict,) = clock.run(wd, records, 45)
+    assert re.match(r"no progress for 3\d s in step 4, beyond 3 x the 12 s that measured steps give it",
+                    verdict), verdict
+
+
+def test_each_micro_batch_is_progress(monkeypatch):
+    """A step of many micro-batches, each within the bound, is no hang however long it runs;
+    without them it is, after its bound (2 s: nothing measured yet)."""
+    clock, records = Clock(monkeypatch), Records(2)
+    wd = records.watchdog()
+    wd.phase("step 5", step=True)
+    assert clock.run(wd, records, 20, each=wd.progress) == []
+    (verdict,) = clock.run(wd, records, 20)
+    assert verdict.startswith("no progress for ") and "beyond" not in verdict

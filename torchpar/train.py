@@ -231,6 +231,8 @@ class Trainer:
                         record_term(Z_LOSS, z)
                     (loss * scale).backward()
                     loss_sum += full_value(ce.detach())
+                if self.watchdog is not None:
+                    self.watchdog.progress()
         return loss_sum
 
     def _settle(self, upto: int) -> set[int]:
@@ -324,7 +326,7 @@ class Trainer:
         self.throughput = Throughput(self.global_tokens, first, tr.steps)
         while ts.step < tr.steps:
             ts.step += 1
-            self._phase(f"step {ts.step}", short=ts.step != first)  # the first warms up (and compiles)
+            self._phase(f"step {ts.step}", short=ts.step != first, step=True)  # the first warms up, compiles
             lr = self.lr_scheduler.get_last_lr()[0]
             last = ts.step == tr.steps
             logged = ts.step == first or ts.step % cfg.metrics.log_freq == 0 or last
@@ -344,7 +346,7 @@ class Trainer:
             self.model.state.zero_grad()
             with self.throughput.aside():
                 if evaluating:
-                    self._phase(f"the evaluation after step {ts.step}")
+                    self._phase(f"the evaluation after step {ts.step}", steps=cfg.validation.steps)
                     evaluate(self)
                 if self.stop_requested and ts.step < tr.steps:
                     self._preempted()
@@ -352,9 +354,9 @@ class Trainer:
         self.close()
         return self.losses
 
-    def _phase(self, what: str, short: bool = True) -> None:
+    def _phase(self, what: str, short: bool = True, steps: float = 1.0, step: bool = False) -> None:
         if self.watchdog is not None:
-            self.watchdog.phase(what, short)
+            self.watchdog.phase(what, short, steps, step)
 
     def close(self, graceful: bool = True) -> None:
         """End the run's threads and files. ``graceful`` (every rank closes at the same point):

@@ -8,8 +8,11 @@ however large the job. It ends the job when
 
 - the next rank's record has not changed for ``limit`` seconds (by this rank's clock, so no two
   clocks need agree): that rank is stopped, frozen or gone; or
-- this rank's own phase has not changed for ``limit`` seconds in a phase that should be short (a
-  step, an evaluation): the job is stuck. One look at every rank's record, twice a beat apart,
+- this rank's own phase has made no progress for its bound in a phase that should be short (a
+  step, an evaluation): the job is stuck. A step's bound is the larger of ``limit`` and
+  STEP_MARGIN x the last step's measured wall time (so a healthy 115 s step at scale is no hang
+  under a 120 s limit), an evaluation's that many steps per held-out batch; each micro-batch of
+  a step counts as progress. One look at every rank's record, twice a beat apart,
   names the ranks that stopped answering, else those in another phase than the rest (the ones
   the rest wait for), else says that all wait inside one collective.
 
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 EXIT_CODE = 4
 KEY = "torchpar/heartbeat/"
+STEP_MARGIN = 3.0  # a short phase may take this many times the steps it stands for
 
 
 class Watchdog:
@@ -45,7 +49,11 @@ class Watchdog:
         self.store, self.rank, self.world, self.limit = store, rank, world, limit
         self.beat = min(5.0, limit / 4)
         self.dump_folder = Path(dump_folder)
-        self.phase_state = (0, "startup", False)  # (changes, what, short): replaced whole, never mutated
+        # (changes, what, short, bound in seconds): replaced whole, never mutated
+        self.phase_state = (0, "startup", False, limit)
+        self.step_s = 0.0  # the last step's wall time (the first step's until a later one is measured)
+        self._step = None  # (when the current step began, whether it is a warm-up step)
+        self._measured = False
         self.beats = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchpar-watchdog", daemon=True)
@@ -56,9 +64,23 @@ class Watchdog:
         atexit.register(self.stop)  # runs before the process group's own exit handler
         return self
 
-    def phase(self, what: str, short: bool = True) -> None:
-        """The main thread's progress: ``short`` phases are expected to end within the limit."""
-        self.phase_state = (self.phase_state[0] + 1, what, short)
+    def phase(self, what: str, short: bool = True, steps: float = 1.0, step: bool = False) -> None:
+        """The main thread's progress: ``short`` phases are expected to end within their bound,
+        ``steps`` training steps' worth (see the module's note); ``step``: a training step begins
+        (a short one is measured, a long one (warm-up) only until a short one has been)."""
+        now = time.monotonic()
+        if self._step is not None:  # the step before ends here
+            began, warm_up = self._step
+            if not (warm_up and self._measured):
+                self.step_s, self._measured = now - began, self._measured or not warm_up
+        self._step = (now, not short) if step else None
+        bound = max(self.limit, STEP_MARGIN * steps * self.step_s)
+        self.phase_state = (self.phase_state[0] + 1, what, short, bound)
+
+    def progress(self) -> None:
+        """Progress inside the current phase (a micro-batch done): its bound starts again."""
+        changes, what, short, bound = self.phase_state
+        self.phase_state = (changes + 1, what, short, bound)
 
     def stop(self) -> None:
         """Before the process group goes: the thread must not outlive the store it reads."""
@@ -69,7 +91,7 @@ class Watchdog:
     # -- the thread
 
     def _publish(self) -> None:
-        changes, what, _ = self.phase_state
+        changes, what, _, _ = self.phase_state
         self.store.set(f"{KEY}{self.rank}", f"{self.beats} {changes} {HOST}:{os.getpid()} {what}")
 
     def _read(self, rank: int) -> str | None:
@@ -92,12 +114,16 @@ class Watchdog:
                     last = f"; its last heartbeat was in {_phase(record)}" if record else ""
                     self._end(f"rank {neighbour} stopped answering: its heartbeat has not changed for "
                               f"{now - seen_at:.0f} s{last}", stopped={neighbour: record})
-                changes, what, short = self.phase_state
+                changes, what, short, bound = self.phase_state
                 if (changes, what) != mine:
                     mine, mine_at = (changes, what), now
-                elif short and now - mine_at > self.limit and not self._stop.is_set():
+                elif short and now - mine_at > bound and not self._stop.is_set():
                     verdict, stopped = self._survey()
-                    self._end(f"no progress for {now - mine_at:.0f} s in {what}: {verdict}", stopped=stopped)
+                    measured = "" if bound <= self.limit else (
+                        f", beyond {STEP_MARGIN:g} x the {bound / STEP_MARGIN:.0f} s that measured steps "
+                        "give it")
+                    self._end(f"no progress for {now - mine_at:.0f} s in {what}{measured}: {verdict}",
+                              stopped=stopped)
             except Exception as e:  # the store itself is gone (its host died): nothing to coordinate with
                 if self._stop.is_set() or not dist.is_initialized():  # or this process is ending
                     return

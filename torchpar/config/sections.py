@@ -368,8 +368,9 @@ class Comm:
         "timeout); bounds checkpoint saves and loads, which the watchdog leaves alone.")
     watchdog_s: float = opt(
         120, "A rank that stops answering (stopped, frozen) or a step that makes no progress for this long "
-        "ends the job with one line naming the rank and what it was doing, so the launcher's restart "
-        "policy can take over; 0 = off. Must be below timeout_s.")
+        "(or for 3 x the last measured step, if longer; an evaluation: 3 steps' worth per held-out batch; "
+        "each micro-batch counts as progress) ends the job with one line naming the rank and what it was "
+        "doing, so the launcher's restart policy can take over; 0 = off. Must be below timeout_s.")
 
 
 @dataclass
