@@ -59,8 +59,9 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 TINY=(--config torchpar/assets/selftest.toml --training.steps 3)
 # A real-sized job's common flags: no checkpoints or evaluation, figures every 5 steps.
 RUN=(--checkpoint.enable false --validation.enable false --metrics.log_freq 5)
+# (the 1B runs also probe the GPU and log the planner's step time beside the measured one)
 ONE_B=(--config train_configs/debug_model.toml --model.flavor 1B --training.steps 20 --training.seq_len 2048
-       --training.local_batch_size 4 "${RUN[@]}")
+       --training.local_batch_size 4 --metrics.predict_step_time true "${RUN[@]}")
 stage env "$SMOKE_S" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && python -c \"import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count())\""
 stage smoke_1gpu "$SMOKE_S" python -m torchpar train "${TINY[@]}" --job.dump_folder "$OUT/smoke_1gpu"
 if [ "$GPUS" -ge 2 ]; then
@@ -109,8 +110,9 @@ for path in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
     memory = "".join(f" {what} {last[key]:.1f} GiB" for what, key in
                      (("peak allocated", "mem_max_allocated_gib"), ("reserved", "mem_max_reserved_gib"))
                      if last.get(key) is not None)
+    predicted = f" (planner: {last['predicted_step_s']:.3f} s)" if "predicted_step_s" in last else ""
     print(f"{path.parent.name}: step {last['step']} loss {last['loss']:.4f} tokens/s "
-          f"{last['tokens_per_sec']:,.0f} step {last['step_s']:.3f} s MFU {mfu}{memory}")
+          f"{last['tokens_per_sec']:,.0f} step {last['step_s']:.3f} s{predicted} MFU {mfu}{memory}")
 PY
 LINE=$(printf ' | %s' "${SUMMARY[@]}")
 echo "gpu_check: ${LINE:3}"

@@ -106,6 +106,95 @@ def test_auto_replaces_the_layout_fields_and_keeps_the_global_batch():
         assert c.cfg.training.global_batch_size == 8 * 4  # (0 in the config: local x every rank)
 
 
+def test_the_probe_splits_one_communicator_per_partition_where_nccl_is_bound(monkeypatch):
+    """At 512 ranks, 8 a node: with the default group's NCCL communicator bound to a device, each
+    partition's groups come from one split_group call (9 calls, every group of the partition in
+    it) — not 511 new_group calls on every rank; without one, a new group per group."""
+    from torchpar.plan import probe as pr
+
+    splits = []
+
+    class Bound:
+        bound_device_id = torch.device("cuda", 0)
+
+    monkeypatch.setattr(pr.dist.distributed_c10d, "_get_default_group", lambda: Bound())
+    monkeypatch.setattr(pr.dist, "split_group",
+                        lambda parent, groups, timeout: splits.append(groups) or "mine")
+    monkeypatch.setattr(pr.dist, "new_group", lambda *a, **k: pytest.fail("a new group per group"))
+    partitions = pr._partitions(512, 8)
+    assert all(pr._my_group(groups) == ("mine", ["mine"]) for _, groups in partitions)
+    assert splits == [groups for _, groups in partitions] and len(splits) == 9
+    assert sum(len(groups) for groups in splits) == 511
+
+    made = []
+    monkeypatch.setattr(pr.dist.distributed_c10d, "_get_default_group", lambda: object())
+    monkeypatch.setattr(pr.dist, "new_group", lambda ranks, timeout: made.append(ranks) or tuple(ranks))
+    monkeypatch.setattr(pr.dist, "get_rank", lambda: 5)
+    mine, to_destroy = pr._my_group([[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert mine == (4, 5, 6, 7) and made == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(to_destroy) == 2
+
+
+def test_the_model_probe_shrinks_its_tokens_to_the_memory_it_may_use():
+    """The model probe's runs (one and two blocks, one block on more sequences) at the longest
+    sequence (at most MAX_PROBE_TOKENS) whose largest run fits: the job's with room, halved to
+    what fits, none below 512 tokens; the bytes grow with the tokens."""
+    from torchpar.plan.probe import MAX_PROBE_TOKENS, probe_tokens
+
+    model, args = MODELS["llama3"], MODELS["llama3"].args("debug")
+    assert MAX_PROBE_TOKENS >= 2048 == args.max_seq_len
+    full, need = probe_tokens(model, args, 2048, torch.float32, float("inf"))
+    small, need_small = probe_tokens(model, args, 1024, torch.float32, float("inf"))
+    assert (full, small) == (2048, 1024) and need_small < need
+    assert probe_tokens(model, args, 2048, torch.float32, need_small) == (1024, need_small)
+    assert probe_tokens(model, args, 2048, torch.float32, need_small - 1)[0] == 512
+    assert probe_tokens(model, args, 2048, torch.float32, 1e5)[0] == 0
+
+
+def test_the_probe_keeps_the_jobs_device_precision_and_memory_cap(tmp_path, monkeypatch):
+    """A probe on one rank leaves the device and its fp32 precision as the job set them (TF32 was
+    turned on by a cold cache, whatever training.tf32 said); under a memory cap too small for one
+    block the model probe does not run (the matmul rate stands in, and the figures say why); the
+    cache is keyed by the cluster, not by rank 0's host."""
+    import torch.distributed as dist
+
+    from torchpar import device as dev
+    from torchpar.plan import probe as pr
+
+    monkeypatch.setattr(dev, "local_device", lambda *a, **k: pytest.fail("the probe set the device and TF32"))
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "c1")
+    model, args = MODELS["llama3"], MODELS["llama3"].args("debug")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        figures = pr.probe(torch.float32, model, args, 32, tmp_path, memory_cap_gib=1e-4)
+        assert "not run: one block on 512 tokens needs" in figures["model_probe"], figures.get("model_probe")
+        assert figures["model_tokens"] == 0 and figures["model_flops"] == figures["matmul_flops"]
+        monkeypatch.setattr(pr.socket, "gethostname", lambda: "another-node-of-c1")
+        assert pr.probe(torch.float32, model, args, 32, tmp_path, memory_cap_gib=1e-4)["cached"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_a_job_that_asks_for_the_step_time_prediction_probes(monkeypatch):
+    """torchpar train probes the machine (a collective, seconds, device memory) only with
+    metrics.predict_step_time; layout = 'auto' hands over its own figures."""
+    from torchpar.commands import train as command
+
+    seen = []
+
+    class Recorded:
+        def __init__(self, cfg, on_process_group=None, **kwargs):
+            seen.append(on_process_group)
+            self.signals = type("S", (), {"install": lambda self: None})()
+
+        def train(self):
+            return []
+
+    monkeypatch.setattr(command, "Trainer", Recorded)
+    assert command.main(["--config", str(TINY)]) == 0
+    assert command.main(["--config", str(TINY), "--metrics.predict_step_time", "true"]) == 0
+    assert seen[0] is None and seen[1].__self__.figures is None and seen[1].__name__ == "probe"
+
+
 # ------------------------------------------------------------------ spawned ranks
 
 def _probe_worker(rank, world, out):

@@ -105,6 +105,19 @@ def local_device(tf32: bool = True) -> torch.device:
     return torch.device("cpu")
 
 
+def current_device() -> torch.device:
+    """The device this process computes on, as :func:`local_device` set it (nothing changed)."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fp32_precision() -> str:
+    """How fp32 matmuls run here: 'tf32' or 'ieee' on a GPU (as :func:`local_device` set it), 'ieee'
+    on the CPU."""
+    return torch.backends.cuda.matmul.fp32_precision if device_type() == "cuda" else "ieee"
+
+
 def device_index() -> int:
     """This process's GPU: ``LOCAL_RANK``, the index on this node (never the global rank) — or the
     one GPU a task sees under ``srun --gpus-per-task=1`` (each task started by srun, without

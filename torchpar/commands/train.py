@@ -43,9 +43,11 @@ def main(argv: list[str]) -> int:
     try:
         if cfg.parallelism.layout == "auto":
             cfg, figures = auto_layout(cfg, world)
+        # The step time is predicted where auto probed, or where asked (a probe of its own).
         step_check = StepCheck(figures)
+        probe = step_check.probe if figures is None and cfg.metrics.predict_step_time else None
         trainer = Trainer(cfg, on_first_step=predict_for_trainer, check_layout=check_memory_cap,
-                          on_logged_step=step_check, on_process_group=step_check.probe)
+                          on_logged_step=step_check, on_process_group=probe)
         trainer.signals.install()
         trainer.train()  # closes the trainer at its end
     except (TrainingStopped, Preempted, SaveFailed) as e:  # every rank stops at the same step

@@ -213,7 +213,7 @@ class Parallelism:
     layout: str = opt(
         "manual", "'auto': the planner picks the degrees, ZeRO stage, recomputation, micro-batch and "
         "pipeline schedule for this world size, global batch, seq_len and device memory (or "
-        "training.memory_cap_gib), from a measurement of this machine (cached per host), and prints the "
+        "training.memory_cap_gib), from a measurement of this machine (cached per cluster), and prints the "
         "candidates; leave the fields it sets at their defaults. 'manual': the fields below as given.",
         ("manual", "auto"))
     auto_trials: int = opt(
@@ -290,11 +290,17 @@ class Metrics:
     log_step_breakdown: bool = opt(
         True, "On logged steps, time data loading, forward+backward, gradient reduction and clipping, and "
         "the optimizer step (the device is synchronized at their borders on those steps only).")
+    predict_step_time: bool = opt(
+        False, "Probe this machine before the model is built (its rate on the model's blocks and its "
+        "collectives: seconds, cached per cluster; within training.memory_cap_gib) and log the planner's "
+        "step time for it beside the measured one on every logged step (predicted_step_s, measured_step_s "
+        "and their terms), warning once past prediction_margin. layout = 'auto' probes anyway, and logs "
+        "them whether this is set or not.")
     prediction_margin: float = opt(
-        1.0, "Warn once when the measured step time and the planner's prediction for this machine differ by "
-        "more than this share of the smaller (1.0: a factor of 2 either way), naming the term (compute, "
-        "communication, pipeline bubble) that is off most; 0 = never warn. Both are logged on every logged "
-        "step either way (predicted_step_s, measured_step_s and their terms).")
+        1.0, "With the step time predicted (predict_step_time, or layout = 'auto'): warn once when the "
+        "measured step time and the prediction differ by more than this share of the smaller (1.0: a "
+        "factor of 2 either way), naming the term (compute, communication, pipeline bubble) that is off "
+        "most; 0 = never warn.")
     log_communication: bool = opt(
         False, "On logged steps after the first, count the bytes each mesh dimension sends (a dispatch-mode "
         "ledger that slows the steps it counts); the planner's prediction is logged at step 1.")

@@ -90,9 +90,10 @@ class StepCheck:
         self.figures, self.plan, self.warned, self.first = figures, None, False, None
 
     def probe(self, cfg, lay, model, args) -> None:
-        """This machine's figures for the job (cached per host; a collective: every rank calls it)."""
+        """This machine's figures for the job (cached per cluster; a collective: every rank calls it)."""
         if self.figures is None:
-            self.figures = probe(getattr(torch, lay.param_dtype), model, args, cfg.training.seq_len)
+            self.figures = probe(getattr(torch, lay.param_dtype), model, args, cfg.training.seq_len,
+                                 memory_cap_gib=cfg.training.memory_cap_gib)
 
     def __call__(self, trainer, record: dict) -> dict:
         if self.figures is None:

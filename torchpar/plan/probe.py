@@ -15,8 +15,12 @@ in training), and the slowest rank's figure is kept, since a step waits for it:
   bandwidth``, where bytes are what the planner and the communication ledger count for that
   collective (RING_FACTOR x payload).
 
-The figures are cached per host and job shape (world, ranks per node, device, dtype, width), so
-a probe costs its few seconds once. The datasheet presets (``PRESETS``) stay for clusters one is
+The figures are cached per cluster (SLURM's cluster name, else the set of its hosts) and job
+shape (world, ranks per node, device, dtype and fp32 precision, model), so a probe costs its few
+seconds once. It runs on the device and precision the job set (it changes neither), its model
+runs inside the memory it is given (fewer tokens, or none: then the matmul rate stands in), and
+each rank joins only its own group of each partition (a group-local creation, not one call per
+group of the world on every rank). The datasheet presets (``PRESETS``) stay for clusters one is
 not on.
 """
 
@@ -38,12 +42,14 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
+from torchpar.parallel.layout import Layout
 from torchpar.parallel.ledger import RING_FACTOR
+from torchpar.plan.activations import ends_bytes, stage_activation_bytes
 from torchpar.plan.layout import Cluster
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 REPEATS = 5  # timed runs per size (the median kept), after two untimed (the first connects a new group)
-VERSION = 8  # of the cache's format and of what is measured
+VERSION = 9  # of the cache's format and of what is measured
 
 
 def _sizes(device_type: str) -> tuple[tuple[int, int], ...]:
@@ -92,26 +98,58 @@ def _matmul_flops(dtype: torch.dtype, dim: int, device: torch.device) -> float:
 
 
 MAX_PROBE_TOKENS = 4096  # the longest sequence the model probe runs (its memory, on a large model)
+PROBE_SHARE = 0.8  # of a rank's memory the model probe's runs may fill (the job's model is not built yet)
 MIN_PROBE_TOKENS = 512  # the fewest tokens a model-probe run takes (a shorter one is mostly fixed cost)
+
+
+def _run_bytes(model, args, blocks: int, batch: int, seq: int, dtype: torch.dtype) -> float:
+    """Device bytes of one model-probe run: the model cut to ``blocks`` blocks, its weights and
+    gradients in ``dtype``, the activations the planner counts for ``batch`` sequences of ``seq``
+    tokens, and the loss's three fp32 logits-sized tensors."""
+    cut = dataclasses.replace(args, n_layers=blocks)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model.build(cut).parameters())
+    lay = Layout(param_dtype=str(dtype).removeprefix("torch."), local_batch_size=batch)
+    held = stage_activation_bytes(model, cut, lay, batch, seq, 0, blocks) + ends_bytes(
+        model, cut, lay, batch, seq, True, True)
+    return 2 * params * dtype.itemsize + held + 3 * 4 * batch * seq * cut.vocab_size
+
+
+def _probe_runs(seq: int) -> list[tuple[int, int]]:
+    """(blocks, sequences) of the model probe's runs at ``seq`` tokens: one and two blocks on one
+    sequence, one block on ``b`` and ``2b`` (``b`` making at least MIN_PROBE_TOKENS)."""
+    b = -(-MIN_PROBE_TOKENS // seq)  # (rounded up)
+    return list(dict.fromkeys(((1, 1), (2, 1), (1, b), (1, 2 * b))))  # (b may be 1)
+
+
+def probe_tokens(model, args, seq: int, dtype: torch.dtype, budget: float) -> tuple[int, float]:
+    """The longest sequence (``seq``, at most MAX_PROBE_TOKENS, halved down to MIN_PROBE_TOKENS)
+    whose model-probe runs each fit in ``budget`` bytes, and the largest run's bytes; 0 tokens when
+    none does (then the bytes of the smallest try)."""
+    seq = min(seq, MAX_PROBE_TOKENS)
+    while True:
+        need = max(_run_bytes(model, args, blocks, batch, seq, dtype) for blocks, batch in _probe_runs(seq))
+        if need <= budget:
+            return seq, need
+        if seq <= MIN_PROBE_TOKENS:
+            return 0, need
+        seq = max(MIN_PROBE_TOKENS, seq // 2)
 
 
 def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[float, float, float]:
     """(FLOP/s, seconds per block, seconds per forward) of a forward and backward of the model cut
-    to one and to two blocks (with embedding, head and loss) on one sequence of ``seq`` tokens (at
-    most MAX_PROBE_TOKENS), and cut to one block on ``b`` and ``2b`` sequences (``b`` making at
-    least MIN_PROBE_TOKENS): ``seconds = per forward + blocks x per block + FLOPs / rate`` (FLOPs
-    as the adapter counts them). It is what a matmul's rate leaves out: attention, elementwise
-    work, the head's shape, and the fixed cost of running a block and a micro-step (launches,
-    hooks), which dominates small models and micro-batches. The rate comes from a difference
-    of two times (each the median of 7 runs), so the two differ by at least MIN_PROBE_TOKENS; the
-    fixed costs come from one sequence, where they weigh most.
-    Built on the meta device and then allocated on ``device`` only (the probe runs before the
-    job's model)."""
-    seq = min(seq, MAX_PROBE_TOKENS)
-    b = -(-MIN_PROBE_TOKENS // seq)  # (rounded up)
+    to one and to two blocks (with embedding, head and loss) on one sequence of ``seq`` tokens, and
+    cut to one block on ``b`` and ``2b`` sequences (see :func:`_probe_runs`): ``seconds = per
+    forward + blocks x per block + FLOPs / rate`` (FLOPs as the adapter counts them). It is what a
+    matmul's rate leaves out: attention, elementwise work, the head's shape, and the fixed cost of
+    running a block and a micro-step (launches, hooks), which dominates small models and
+    micro-batches. The rate comes from a difference of two times (each the median of 7 runs), so
+    the two differ by at least MIN_PROBE_TOKENS; the fixed costs come from one sequence, where they
+    weigh most. Built on the meta device and then allocated on ``device`` only (the probe runs
+    before the job's model)."""
     runs = {}
-    for blocks, batch in dict.fromkeys(((1, 1), (2, 1), (1, b), (1, 2 * b))):  # (b may be 1)
+    for blocks, batch in _probe_runs(seq):
         cut = dataclasses.replace(args, n_layers=blocks)
         with torch.device("meta"):
             module = model.build(cut).to(dtype)
@@ -128,6 +166,7 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
         del module, step
         gc.collect()
         dev.empty_cache()
+    b = _probe_runs(seq)[-1][1] // 2
     (fb, tb), (f2b, t2b) = runs[1, b], runs[1, 2 * b]
     rate = (f2b - fb) / (t2b - tb) if t2b > tb else f2b / t2b  # twice the sequences: marginal
     (f1, t1), (f2, t2) = runs[1, 1], runs[2, 1]
@@ -214,20 +253,37 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return latency, 1 / slope
 
 
-def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
-    """Every rank measures; returns the slowest rank's figures (the same dict on every rank)."""
-    device = dev.local_device()
-    world, me = dist.get_world_size(), dist.get_rank()
+def _my_group(groups: list[list[int]]) -> tuple[object, list]:
+    """This rank's group of the partition ``groups`` and the groups to destroy after, made as
+    DeviceMesh makes a dimension's: where the default group's NCCL communicator is bound to a
+    device, one split of it for the whole partition (one call however many groups, where a new
+    group per group would be world / n calls on every rank); else a new group per group."""
+    default = dist.distributed_c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is not None:
+        mine = dist.split_group(default, groups, timeout=dev.group_timeout())
+        return mine, [mine]
+    made = [dist.new_group(ranks, timeout=dev.group_timeout()) for ranks in groups]
+    return next(g for g, ranks in zip(made, groups) if dist.get_rank() in ranks), made
+
+
+def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int, budget: float) -> dict:
+    """Every rank measures; returns the slowest rank's figures (the same dict on every rank).
+    The model probe's runs stay inside ``budget`` bytes (see :func:`probe_tokens`)."""
+    device = dev.current_device()
+    world = dist.get_world_size()
     sizes = _sizes(device.type)
     dist.barrier()
-    achieved, per_block, per_forward = _model_costs(model, args, seq, dtype, device)
-    flops, bw = _matmul_flops(dtype, args.dim, device), _memory_bw(device)
+    tokens, need = probe_tokens(model, args, seq, dtype, budget)
+    flops = _matmul_flops(dtype, args.dim, device)
+    # With no room for even one block on MIN_PROBE_TOKENS, the matmul rate stands in (no fixed costs).
+    achieved, per_block, per_forward = (_model_costs(model, args, tokens, dtype, device) if tokens
+                                        else (flops, 0.0, 0.0))
+    bw = _memory_bw(device)
     memory = dev.rank_memory(per_node)
     share = _cores() / (per_node * torch.get_num_threads()) if device.type == "cpu" else 1.0
     keys, times, counted = [], [], []  # per (partition, kind, size), in the same order on every rank
     for link, groups in _partitions(world, per_node):
-        made = [dist.new_group(ranks) for ranks in groups]  # (every rank makes every group)
-        mine = next(g for g, ranks in zip(made, groups) if me in ranks)
+        mine, made = _my_group(groups)
         n = len(groups[0])
         for kind in KINDS:
             for size, calls in sizes:
@@ -239,17 +295,33 @@ def _measure(dtype: torch.dtype, model, args, seq: int, per_node: int) -> dict:
             dist.destroy_process_group(g)
     # The slowest rank's figures, in one all-reduce: MAX of times and of the rates' negatives.
     worst = torch.tensor([-flops, -bw, -achieved, per_block, per_forward, -memory, -dev.host_memory(),
-                          -min(share, 1.0), *times], dtype=torch.float64, device=device)
+                          -min(share, 1.0), -tokens, *times], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
     table: dict[str, dict[str, list[float]]] = {}
     for i in range(0, len(keys), len(sizes)):
         group, kind = keys[i]
-        points = list(zip(counted[i:i + len(sizes)], worst[8 + i:8 + i + len(sizes)]))
+        points = list(zip(counted[i:i + len(sizes)], worst[9 + i:9 + i + len(sizes)]))
         table.setdefault(group, {})[kind] = list(fit(points))
-    return {"matmul_flops": -worst[0], "memory_bw": -worst[1], "model_flops": -worst[2],
-            "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "device_memory": -worst[5],
-            "host_memory": -worst[6], "cores_per_rank": -worst[7], "collectives": table}
+    out = {"matmul_flops": -worst[0], "memory_bw": -worst[1], "model_flops": -worst[2],
+           "block_overhead_s": worst[3], "forward_overhead_s": worst[4], "device_memory": -worst[5],
+           "host_memory": -worst[6], "cores_per_rank": -worst[7], "model_tokens": int(-worst[8]),
+           "collectives": table}
+    if tokens == 0:
+        out["model_probe"] = (f"not run: one block on {MIN_PROBE_TOKENS} tokens needs {need / 2**30:.1f} "
+                              f"GiB, {budget / 2**30:.1f} GiB allowed; the matmul rate stands in")
+    return out
+
+
+def cluster_name() -> str:
+    """What the probe's cache is keyed by: SLURM's cluster name where there is one, else the hosts
+    of the job (every rank's, gathered once: rank 0 lands on another node of the same cluster from
+    one job to the next)."""
+    if os.environ.get("SLURM_CLUSTER_NAME"):
+        return "slurm:" + os.environ["SLURM_CLUSTER_NAME"]
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return ",".join(sorted(set(hosts)))
 
 
 def _cores() -> int:
@@ -257,19 +329,27 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int) -> str:
-    shape = [VERSION, socket.gethostname(), dev.device_name(), str(dtype), model.name, repr(args), seq, world,
-             per_node, dist.get_backend(), torch.__version__, torch.get_num_threads(), _cores()]
+def _key(dtype: torch.dtype, model, args, seq: int, world: int, per_node: int, budget: float) -> str:
+    shape = [VERSION, cluster_name(), dev.device_name(), str(dtype), dev.fp32_precision(), model.name,
+             repr(args), seq, world, per_node, dist.get_backend(), torch.__version__, torch.get_num_threads(),
+             _cores(), round(budget / 2**30, 1)]
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
 
-def probe(dtype: torch.dtype, model, args, seq: int, folder: Path | None = None, fresh: bool = False) -> dict:
+def probe(dtype: torch.dtype, model, args, seq: int, folder: Path | None = None, fresh: bool = False,
+          memory_cap_gib: float = 0.0) -> dict:
     """The machine's figures (see the module's doc) for adapter ``model`` with ``args`` at
     ``seq``-token sequences in ``dtype``, measured on every rank of the default group or read
-    from rank 0's cache; the same dict on every rank. A collective: every rank calls it."""
+    from rank 0's cache; the same dict on every rank. A collective: every rank calls it. Its
+    model runs fit in ``memory_cap_gib`` (training.memory_cap_gib; 0 = none), and in PROBE_SHARE of
+    the rank's memory."""
     world = dist.get_world_size()
     per_node = dev.local_world_size(world)
-    path = (folder or cache_folder()) / f"machine-{_key(dtype, model, args, seq, world, per_node)}.json"
+    budget = PROBE_SHARE * dev.rank_memory(per_node)
+    if memory_cap_gib > 0:
+        budget = min(budget, memory_cap_gib * 2**30)
+    key = _key(dtype, model, args, seq, world, per_node, budget)
+    path = (folder or cache_folder()) / f"machine-{key}.json"
     found = [None]
     if dist.get_rank() == 0 and path.exists() and not fresh:
         try:
@@ -280,7 +360,7 @@ def probe(dtype: torch.dtype, model, args, seq: int, folder: Path | None = None,
     if found[0] is not None:
         return {**found[0], "cached": str(path)}
     t0 = time.perf_counter()
-    figures = _measure(dtype, model, args, seq, per_node)
+    figures = _measure(dtype, model, args, seq, per_node, budget)
     figures.update(world=world, per_node=per_node, dtype=str(dtype), seq=seq, device=dev.device_name(),
                    probe_s=time.perf_counter() - t0)
     if dist.get_rank() == 0:

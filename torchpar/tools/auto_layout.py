@@ -5,7 +5,7 @@
 
 The planner ranks every layout of the job (degrees, ZeRO stage, recomputation, micro-batch and
 pipeline schedule) by predicted step time on this machine, measured by ``torchpar.plan.probe``
-(cached per host), and keeps those that fit the device memory (or ``training.memory_cap_gib``)
+(cached per cluster), and keeps those that fit the device memory (or ``training.memory_cap_gib``)
 and that the trainer accepts. With ``parallelism.auto_trials = k`` the k best are trained for a
 few steps each in this job, and the fastest measured is kept: the planner prunes, the trials
 decide. Whether a layout fits is arithmetic, so "nothing fits" is one line before any collective.
@@ -180,9 +180,10 @@ def machine(figures: dict, cluster: Cluster) -> str:
         coll = f", all-reduce over {largest.split(':')[1]} ranks {1e6 * lat:.0f} us + {bw / 1e9:.2f} GB/s"
     source = (f"cached in {figures['cached']}" if figures.get("cached")
               else f"probed in {figures['probe_s']:.1f} s")
-    return (f"this machine ({source}): matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, the "
-            f"model's forward and backward {cluster.peak_flops / 1e9:.1f}, memory "
-            f"{cluster.memory_bw / 1e9:.1f} GB/s{coll}")
+    model = "the model's forward and backward " + (
+        figures["model_probe"] if "model_probe" in figures else f"{cluster.peak_flops / 1e9:.1f}")
+    return (f"this machine ({source}): matmul {figures['matmul_flops'] / 1e9:.1f} GFLOP/s per rank, {model}, "
+            f"memory {cluster.memory_bw / 1e9:.1f} GB/s{coll}")
 
 
 def report(cands: list[Candidate], unfit: list[Plan], chosen: Candidate) -> str:
@@ -279,7 +280,8 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
     dev.init_distributed(cfg.comm.timeout_s, offload and dev.device_type() == "cuda", cfg.training.tf32)
     rank = dist.get_rank()
     dtype = getattr(torch, compute_dtype(cfg.training.mixed_precision_param))
-    figures = probe(dtype, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len)
+    figures = probe(dtype, adapter(cfg.model.name), model_args(cfg.model), cfg.training.seq_len,
+                    memory_cap_gib=cfg.training.memory_cap_gib)
     trials = cfg.parallelism.auto_trials
     ranked = [None]
     if rank == 0:  # one ranking for all (memory figures can differ between hosts by a few bytes)
