@@ -574,6 +574,10 @@ def test_gloo_binds_the_interface_that_reaches_rank0():
     assert dev.gloo_interface("no-such-host.invalid") is None
     outward = dev.gloo_interface("10.255.255.1")  # by the default route, where there is one
     assert outward is None or (outward in names and outward != "lo")
+    # Rank 0's node of a multi-node job, whose host name maps to 127.0.1.1: the default route's
+    # interface (the other nodes cannot reach the loopback); on one node the loopback is right.
+    assert dev.gloo_interface("127.0.1.1", across_nodes=True) == (outward or "lo")
+    assert dev.gloo_interface("127.0.1.1") == "lo"
 
 
 def test_one_process_group_has_the_timeout_and_the_interface(monkeypatch):

@@ -253,7 +253,9 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         atexit.register(shutdown_distributed)
         device = local_device(tf32)
-        interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        across_nodes = world > local_world_size(world)
+        interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"), across_nodes)
         if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
         if "RANK" in os.environ:
@@ -310,14 +312,29 @@ def group_timeout() -> timedelta:
     return _GROUP_TIMEOUT
 
 
-def gloo_interface(master: str) -> str | None:
+OUTWARD = "10.255.255.1"  # an address no host has: the route to it is the default route
+
+
+def gloo_interface(master: str, across_nodes: bool = False) -> str | None:
     """The network interface by which this host reaches ``master`` (rank 0's address), for every
     gloo group (the checkpointer's; the whole job's on CPU). Left alone, gloo binds the address
     its host name resolves to, which on many clusters is 127.0.1.1 (no other node reaches it) and
-    on an offline host a lookup that can hang. None when no route or interface is found."""
+    on an offline host a lookup that can hang. ``across_nodes`` (the job has other nodes): on rank
+    0's own node, where MASTER_ADDR is its host name and that name maps to 127.0.1.1, the route is
+    the loopback, which the other nodes cannot reach; the default route's interface is taken
+    instead. None when no route or interface is found."""
+    name, address = _route(master)
+    if across_nodes and address is not None and address.startswith("127."):
+        outward = _route(OUTWARD)[0]
+        return outward or name
+    return name
+
+
+def _route(host: str) -> tuple[str | None, str | None]:
+    """(interface, its IPv4 address) of the route to ``host``; (None, None) without one."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, 9))  # a datagram socket only picks its route: nothing is sent
+            s.connect((host, 9))  # a datagram socket only picks its route: nothing is sent
             address = s.getsockname()[0]
             for _, name in socket.if_nameindex():
                 request = struct.pack("256s", name.encode()[:15])
@@ -326,10 +343,10 @@ def gloo_interface(master: str) -> str | None:
                 except OSError:
                     continue  # an interface without an IPv4 address
                 if found == address:
-                    return name
+                    return name, address
     except OSError:
-        return None
-    return None
+        return None, None
+    return None, None
 
 
 def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
