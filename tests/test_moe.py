@@ -65,10 +65,20 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_gemm_says_why_it_cannot_run():
+def test_grouped_gemm_says_why_it_cannot_run(monkeypatch):
     assert grouped_mm_problem(torch.float32, torch.device("cpu"), 16, 32) is None
     assert "10 x 4 bytes" in grouped_mm_problem(torch.float32, torch.device("cpu"), 10, 32)
     assert "bfloat16" in grouped_mm_problem(torch.float32, torch.device("cuda"), 16, 32)
+    # torch's kernel sets its groups up in one block of 1024 threads, and reads rows from 16-byte
+    # boundaries: an operand starting 4 bytes in (a view into a larger buffer) takes the loop
+    assert "1024 experts on a rank" in grouped_mm_problem(torch.bfloat16, torch.device("cpu"), 16, 32,
+                                                          groups=1024)
+    buffer = torch.zeros(1 + 4 * 16)
+    aligned, shifted = buffer[:64].view(4, 16), buffer[1:].view(4, 16)
+    assert grouped_mm_problem(torch.float32, torch.device("cpu"), 16, tensors=(aligned,)) is None
+    assert "address" in grouped_mm_problem(torch.float32, torch.device("cpu"), 16, tensors=(shifted,))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))  # a V100
+    assert "capability 8.0" in grouped_mm_problem(torch.bfloat16, torch.device("cuda"), 16, 32)
     moe = layer(dim=10)  # fp32 rows of 40 bytes: the loop, still equal to the reference
     assert moe.how(torch.float32, torch.device("cpu")).startswith("a loop over the experts")
     x = torch.randn(7, 10)

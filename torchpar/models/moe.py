@@ -40,21 +40,34 @@ from torchpar.models.llama import LlamaAdapter, ModelArgs, Transformer, Transfor
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
 
 
-def grouped_mm_problem(dtype: torch.dtype, device: torch.device, *widths: int) -> str | None:
+MAX_GROUPS = 1023  # torch's grouped GEMM sets up its groups in one CUDA block of 1024 threads
+
+
+def grouped_mm_problem(dtype: torch.dtype, device: torch.device, *widths: int, groups: int = 1,
+                       tensors: tuple[torch.Tensor, ...] = ()) -> str | None:
     """Why ``torch._grouped_mm`` cannot run the experts' matmuls here, or None where it can: its
-    rows must start at multiples of 16 bytes, and on CUDA it takes bf16 only."""
+    rows must start at multiples of 16 bytes (the widths, and each operand's first element:
+    ``tensors``, where known), it takes at most MAX_GROUPS experts at once, and on CUDA bf16 only,
+    from compute capability 8.0."""
     size = dtype.itemsize
     odd = [w for w in widths if w * size % 16]
     if odd:
         return f"a width of {odd[0]} x {size} bytes is no multiple of 16 bytes"
+    if any(t.data_ptr() % 16 for t in tensors):
+        return "an operand starts at an address that is no multiple of 16 bytes"
+    if groups > MAX_GROUPS:
+        return f"{groups} experts on a rank, grouped GEMM takes at most {MAX_GROUPS}"
     if device.type == "cuda" and dtype != torch.bfloat16:
         return f"grouped GEMM on CUDA takes bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "grouped GEMM on CUDA needs compute capability 8.0 (A100) or later"
     return None
 
 
-def how_experts_run(dtype: torch.dtype, device: torch.device, dim: int, hidden: int) -> str:
-    """Grouped GEMM, or the per-expert loop and why, for experts ``dim`` wide with ``hidden`` units."""
-    problem = grouped_mm_problem(dtype, device, dim, hidden)
+def how_experts_run(dtype: torch.dtype, device: torch.device, dim: int, hidden: int, experts: int) -> str:
+    """Grouped GEMM, or the per-expert loop and why, for ``experts`` experts (on a rank) ``dim``
+    wide with ``hidden`` units."""
+    problem = grouped_mm_problem(dtype, device, dim, hidden, groups=experts)
     return "grouped GEMM" if problem is None else f"a loop over the experts ({problem})"
 
 
@@ -114,7 +127,8 @@ class Experts(nn.Module):
             # function asks for CUDA's bf16, and the loop would read the counts).
             return expert(x, 0)
         if grouped is None:
-            grouped = grouped_mm_problem(x.dtype, x.device, w1.shape[1], w1.shape[2]) is None
+            grouped = grouped_mm_problem(x.dtype, x.device, w1.shape[1], w1.shape[2], groups=w1.shape[0],
+                                         tensors=(x, w1, w3, w2)) is None
         if grouped:
             ends = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
@@ -143,7 +157,7 @@ class MoE(nn.Module):
 
     def how(self, dtype: torch.dtype, device: torch.device) -> str:
         """How the experts run: grouped GEMM, or the per-expert loop and why."""
-        return how_experts_run(dtype, device, self.experts.w1.shape[1], self.hidden)
+        return how_experts_run(dtype, device, self.experts.w1.shape[1], self.hidden, self.experts.w1.shape[0])
 
     # Eager between a compiled block's graphs: its shapes follow the routing (rows per expert, and
     # under expert parallelism the rows each rank sends), so a graph of it would be compiled again
@@ -415,8 +429,9 @@ class MoEAdapter(LlamaAdapter):
     def run_notes(self, args: MoEArgs, layout, device: torch.device) -> list[str]:
         # (each rank's experts: their hidden width split over tp)
         dtype = getattr(torch, layout.param_dtype)
-        how = how_experts_run(dtype, device, args.dim, args.moe_hidden // layout.tp)
-        return [f"experts: {args.experts // layout.ep} of {args.experts} per rank in each MoE block, run as "
+        experts = args.experts // layout.ep
+        how = how_experts_run(dtype, device, args.dim, args.moe_hidden // layout.tp, experts)
+        return [f"experts: {experts} of {args.experts} per rank in each MoE block, run as "
                 f"{how}"]
 
     def expert_slots(self, args: MoEArgs) -> int:
