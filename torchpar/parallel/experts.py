@@ -65,15 +65,15 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def regroup(sizes: torch.Tensor) -> torch.Tensor:
-    """The order that takes rows arriving in blocks ``sizes`` [sources, experts] (source-major)
-    to expert-major blocks (each expert's rows from source 0, then 1, ...): ``rows[order]``."""
+def regroup(sizes: torch.Tensor, n: int) -> torch.Tensor:
+    """The order that takes the ``n`` rows arriving in blocks ``sizes`` [sources, experts]
+    (source-major) to expert-major blocks (each expert's rows from source 0, then 1, ...):
+    ``rows[order]``. ``n`` (their sum) comes from the host: reading it here would wait for the device."""
     flat = sizes.flatten()
     arrival = torch.cumsum(flat, 0) - flat  # where block (source, expert) starts on arrival
     by_expert = sizes.t().flatten()
     starts = arrival.view_as(sizes).t().flatten()
     out_starts = torch.cumsum(by_expert, 0) - by_expert
-    n = int(flat.sum())
     shift = torch.repeat_interleave(starts - out_starts, by_expert, output_size=n)
     return shift + torch.arange(n, device=sizes.device)
 
@@ -91,7 +91,7 @@ def expert_parallel_forward(module: nn.Module, x: torch.Tensor, counts: torch.Te
     dist.all_to_all_single(received, counts, group=ep_group)  # [ep sources x mine]
     sizes = received.view(ep, mine)
     send, recv = torch.stack([counts.view(ep, mine).sum(1), sizes.sum(1)]).tolist()  # one host sync
-    order = regroup(sizes)
+    order = regroup(sizes, sum(recv))
     rows = all_to_all_single_autograd(x, recv, send, ep_group)[order]
     out = _reduce_from_tp(module.run(_copy_to_tp(rows, tp_group), sizes.sum(0), *weights), tp_group)
     back = torch.empty_like(order)
