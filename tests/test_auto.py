@@ -12,11 +12,24 @@ from torchpar.config import load_config
 from torchpar.errors import ConfigError
 from torchpar.models import MODELS
 from torchpar.plan.communication import communication
+from torchpar.plan.estimate import memory_of
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import cluster_of, fit
-from torchpar.tools.auto_layout import plan_candidates, room_of
+from torchpar.plan.search import search
+from torchpar.tools.auto_layout import first_fit, global_batch, plan_candidates, room_of
 
 GLOBAL = ["--training.global_batch_size", "8"]
+# What makes a layout (beside what the config brings along: bucket size, dtypes)
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "cp_method", "zero_stage", "local_batch_size",
+               "accum", "microbatch_size", "activation_checkpoint", "activation_checkpoint_every", "schedule",
+               "stages_per_rank", "layers_per_stage")
+
+
+def search_plans(cfg, cluster):
+    """Every layout the search prices for ``cfg`` on ``cluster`` (its CPU ranks)."""
+    model, args = MODELS[cfg.model.name], MODELS[cfg.model.name].args(cfg.model.flavor)
+    return search(model, args, cluster, global_batch(cfg, cluster.world), cfg.training.seq_len, "float32",
+                  1.0, "cpu", cfg.optimizer)
 
 
 def test_the_fit_recovers_latency_and_bandwidth():
@@ -80,22 +93,45 @@ def test_every_candidate_is_the_layout_the_trainer_builds():
     kinds = {(c.plan.layout["pp"], c.plan.layout["tp"], c.plan.layout["cp"], c.plan.layout["dp_replicate"])
              for c in cands}
     assert {(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2)} <= kinds
-    keys = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "cp_method", "zero_stage", "local_batch_size",
-            "accum", "microbatch_size", "activation_checkpoint", "activation_checkpoint_every", "schedule",
-            "stages_per_rank", "layers_per_stage")
     for c in cands:
         lay = layout_from_config(c.cfg, 4)[0].to_dict()
-        assert {k: lay[k] for k in keys} == {k: c.plan.layout[k] for k in keys}, c.name
+        assert {k: lay[k] for k in LAYOUT_KEYS} == {k: c.plan.layout[k] for k in LAYOUT_KEYS}, c.name
         assert c.cfg.training.global_batch_size == 16
 
 
 def test_nothing_fits_is_one_line_naming_the_memory_needed():
+    """The full search and the first-fit scan (the check before launch) say the same line, naming
+    the same smallest layout."""
     cfg = load_config(TINY, ["--parallelism.layout", "auto", "--training.memory_cap_gib", "0.001",
                              "--training.seq_len", "512"])
-    with pytest.raises(ConfigError, match=r"parallelism.layout = 'auto': no layout of llama3 debug fits 2 "
-                       r"rank\(s\) of 0.00 GiB .* needs 0\.\d\d GiB\. Add ranks, raise "
-                       r"training.memory_cap_gib"):
-        plan_candidates(cfg, 2, room_of(cfg, 2))
+    said, line = [], (r"parallelism.layout = 'auto': no layout of llama3 debug fits 2 rank\(s\) of 0.00 "
+                      r"GiB .* needs 0\.\d\d GiB\. Add ranks, raise training.memory_cap_gib")
+    for scan in (plan_candidates, first_fit):
+        with pytest.raises(ConfigError, match=line) as e:
+            scan(cfg, 2, room_of(cfg, 2))
+        said.append(str(e.value))
+    assert said[0] == said[1]
+
+
+def test_the_first_fit_is_a_layout_that_fits_as_the_trainer_builds_it(monkeypatch):
+    """The check before launch prices memory alone and stops at the first layout that fits (the
+    most sharded and recomputed first): one the trainer accepts and the full search ranks among
+    those that fit, found after pricing a few layouts of the hundreds there are."""
+    from torchpar.plan.estimate import plan
+    from torchpar.tools import auto_layout
+
+    priced = []
+    monkeypatch.setattr(auto_layout, "memory_of", lambda *a, **k: priced.append(1) or memory_of(*a, **k))
+    cfg = load_config(TINY, ["--parallelism.layout", "auto", "--training.global_batch_size", "16",
+                             "--training.memory_cap_gib", "0.05"])
+    room = room_of(cfg, 4)
+    job = first_fit(cfg, 4, room)
+    lay, model, args = layout_from_config(job, 4)
+    assert plan(model, args, lay, room, job.training.seq_len).fits
+    fitting = [p for p in search_plans(cfg, room) if p.fits]
+    mine = {k: v for k, v in lay.to_dict().items() if k in LAYOUT_KEYS}
+    assert mine in [{k: p.layout[k] for k in LAYOUT_KEYS} for p in fitting]
+    assert len(priced) <= 4 < len(fitting)
 
 
 def test_auto_replaces_the_layout_fields_and_keeps_the_global_batch():

@@ -21,7 +21,7 @@ from torchpar.errors import ConfigError, Preempted, SaveFailed, TrainingStopped
 from torchpar.plan import check_memory_cap, predict_for_trainer
 from torchpar.plan.compare import StepCheck
 from torchpar.preflight import claim_folders, preflight, verify_contents
-from torchpar.tools.auto_layout import auto_layout, plan_candidates, room_of
+from torchpar.tools.auto_layout import auto_layout, first_fit, room_of
 from torchpar.train import Trainer
 
 
@@ -72,8 +72,8 @@ def check_job(cfg, world: int, node_rank: int = 0) -> None:
     """What the launcher checks once per node before torchrun starts a rank: config, tokenizer,
     data, layout, memory cap and the checkpoint's files for ``world`` ranks, so that a mistake is
     one line, not one traceback per rank. Raises ConfigError."""
-    if cfg.parallelism.layout == "auto":  # the layout that fits best by memory alone stands in
-        cfg = plan_candidates(cfg, world, room_of(cfg, world), keep=1)[0][0].cfg
+    if cfg.parallelism.layout == "auto":  # the first layout that fits by memory stands in
+        cfg = first_fit(cfg, world, room_of(cfg, world))
     pre = preflight(cfg, world)
     check_memory_cap(cfg, pre.layout, pre.model, pre.args)
     verify_contents(cfg, pre)

@@ -172,8 +172,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
          actions: dict | None = None) -> Plan:
     """Memory (the heaviest pipeline rank), communication, bubble and step time of one layout
     of adapter ``model`` with ``args``."""
-    memory = max((rank_memory(model, args, lay, seq, r, actions) for r in range(lay.pp)),
-                 key=lambda m: m["total_bytes"])
+    memory, fits = memory_of(model, args, lay, cluster, seq, headroom, actions)
     comm = communication(model, args, lay, cluster, seq)
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     per_token = model.flops_per_token(args, seq)
@@ -191,6 +190,16 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     step = busy + exposed_seconds(model, args, lay, comm, compute, cluster.overlap)
     tps = tokens / step
     mfu = per_token * tps / (cluster.peak_flops * lay.world)
+    return Plan(lay.to_dict(), memory, comm, bubble, compute, busy - compute, step, tps, mfu, fits)
+
+
+def memory_of(model, args, lay: Layout, cluster: Cluster, seq: int, headroom: float = 0.9,
+              actions: dict | None = None) -> tuple[dict, bool]:
+    """A layout's memory (the heaviest pipeline rank's, with its host bytes per node and ZeRO
+    0-2's peaks outside the step) and whether it fits ``headroom`` of the cluster's device and
+    host memory: :func:`plan`'s memory, alone (a search for any layout that fits needs no more)."""
+    memory = max((rank_memory(model, args, lay, seq, r, actions) for r in range(lay.pp)),
+                 key=lambda m: m["total_bytes"])
     # Offload moves the state into the node's CPU memory, which its ranks share.
     memory["host_bytes_per_node"] = memory["cpu_bytes"] * min(lay.world, cluster.gpus_per_node)
     # Outside the step: ZeRO 0-2's start-up and checkpoint peaks, which must fit too.
@@ -198,7 +207,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
                       key=lambda t: t["checkpoint_peak"]))
     fits = (device_peak(memory) <= headroom * cluster.memory
             and memory["host_bytes_per_node"] <= headroom * cluster.host_memory)
-    return Plan(lay.to_dict(), memory, comm, bubble, compute, busy - compute, step, tps, mfu, fits)
+    return memory, fits
 
 
 def device_peak(memory: dict) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
@@ -88,6 +88,10 @@ _NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activat
                         "sequence_parallel", "loss_parallel", "optimizer"})
 
 
+_STATE_FIELDS = tuple(f.name for f in fields(Layout)
+                      if f.name not in _NOT_STATE and f.name not in ("mesh", "experts_view"))
+
+
 def by_state(fn):
     """``fn(model, args, lay, *rest)``, remembered by what of ``lay`` fixes its state bytes (its
     fields but _NOT_STATE's and the mesh, and the [optimizer] section's values)."""
@@ -95,8 +99,8 @@ def by_state(fn):
 
     @functools.wraps(fn)
     def remembered(model, args, lay: Layout, *rest):
-        fixed = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in lay.to_dict().items()
-                      if k not in _NOT_STATE)
+        # (the search calls this ~10 times per layout it prices: the key is read field by field)
+        fixed = tuple(getattr(lay, k) for k in _STATE_FIELDS)
         key = (model, args, repr(lay.optimizer), fixed,
                *(tuple(sorted(r.items())) if isinstance(r, dict) else r for r in rest))
         if key not in memo:

@@ -96,14 +96,23 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
     with ``offload``, on GPUs only) with ``optimizer`` (the [optimizer] section; None: AdamW)."""
 
     left_out: list[int] = []
-    plans = [plan(model, args, lay, cluster, seq, efficiency)
-             for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device)
-             for lay in _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype,
-                                 left_out, offload and device == "cuda", optimizer, device)]
+    every = layouts(model, args, cluster, global_batch, seq, param_dtype, device, optimizer, offload,
+                    left_out)
+    plans = [plan(model, args, lay, cluster, seq, efficiency) for lay in every]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
+
+
+def layouts(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
+            device: str = "cuda", optimizer=None, offload: bool = True, left_out: list | None = None):
+    """The layouts :func:`search` prices, one at a time (pipeline layouts it leaves out counted in
+    ``left_out``)."""
+    left_out = [] if left_out is None else left_out
+    for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device):
+        yield from _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype, left_out,
+                            offload and device == "cuda", optimizer, device)
 
 
 def check_microbatches(lay: Layout) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import shutil
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
 from torchpar.models import adapter, model_args
 from torchpar.plan.compare import step_terms
-from torchpar.plan.estimate import Plan, device_peak, plan
+from torchpar.plan.estimate import Plan, device_peak, memory_of, plan
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import cluster_of, probe
-from torchpar.plan.search import describe_layout, search
+from torchpar.plan.search import describe_layout, layouts, search
 from torchpar.preflight import preflight
 from torchpar.train import Trainer
 
@@ -130,14 +131,10 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
     Candidates planned as the trainer resolves them, fastest first; the plans of those that do
     not fit). CPU offload only with ``offload`` (and on GPUs). ConfigError naming the memory
     needed when none fits."""
-    model, args = adapter(cfg.model.name), model_args(cfg.model)
-    device = dev.device_type()
-    dtype = compute_dtype(cfg.training.mixed_precision_param, device)
-    batch, seq = global_batch(cfg, world), cfg.training.seq_len
+    model, args, device, dtype, batch, seq = _job(cfg, world)
     plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer, offload)
     if not plans:
-        raise ConfigError(f"parallelism.layout = 'auto': no layout divides {world} rank(s), the model and "
-                          f"the global batch of {batch}; change the rank count or training.global_batch_size")
+        raise _none_divides(cfg, world, batch)
     out, refused = [], []
     for p in (p for p in plans if p.fits):
         job = config_of(cfg, p.layout, world)
@@ -154,14 +151,73 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
     out.sort(key=lambda c: c.plan.step_s)
     if not out:
         smallest = min(plans, key=lambda p: device_peak(p.memory))
-        why = f"; the trainer refused the rest ({refused[0]})" if refused else ""
-        raise ConfigError(
-            f"parallelism.layout = 'auto': no layout of {cfg.model.name} {cfg.model.flavor} fits {world} "
-            f"rank(s) of {HEADROOM * cluster.memory / 2**30:.2f} GiB at seq_len {seq} and global batch "
-            f"{batch}: the smallest ({describe_layout(smallest.layout)}) needs "
-            f"{device_peak(smallest.memory) / 2**30:.2f} GiB{why}. Add ranks, raise "
-            "training.memory_cap_gib, or shorten training.seq_len")
+        raise _none_fits(cfg, world, cluster, batch, seq, smallest.layout, smallest.memory, refused)
     return out, [p for p in plans if not p.fits]
+
+
+def first_fit(cfg: JobConfig, world: int, cluster: Cluster, offload: bool = True) -> JobConfig:
+    """The config of the first layout, in the search's order, that fits ``cluster``'s memory and
+    that the trainer accepts — memory alone priced, and the scan ended there: what a check before
+    launch and the choice of offload need, in a fraction of the full search (which then runs
+    once, on the probed machine). ConfigError naming the smallest layout's memory when none fits."""
+    model, args, device, dtype, batch, seq = _job(cfg, world)
+    smallest, refused = None, []
+    every = list(layouts(model, args, cluster, batch, seq, dtype, device, cfg.optimizer, offload))  # (cheap)
+    if not every:
+        raise _none_divides(cfg, world, batch)
+    for lay in sorted(every, key=_frugal_first):
+        memory, fits = memory_of(model, args, lay, cluster, seq)
+        if not fits:
+            if smallest is None or device_peak(memory) < device_peak(smallest[1]):
+                smallest = (lay.to_dict(), memory)
+            continue
+        job = config_of(cfg, lay.to_dict(), world)
+        try:
+            resolved = layout_from_config(job, world, device)[0]
+        except ConfigError as e:
+            refused.append(str(e))
+            continue
+        if memory_of(model, args, resolved, cluster, seq)[1]:  # (as the trainer resolves it)
+            return job
+    if smallest is None:  # every layout fitted, and the trainer refused each
+        raise ConfigError("parallelism.layout = 'auto': the trainer refused every layout that fits: "
+                          f"{refused[0]}")
+    raise _none_fits(cfg, world, cluster, batch, seq, *smallest, refused)
+
+
+RECOMPUTE_FRUGALITY = {"full": 0, "selective": 2, "none": 3}
+
+
+def _frugal_first(lay) -> tuple:
+    """Layouts that likely need the least memory first: state split over the most ranks, then the
+    most recomputation, the smallest micro-batch (a first fit is then found within a few)."""
+    state_split = lay.tp * lay.pp * lay.cp * (lay.dp_shard if lay.zero_stage == 3 else 1)
+    recompute = RECOMPUTE_FRUGALITY[lay.activation_checkpoint] + (lay.activation_checkpoint_every > 1)
+    return -state_split, recompute, lay.microbatch_size
+
+
+def _job(cfg: JobConfig, world: int) -> tuple:
+    """(adapter, args, device type, compute dtype, global batch, sequence length) of the job."""
+    device = dev.device_type()
+    return (adapter(cfg.model.name), model_args(cfg.model), device,
+            compute_dtype(cfg.training.mixed_precision_param, device), global_batch(cfg, world),
+            cfg.training.seq_len)
+
+
+def _none_divides(cfg: JobConfig, world: int, batch: int) -> ConfigError:
+    return ConfigError(f"parallelism.layout = 'auto': no layout divides {world} rank(s), the model and the "
+                       f"global batch of {batch}; change the rank count or training.global_batch_size")
+
+
+def _none_fits(cfg: JobConfig, world: int, cluster: Cluster, batch: int, seq: int, layout: dict, memory: dict,
+               refused: list[str]) -> ConfigError:
+    why = f"; the trainer refused the rest ({refused[0]})" if refused else ""
+    return ConfigError(
+        f"parallelism.layout = 'auto': no layout of {cfg.model.name} {cfg.model.flavor} fits {world} "
+        f"rank(s) of {HEADROOM * cluster.memory / 2**30:.2f} GiB at seq_len {seq} and global batch "
+        f"{batch}: the smallest ({describe_layout(layout)}) needs "
+        f"{device_peak(memory) / 2**30:.2f} GiB{why}. Add ranks, raise "
+        "training.memory_cap_gib, or shorten training.seq_len")
 
 
 def why_slower(p: Plan, best: Plan) -> str:
@@ -271,12 +327,12 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
     room = room_of(cfg, world)
     # Memory alone, nothing measured yet: CPU offload only when nothing fits without it.
     try:
-        first, _ = plan_candidates(cfg, world, room, keep=1, offload=False)
+        first = first_fit(cfg, world, room, offload=False)
         offload = False
     except ConfigError:
-        first, _ = plan_candidates(cfg, world, room, keep=1)
+        first = first_fit(cfg, world, room)
         offload = True
-    preflight(first[0].cfg, world)  # every other check, before the probe's collectives
+    preflight(first, world)  # every other check, before the probe's collectives
     dev.init_distributed(cfg.comm.timeout_s, offload and dev.device_type() == "cuda", cfg.training.tf32)
     rank = dist.get_rank()
     dtype = getattr(torch, compute_dtype(cfg.training.mixed_precision_param))
@@ -286,11 +342,14 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
     ranked = [None]
     if rank == 0:  # one ranking for all (memory figures can differ between hosts by a few bytes)
         cluster = cluster_of(figures, room.memory)
-        ranked = [(plan_candidates(cfg, world, cluster, max(SHOWN, trials), offload), cluster)]
-    dist.broadcast_object_list(ranked, src=0)
-    (cands, unfit), cluster = ranked[0]
+        started = time.perf_counter()
+        found = plan_candidates(cfg, world, cluster, max(SHOWN, trials), offload)
+        ranked = [(found, cluster, time.perf_counter() - started)]
+    dist.broadcast_object_list(ranked, src=0)  # (the other ranks wait here, within comm.timeout_s)
+    (cands, unfit), cluster, searched_s = ranked[0]
     if rank == 0:
-        say(f"torchpar: layout = 'auto': {machine(figures, cluster)}")
+        say(f"torchpar: layout = 'auto': {machine(figures, cluster)}; every layout ranked in "
+            f"{searched_s:.1f} s")
     chosen = cands[0]
     if trials:
         base = Path(cfg.job.dump_folder) / "auto_trials"
