@@ -303,7 +303,7 @@ def test_activations_predicted_under_tensor_and_sequence_parallelism():
 @pytest.mark.slow
 def test_activations_predicted_under_context_parallelism():
     """The same on one rank of cp = 2 (each holds half of every sequence), all-to-all and ring
-    attention: the trace of one block at half the sequence, with the ring's repeated KV heads."""
+    attention: the trace of one block at half the sequence (the ring keeps its own KV heads)."""
     cases = [(*m, False, policy, 1, method) for m in ACTIVATION_MODELS[:4]
              for policy in ("none", "selective", "full") for method in ("alltoall", "ring")]
     for r in _activation_ratios(2, cases):

@@ -13,8 +13,11 @@ talks to the other ranks, in one of two ways (``parallelism.context_parallel_met
   merges its queries' partial attention by log-sum-exp. torch's templated ring forward and
   backward (private, called only in the ``torchpar::ring_attention`` op below) drive the device's
   attention kernel: on CPU the CPU flash op, on CUDA the memory-efficient one. One causal mask
-  over the window. Being one op, selective recomputation keeps its merged output (as it keeps a
-  fused attention's) rather than every hop's partial result.
+  over the window. The blocks travel with their own KV heads (grouped-query attention: 1/g of the
+  bytes for g query heads a KV head); each hop repeats them to the query heads just for the
+  kernel, and folds the key/value gradients back by summing over each group. Being one op,
+  selective recomputation keeps its merged output (as it keeps a fused attention's) rather than
+  every hop's partial result.
 
 The model never sees a process group: a forward pre-hook (:func:`apply_context_parallel`) turns
 the full-length ``documents`` input (or none) into a :class:`ContextShard`, which gives the model
@@ -152,14 +155,47 @@ def _ring_options():
         opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method = saved
 
 
+def _repeated(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [b, h_kv, s, hd] repeated to the query heads (each KV head ``groups`` times, in order)."""
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _folded(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of repeated heads [b, h, s, hd] summed back to the KV heads [b, h / groups, s, hd]
+    in fp32 (the ring accumulates key/value gradients in fp32)."""
+    if groups == 1:
+        return grad
+    b, h, s, hd = grad.shape
+    return grad.view(b, h // groups, groups, s, hd).sum(2, dtype=torch.float32)
+
+
+def _grouped_forward(kernel, groups: int):
+    """The ring's forward kernel for blocks of KV heads: repeated to the query heads per call."""
+    def op(q, k, v, **kwargs):
+        return kernel(q, *_repeated(k, v, groups), **kwargs)
+    return op
+
+
+def _grouped_backward(kernel, groups: int):
+    """The ring's backward kernel for blocks of KV heads: the key/value gradients folded back."""
+    def op(query, key, value, **kwargs):
+        key, value = _repeated(key, value, groups)
+        dq, dk, dv, *rest = kernel(query=query, key=key, value=value, **kwargs)
+        return (dq, _folded(dk, groups), _folded(dv, groups), *rest)
+    return op
+
+
 @torch.library.custom_op("torchpar::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [b, h, s, hd] of this rank, ``group`` the cp group's name -> (output, log-sum-exp,
-    and CUDA's dropout seed and offset (unused at p = 0; empty on CPU))."""
+    """q [b, h, s, hd], k and v [b, h_kv, s, hd] of this rank, ``group`` the cp group's name ->
+    (output, log-sum-exp, and CUDA's dropout seed and offset (unused at p = 0; empty on CPU))."""
     forward, kwargs, *_ = _ring_kernels(q.device.type)
+    op = _grouped_forward(forward, q.shape[1] // k.shape[1])
     with _ring_options() as ring:
-        out, lse, *rest = ring._templated_ring_attention(_resolve_process_group(group), 2, forward, q, k, v,
+        out, lse, *rest = ring._templated_ring_attention(_resolve_process_group(group), 2, op, q, k, v,
                                                          is_causal=True, **kwargs)
     seed, offset = rest if rest else (q.new_empty(0), q.new_empty(0))
     return out, lse, seed, offset
@@ -183,9 +219,10 @@ def _ring_backward(ctx, grad_out, *_):
     _, _, backward, name, kwargs = _ring_kernels(q.device.type)
     if q.device.type == "cuda":
         kwargs = {**kwargs, "philox_seed": seed, "philox_offset": offset}
+    op = _grouped_backward(backward, q.shape[1] // k.shape[1])
     with _ring_options() as ring:
         dq, dk, dv, *_ = ring._templated_ring_attention_backward(
-            _resolve_process_group(ctx.group), 2, backward, grad_out.contiguous(), name, q, k, v, out, lse,
+            _resolve_process_group(ctx.group), 2, op, grad_out.contiguous(), name, q, k, v, out, lse,
             is_causal=True, **kwargs)
     return dq, dk, dv, None
 
@@ -196,7 +233,5 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_context)
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh) -> torch.Tensor:
     """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k and v
     [b, h_kv, s, hd], each rank's two chunks of the sequence -> [b, h, s, hd]."""
-    if k.shape[1] != q.shape[1]:  # the kernels take as many KV heads as query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     group = mesh.get_group().group_name
     return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0]

@@ -173,15 +173,11 @@ def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = 
     of ``seq`` tokens. Under context parallelism a rank holds seq / cp tokens of each, and its
     attention keeps as much as a fused kernel over them: all-to-all attention keeps q, k, v, the
     output and the log-sum-exp of seq tokens and 1/cp of the heads; ring attention keeps its
-    own, with the KV heads repeated to the query heads (the kernels take no grouped heads; under
-    recomputation the repeated copies are made again)."""
+    own q, k and v (with their own KV heads: each hop repeats them for the kernel and lets the
+    copies go), its output and log-sum-exp, as attention on one device keeps."""
     # Everything held is linear in the batch: traced for one sequence.
-    local = seq // lay.cp
-    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, local)[part]
-    extra = 0.0
-    if part == "block" and lay.cp > 1 and lay.cp_method == "ring" and policy == "none":
-        extra = 2 * local * (args.n_heads - args.n_kv_heads) * args.head_dim * lay.param_dtype_bytes / lay.tp
-    return batch * (divide(held, lay, policy) + extra)
+    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, seq // lay.cp)[part]
+    return batch * divide(held, lay, policy)
 
 
 def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) -> float:

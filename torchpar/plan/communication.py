@@ -256,8 +256,8 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_m
     """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
     through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
     the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
-    the key/value block cp-1 times in forward (KV heads repeated to the query heads) and in
-    backward, and the key/value gradients (fp32) cp times. A block that recomputation wraps runs
+    the key/value block (its KV heads) cp-1 times in forward and in backward, and the key/value
+    gradients (fp32) cp times. A block that recomputation wraps runs
     its forward's exchanges again — except the ring's under selective recomputation, which keeps
     the ring's output as it keeps a fused attention's (the all-to-alls' results it does not keep)."""
     c, act = lay.cp, lay.param_dtype_bytes
@@ -273,7 +273,7 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_m
         qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
         sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=2 * n_micro)  # (q, k, v; then out)
     else:
-        kv = 2 * head * args.n_heads
+        kv = 2 * head * args.n_kv_heads
         sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)
         sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
 
