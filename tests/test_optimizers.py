@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from harness import TINY, assert_matches, bytes_of, run_layouts
+from harness import TINY, assert_matches, bytes_of, run_layouts, spawn_ranks
 
 from torchpar.config import load_config
 from torchpar.errors import ConfigError
@@ -213,6 +213,44 @@ WORLD4 = {
     "muon/dp_shard2_tp2_zero1": [*MUON, LB, "4", *TP2, Z, "1"],
     "muon/hsdp2x2_zero2": [*MUON, LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "2"],
 }
+
+
+def _owner_worker(rank, world, out):
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torchpar.optim as optim
+
+    mesh = init_device_mesh("cpu", (world,))
+    group = {**torch.optim.Muon([torch.zeros(1, 1)]).defaults, "ns_dtype": None}
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 4), (3, 6), (8, 8), (7, 3), (2, 9)]  # uneven rows: a rank may hold none
+    params = [distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for s in shapes]
+    updates = [distribute_tensor(torch.randn(*s, generator=gen), mesh, [Shard(0)]) for s in shapes]
+    calls, plain = [], optim.newton_schulz
+    optim.newton_schulz = lambda g, *a: calls.append(tuple(g.shape)) or plain(g, *a)
+    done = optim._owner_orthogonalized(params, updates, group)
+    owned = list(calls)
+    gathered = [optim.Muon._orthogonalized(u, p, group) for p, u in zip(params, updates)]
+    equal = [torch.equal(done[id(p)].full_tensor(), g.full_tensor()) for p, g in zip(params, gathered)]
+    with open(f"{out}/owner{rank}.json", "w") as f:
+        json.dump({"owned": owned, "equal": equal}, f)
+
+
+@pytest.mark.slow
+def test_muon_orthogonalizes_each_zero3_matrix_once_on_its_owner():
+    """Under ZeRO-3 (matrices split by rows) each matrix's Newton-Schulz runs on one rank of the
+    shard group (round-robin: 5 matrices on 2 ranks are 3 and 2 runs, not 5 on each), and every
+    rank's rows of the result equal those of gathering the matrix on every rank, bit for bit."""
+    import json
+
+    out = spawn_ranks(_owner_worker, 2)
+    results = [json.loads(open(f"{out}/owner{r}.json").read()) for r in range(2)]
+    assert [len(r["owned"]) for r in results] == [3, 2], results
+    assert [tuple(s) for s in results[0]["owned"]] == [(5, 4), (8, 8), (2, 9)]
+    assert all(all(r["equal"]) for r in results), results
 
 
 @pytest.fixture(scope="module")

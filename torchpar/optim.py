@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -139,19 +140,21 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
-            momentum, lr = group["momentum"], group["lr"]
-            for p, grad, buf in zip(params, grads, bufs):
+            momentum = group["momentum"]
+            updates = []
+            for grad, buf in zip(grads, bufs):
                 buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = self._orthogonalized(update, p, group)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            done = _owner_orthogonalized(params, updates, group)
+            for p, update in zip(params, updates):
+                update = done[id(p)] if id(p) in done else self._orthogonalized(update, p, group)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss
 
     @staticmethod
     def _orthogonalized(update: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
-        dtype = group["ns_dtype"] or ("bfloat16" if update.device.type == "cuda" else "float32")
-        args = group["ns_coefficients"], group["ns_steps"], group["eps"], getattr(torch, dtype)
+        args = _ns_args(update, group)
         if not isinstance(update, DTensor):
             return newton_schulz(update, *args)
         if any(pl.is_partial() for pl in update.placements):  # (reduced in fp32, before the cast)
@@ -163,6 +166,75 @@ class Muon(torch.optim.Muon):
         done = DTensor.from_local(newton_schulz(local, *args), p.device_mesh, whole, run_check=False,
                                   shape=p.shape, stride=p.stride())
         return done.redistribute(p.device_mesh, p.placements)  # (keeps this rank's part: no communication)
+
+
+def _ns_args(update: torch.Tensor, group: dict) -> tuple:
+    dtype = group["ns_dtype"] or ("bfloat16" if update.device.type == "cuda" else "float32")
+    return group["ns_coefficients"], group["ns_steps"], group["eps"], getattr(torch, dtype)
+
+
+def _row_sharded_dim(p: torch.Tensor) -> int | None:
+    """The mesh dimension whose ranks split matrix ``p`` by rows (ZeRO-3's Shard(0)) where that is
+    its only split (other dimensions replicate it: HSDP's replicas); None otherwise (TP, a stack)."""
+    if not isinstance(p, DTensor) or p.dim() != 2:
+        return None
+    sharded = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if len(sharded) != 1 or type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
+        return None
+    return sharded[0]
+
+
+def _row_counts(rows: int, n: int) -> list[int]:
+    """The rows each of ``n`` ranks holds of a matrix split by rows (torch.chunk's sizes, as
+    DTensor's Shard(0) splits: the last ranks may hold fewer, or none)."""
+    size = -(-rows // n)
+    return [max(0, min(size, rows - k * size)) for k in range(n)]
+
+
+def _owner_orthogonalized(params: list, updates: list, group: dict) -> dict[int, torch.Tensor]:
+    """The orthogonalized updates of the matrices ZeRO-3 splits by rows, by ``id`` of their
+    parameter: each orthogonalized by one rank of its shard group, not by all of them. The
+    matrices go round-robin to the group's ranks; per round of one matrix a rank, an all-to-all
+    brings every rank's rows of a matrix to its owner (in the Newton-Schulz dtype), the owner runs
+    Newton-Schulz on the whole matrix (the same input and kernel as on one device, so the result
+    is the same), and a second all-to-all returns each rank its rows — for N ranks, 1/N of the
+    iterations and of the bytes of gathering every matrix on every rank."""
+    out: dict[int, torch.Tensor] = {}
+    by_group: dict[tuple, list] = {}
+    for p, update in zip(params, updates):
+        dim = _row_sharded_dim(p)
+        if dim is not None and p.device_mesh.size(dim) > 1 and update.placements == p.placements:
+            by_group.setdefault((id(p.device_mesh), dim), []).append((p, update))
+    for pairs in by_group.values():
+        mesh, dim = pairs[0][0].device_mesh, _row_sharded_dim(pairs[0][0])
+        pg, n = mesh.get_group(dim), mesh.size(dim)
+        me = mesh.get_local_rank(dim)
+        for start in range(0, len(pairs), n):
+            chunk = pairs[start:start + n]
+            args = _ns_args(chunk[0][1], group)
+            dtype = args[-1]
+            counts = [_row_counts(p.shape[0], n) for p, _ in chunk]
+            if any(u.to_local().shape[0] != c[me] for (_, u), c in zip(chunk, counts)):
+                raise RuntimeError("Muon: a ZeRO-3 shard is not the rows torch.chunk gives its rank")
+            cols = [p.shape[1] for p, _ in chunk]
+            # There: my rows of matrix j to rank j.
+            mine = [u.to_local().to(dtype).reshape(-1) for _, u in chunk]
+            send = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=chunk[0][1].device)
+            send_sizes = [t.numel() for t in mine] + [0] * (n - len(chunk))
+            owned = me < len(chunk)
+            recv_sizes = [c * cols[me] for c in counts[me]] if owned else [0] * n
+            got = send.new_empty(sum(recv_sizes))
+            dist.all_to_all_single(got, send, recv_sizes, send_sizes, group=pg)
+            # The owner's Newton-Schulz; then back: rank k's rows of my matrix to rank k.
+            result = (newton_schulz(got.view(chunk[me][0].shape[0], cols[me]), *args).reshape(-1) if owned
+                      else got)
+            back_sizes = [t.numel() for t in mine] + [0] * (n - len(chunk))
+            back = send.new_empty(sum(back_sizes))
+            dist.all_to_all_single(back, result, back_sizes, recv_sizes, group=pg)
+            for (p, u), piece in zip(chunk, back.split(back_sizes[:len(chunk)])):
+                out[id(p)] = DTensor.from_local(piece.view(u.to_local().shape), p.device_mesh, p.placements,
+                                                run_check=False, shape=p.shape, stride=p.stride())
+    return out
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

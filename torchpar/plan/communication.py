@@ -212,23 +212,41 @@ def _owned_share(lay: Layout) -> float:
 
 
 def optimizer_seconds(model, args, lay: Layout, cluster: Cluster, efficiency: float) -> float:
-    """The optimizer's own matmuls (Muon's Newton-Schulz, in bf16) on the busiest pipeline rank."""
-    flops = max(sum(update_flops(lay.optimizer, shape, role) for shape, role, _ in
-                    _whole_matrices(model, args, lay, r)) for r in range(lay.pp))
+    """The optimizer's own matmuls (Muon's Newton-Schulz, in bf16) on the busiest pipeline rank:
+    under ZeRO-3 a matrix split by rows alone is orthogonalized by one rank of its shard group."""
+    def share(shape, tp_dim) -> float:
+        return 1 / lay.shard_ranks if _by_owner(lay, shape, tp_dim) else 1.0
+
+    flops = max(sum(update_flops(lay.optimizer, shape, role) * share(shape, tp)
+                    for shape, role, tp in _whole_matrices(model, args, lay, r)) for r in range(lay.pp))
     return flops * _owned_share(lay) / (cluster.peak_flops * efficiency)
 
 
+def _by_owner(lay: Layout, shape: tuple[int, ...], tp_dim: int | None) -> bool:
+    """Whether Muon orthogonalizes this matrix on one owner of its shard group (ZeRO-3 splits it by
+    rows, and nothing else does) rather than on every rank that holds a piece."""
+    return lay.zero_stage == 3 and lay.shard_ranks > 1 and len(shape) == 2 and (lay.tp == 1 or tp_dim is None)
+
+
 def _gathered_updates(sent: _Sent, model, args, lay: Layout, pp_rank: int) -> None:
-    """Muon gathers each sharded matrix's update in bf16 (DTensor's full_tensor): over dp_shard under
-    ZeRO-3 (at its TP-local width), then over tp where TP shards it."""
+    """Muon's updates whole, in bf16. Under ZeRO-3 a matrix split by rows alone goes to its owner
+    and back (two all-to-alls, each rank's rows: 1/N of it); one TP splits too is gathered
+    (DTensor's full_tensor) over dp_shard at its TP-local width, then over tp."""
+    n, owned, matrices = lay.shard_ranks, 0.0, 0
     for shape, role, tp_dim in _whole_matrices(model, args, lay, pp_rank):
         if not PARAM_GROUPS[role]["muon"]:
             continue
         size, tp_sharded = math.prod(shape), lay.tp > 1 and tp_dim is not None
-        if lay.zero_stage == 3 and len(shape) == 2:  # (a stack keeps its experts where they are)
-            sent.add(lay.shard_dim, "all_gather", 2 * size / (lay.tp if tp_sharded else 1), lay.shard_ranks)
+        if _by_owner(lay, shape, tp_dim):
+            # (each rank sends its 1/n of the rows to the owner, but its own: (n - 1) / n of it, on average)
+            owned, matrices = owned + 2 * size / n * (n - 1) / n, matrices + 1
+        elif lay.zero_stage == 3 and len(shape) == 2:  # (a stack keeps its experts where they are)
+            sent.add(lay.shard_dim, "all_gather", 2 * size / (lay.tp if tp_sharded else 1), n)
         if tp_sharded:
             sent.add("tp", "all_gather", 2 * size * _owned_share(lay), lay.tp)
+    if matrices:  # one all-to-all there and one back per round of n matrices
+        rounds = -(-matrices // n)
+        sent.add(lay.shard_dim, "all_to_all", owned / rounds, n, times=2 * rounds)
 
 
 def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
