@@ -64,6 +64,11 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     resume from or the weights to start from. Raises ConfigError."""
     model = adapter(cfg.model.name)
     args = model_args(cfg.model)
+    capacity = getattr(args, "capacity_factor", 0.0)  # (a mixture of experts')
+    if 0 < capacity < 1:
+        warn(f"model.capacity_factor = {capacity:g} gives each expert {capacity:.1%} of an even share of a "
+             f"sequence's slots (rounded up to whole slots): even perfectly balanced routing drops about "
+             f"{1 - capacity:.1%} of them (counted in moe/dropped); 1 to 1.25 is usual, 0 = dropless")
     try:
         tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     except TokenizerError as e:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
 from torchpar.config.sections import JobConfig
-from torchpar.console import warn
 from torchpar.errors import ConfigError, did_you_mean
 
 if sys.version_info >= (3, 11):
@@ -236,11 +235,6 @@ def validate(cfg: JobConfig) -> None:
             ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
-    c = m.capacity_factor
-    if 0 < c < 1:
-        warn(f"model.capacity_factor = {c:g} gives each expert {c:.1%} of an even share of a sequence's "
-             f"slots (rounded up to whole slots): even perfectly balanced routing drops about {1 - c:.1%} "
-             "of them (counted in moe/dropped); 1 to 1.25 is usual, 0 = dropless")
     p = cfg.parallelism
     if p.auto_trials < 0 or p.auto_trial_steps < 2:
         raise ConfigError("parallelism.auto_trials must be >= 0 and auto_trial_steps >= 2 (the first step "
