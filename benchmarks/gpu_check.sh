@@ -90,8 +90,15 @@ else
     --job.dump_folder "$OUT/moe"
   SUMMARY+=("ring_cp2 skipped ($GPUS GPU)")
 fi
-stage muon_zero3 "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --optimizer.name muon \
-  --parallelism.zero_stage 3 --job.dump_folder "$OUT/muon_zero3"
+# (on 2 GPUs each matrix is orthogonalized by one owner, its rows brought by NCCL all-to-alls; on one
+# there is nothing to share)
+if [ "$GPUS" -ge 2 ]; then
+  stage muon_zero3 "$STAGE_S" env NGPU=2 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh \
+    "${ONE_B[@]:2}" --optimizer.name muon --parallelism.zero_stage 3 --job.dump_folder "$OUT/muon_zero3"
+else
+  stage muon_zero3 "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --optimizer.name muon \
+    --parallelism.zero_stage 3 --job.dump_folder "$OUT/muon_zero3"
+fi
 stage auto "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --parallelism.layout auto \
   --parallelism.auto_trials 2 --job.dump_folder "$OUT/auto"
 mkdir -p "$OUT/tmp/selftest"

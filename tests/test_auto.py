@@ -113,6 +113,24 @@ def test_nothing_fits_is_one_line_naming_the_memory_needed():
     assert said[0] == said[1]
 
 
+def test_a_layout_that_fits_only_as_the_search_builds_it_is_no_fit(monkeypatch):
+    """Where every layout fits as the search builds it but none as the trainer resolves it (its own
+    bucket size, say), the first-fit scan says the one line naming the smallest, not an IndexError."""
+    from torchpar.tools import auto_layout
+
+    calls = []
+
+    def alternating(*a, **k):  # the search's layout fits; the trainer's resolution of it does not
+        calls.append(1)
+        memory, _ = memory_of(*a, **k)
+        return memory, len(calls) % 2 == 1
+
+    monkeypatch.setattr(auto_layout, "memory_of", alternating)
+    cfg = load_config(TINY, ["--parallelism.layout", "auto"])
+    with pytest.raises(ConfigError, match=r"no layout of llama3 debug fits 2 rank\(s\) .* the smallest \(pp"):
+        first_fit(cfg, 2, room_of(cfg, 2))
+
+
 def test_the_first_fit_is_a_layout_that_fits_as_the_trainer_builds_it(monkeypatch):
     """The check before launch prices memory alone and stops at the first layout that fits (the
     most sharded and recomputed first): one the trainer accepts and the full search ranks among

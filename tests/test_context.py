@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from harness import spawn_ranks
 
 from torchpar.parallel.context import _order
@@ -84,10 +85,10 @@ def _cuda_ring_worker(rank, world, out):
     lay.build_mesh("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(2, 8, 64, 32, generator=gen, device="cuda", dtype=dtype).requires_grad_()
-                   for _ in "qkv")
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for dtype, kv_heads in ((torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 2)):
+        q, k, v = (torch.randn(2, h, 64, 32, generator=gen, device="cuda", dtype=dtype).requires_grad_()
+                   for h in (8, kv_heads, kv_heads))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads < 8)
         ref.float().square().sum().backward()
         full = [t.grad for t in (q, k, v)]
         for t in (q, k, v):
@@ -95,7 +96,7 @@ def _cuda_ring_worker(rank, world, out):
         got = _ring_attention(q, k, v, lay.mesh["cp"])
         got.float().square().sum().backward()
         pairs = [(got, ref), *((t.grad, g) for t, g in zip((q, k, v), full))]
-        results[str(dtype)] = [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]  # relative
+        results[f"{dtype} kv{kv_heads}"] = [((a - b).abs().max() / b.abs().max()).item() for a, b in pairs]
     with open(f"{out}/ring_cuda.json", "w") as f:
         json.dump(results, f)
 
@@ -104,10 +105,12 @@ def _cuda_ring_worker(rank, world, out):
                     "and its backward, with their dropout-seed arguments) run on a GPU only")
 def test_the_ring_drives_cudas_kernels():
     """On one GPU (a ring of one rank): the memory-efficient kernel's forward and backward as the
-    ring calls them, against SDPA, in fp32 and bf16."""
+    ring calls them, against SDPA, in fp32 and bf16, and with grouped KV heads (repeated for the
+    kernel, their gradients folded back); errors relative to the largest value."""
     with open(f"{spawn_ranks(_cuda_ring_worker, 1)}/ring_cuda.json") as f:
         results = json.load(f)
-    assert max(results["torch.float32"]) < 1e-4 and max(results["torch.bfloat16"]) < 3e-2, results
+    assert max(results["torch.float32 kv8"]) < 1e-4, results
+    assert max(results["torch.bfloat16 kv8"]) < 3e-2 and max(results["torch.bfloat16 kv2"]) < 3e-2, results
 
 
 def test_ring_on_gpus_needs_half_chunks_of_32_tokens():

@@ -339,7 +339,7 @@ else echo "NVIDIA H200, 143771 MiB, 570.86.15"; fi
 def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     """benchmarks/gpu_check.sh with a fake python and nvidia-smi on PATH (2 GPUs): the stages in
     order (env, one-GPU smoke step, two-GPU torchrun smoke step, the 1B runs, the CUDA tests, MoE
-    with ep 2, the ring on 2 GPUs, Muon under ZeRO-3, auto with 2 trials, selftest), NCCL_DEBUG
+    with ep 2, the ring on 2 GPUs, Muon under ZeRO-3 on 2 GPUs, auto with 2 trials, selftest), NCCL_DEBUG
     only in the first distributed stage, Python's fault handler on everywhere, a stage past its
     limit stopped by SIGABRT (exit 124), and one summary line at the end; exit 1."""
     script = ROOT / "benchmarks" / "gpu_check.sh"
@@ -366,7 +366,7 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
         ("-m pytest -q -p no:cacheprovider tests/test_attention.py", ""),
         (f"{launch} --model.name moe", ""),
         (f"{launch} --training.steps 20 --training.seq_len 4096", ""),
-        ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        (f"{launch} --model.flavor 1B", ""),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
         ("-m torchpar selftest --json", ""),
         ("- " + str(out), ""),

@@ -177,8 +177,11 @@ def first_fit(cfg: JobConfig, world: int, cluster: Cluster, offload: bool = True
         except ConfigError as e:
             refused.append(str(e))
             continue
-        if memory_of(model, args, resolved, cluster, seq)[1]:  # (as the trainer resolves it)
+        memory, fits = memory_of(model, args, resolved, cluster, seq)  # (as the trainer resolves it)
+        if fits:
             return job
+        if smallest is None or device_peak(memory) < device_peak(smallest[1]):
+            smallest = (resolved.to_dict(), memory)
     if smallest is None:  # every layout fitted, and the trainer refused each
         raise ConfigError("parallelism.layout = 'auto': the trainer refused every layout that fits: "
                           f"{refused[0]}")
