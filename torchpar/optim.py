@@ -228,10 +228,9 @@ def _owner_orthogonalized(params: list, updates: list, group: dict) -> dict[int,
             # The owner's Newton-Schulz; then back: rank k's rows of my matrix to rank k.
             result = (newton_schulz(got.view(chunk[me][0].shape[0], cols[me]), *args).reshape(-1) if owned
                       else got)
-            back_sizes = [t.numel() for t in mine] + [0] * (n - len(chunk))
-            back = send.new_empty(sum(back_sizes))
-            dist.all_to_all_single(back, result, back_sizes, recv_sizes, group=pg)
-            for (p, u), piece in zip(chunk, back.split(back_sizes[:len(chunk)])):
+            back = send.new_empty(sum(send_sizes))  # (my rows of each matrix, as I sent them)
+            dist.all_to_all_single(back, result, send_sizes, recv_sizes, group=pg)
+            for (p, u), piece in zip(chunk, back.split(send_sizes[:len(chunk)])):
                 out[id(p)] = DTensor.from_local(piece.view(u.to_local().shape), p.device_mesh, p.placements,
                                                 run_check=False, shape=p.shape, stride=p.stride())
     return out

@@ -208,6 +208,14 @@ def _spans(starts_here: torch.Tensor) -> DocumentSpans:
     return DocumentSpans(tuple((*row.nonzero().flatten().tolist(), s) for row in starts_here))
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [b, h_kv, s, hd] repeated to the query heads [b, h_kv x groups, s, hd] (each KV head
+    ``groups`` times, in order), for a kernel that takes no grouped heads."""
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:
     """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
@@ -223,7 +231,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = No
     if gqa and mask is not None:
         # CUDA's kernels that take a mask do not group heads; the one left would build the
         # [b, h, s, s] scores. A repeated copy of K and V is cheaper.
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
@@ -233,7 +241,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocum
     # One kernel over every document of the batch, none across two; window (-1, 0) = causal.
     grouped = {"enable_gqa": gqa} if VARLEN_GROUPS_HEADS else {}
     if gqa and not VARLEN_GROUPS_HEADS:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
     out = varlen_attn(pack(q), pack(k), pack(v), docs.cu_seqlens, docs.cu_seqlens, docs.max_len,
                       docs.max_len, window_size=(-1, 0), **grouped)  # [b*s, h, hd]
     return unpack(out, q.shape[0])  # [b, h, s, hd]

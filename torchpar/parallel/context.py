@@ -35,7 +35,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
-from torchpar.models.common import SequenceShard, attention, document_layout
+from torchpar.models.common import SequenceShard, attention, document_layout, repeat_kv
 
 
 @functools.cache
@@ -155,13 +155,6 @@ def _ring_options():
         opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method = saved
 
 
-def _repeated(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [b, h_kv, s, hd] repeated to the query heads (each KV head ``groups`` times, in order)."""
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-
-
 def _folded(grad: torch.Tensor, groups: int) -> torch.Tensor:
     """The gradient of repeated heads [b, h, s, hd] summed back to the KV heads [b, h / groups, s, hd]
     in fp32 (the ring accumulates key/value gradients in fp32)."""
@@ -174,14 +167,14 @@ def _folded(grad: torch.Tensor, groups: int) -> torch.Tensor:
 def _grouped_forward(kernel, groups: int):
     """The ring's forward kernel for blocks of KV heads: repeated to the query heads per call."""
     def op(q, k, v, **kwargs):
-        return kernel(q, *_repeated(k, v, groups), **kwargs)
+        return kernel(q, *repeat_kv(k, v, groups), **kwargs)
     return op
 
 
 def _grouped_backward(kernel, groups: int):
     """The ring's backward kernel for blocks of KV heads: the key/value gradients folded back."""
     def op(query, key, value, **kwargs):
-        key, value = _repeated(key, value, groups)
+        key, value = repeat_kv(key, value, groups)
         dq, dk, dv, *rest = kernel(query=query, key=key, value=value, **kwargs)
         return (dq, _folded(dk, groups), _folded(dv, groups), *rest)
     return op

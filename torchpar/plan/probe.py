@@ -19,9 +19,9 @@ The figures are cached per cluster (SLURM's cluster name, else the set of its ho
 shape (world, ranks per node, device, dtype and fp32 precision, model), so a probe costs its few
 seconds once. It runs on the device and precision the job set (it changes neither), its model
 runs inside the memory it is given (fewer tokens, or none: then the matmul rate stands in), and
-each rank joins only its own group of each partition (a group-local creation, not one call per
-group of the world on every rank). The datasheet presets (``PRESETS``) stay for clusters one is
-not on.
+each partition's groups come from one split of the default group's NCCL communicator where it is
+bound to a device (one call per partition, not one per group on every rank). The datasheet
+presets (``PRESETS``) stay for clusters one is not on.
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ def _run_bytes(model, args, blocks: int, batch: int, seq: int, dtype: torch.dtyp
     gradients in ``dtype``, the activations the planner counts for ``batch`` sequences of ``seq``
     tokens, and the loss's three fp32 logits-sized tensors."""
     cut = dataclasses.replace(args, n_layers=blocks)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in model.build(cut).parameters())
+    params = model.num_params(cut)
     lay = Layout(param_dtype=str(dtype).removeprefix("torch."), local_batch_size=batch)
     held = stage_activation_bytes(model, cut, lay, batch, seq, 0, blocks) + ends_bytes(
         model, cut, lay, batch, seq, True, True)

@@ -134,7 +134,7 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
     model, args, device, dtype, batch, seq = _job(cfg, world)
     plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer, offload)
     if not plans:
-        raise _none_divides(cfg, world, batch)
+        raise _none_divides(world, batch)
     out, refused = [], []
     for p in (p for p in plans if p.fits):
         job = config_of(cfg, p.layout, world)
@@ -164,7 +164,7 @@ def first_fit(cfg: JobConfig, world: int, cluster: Cluster, offload: bool = True
     smallest, refused = None, []
     every = list(layouts(model, args, cluster, batch, seq, dtype, device, cfg.optimizer, offload))  # (cheap)
     if not every:
-        raise _none_divides(cfg, world, batch)
+        raise _none_divides(world, batch)
     for lay in sorted(every, key=_frugal_first):
         memory, fits = memory_of(model, args, lay, cluster, seq)
         if not fits:
@@ -207,7 +207,7 @@ def _job(cfg: JobConfig, world: int) -> tuple:
             cfg.training.seq_len)
 
 
-def _none_divides(cfg: JobConfig, world: int, batch: int) -> ConfigError:
+def _none_divides(world: int, batch: int) -> ConfigError:
     return ConfigError(f"parallelism.layout = 'auto': no layout divides {world} rank(s), the model and the "
                        f"global batch of {batch}; change the rank count or training.global_batch_size")
 
