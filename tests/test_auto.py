@@ -307,6 +307,11 @@ def _auto_worker(rank, world, out, overrides):
     cfg = load_config(TINY, [*overrides, "--job.dump_folder", f"{out}/run"])
     chosen, figures = auto_layout(cfg, world, say=said.append)
     trainer = Trainer(chosen, on_logged_step=StepCheck(figures))
+    from torchpar.parallel import layout as layouts
+
+    meshes = [list(key) for key in layouts._MESHES]  # (the trials' others released)
+    timeouts = sorted({trainer.layout.mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout
+                       .total_seconds() for d in layouts.MESH_DIMS})
     losses = trainer.train()
     params = [None] * world
     dist.all_gather_object(params, full_parameters(trainer.model.parts))
@@ -316,7 +321,8 @@ def _auto_worker(rank, world, out, overrides):
         Path(out, "auto.json").write_text(json.dumps({
             "losses": losses, "said": said, "records": [r for r in records if "loss" in r],
             "trials": sorted(p.name for p in Path(out, "run", "auto_trials").iterdir()),
-            "layout": trainer.layout.to_dict()}))
+            "layout": trainer.layout.to_dict(), "meshes": meshes, "mesh_key": list(trainer.layout.mesh_key("cpu")),
+            "timeouts": timeouts, "timeout_s": cfg.comm.timeout_s}))
 
 
 @pytest.mark.slow
@@ -336,6 +342,8 @@ def test_auto_with_trials_trains_equal_to_one_process():
     finally:
         shutil.rmtree(out, ignore_errors=True)
     assert got["trials"] == ["trial_1", "trial_2"]
+    assert got["meshes"] == [got["mesh_key"]]  # every group of a trial's other mesh destroyed
+    assert got["timeouts"] == [got["timeout_s"]]  # the mesh's groups take comm.timeout_s, not c10d's
     said = "\n".join(got["said"])
     assert "trial 1/2" in said and "trial 2/2" in said
     assert "the trials agreed with the planner" in said or "the trials disagreed with the planner" in said

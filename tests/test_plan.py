@@ -490,3 +490,34 @@ def test_microbatches_in_flight_per_schedule():
     assert held("1F1B", 1) == [4, 3, 2, 1]
     assert held("Interleaved1F1B", 2)[0] == 4 * (1 + 3 / (4 * 2))
     assert held("ZBVZeroBubble", 2) == [4] * 4
+
+
+def test_released_meshes_free_their_groups_and_are_not_built_again():
+    """After auto's trials, the meshes of the layouts not chosen lose their process groups (on a
+    cluster, NCCL communicators with their buffers): the kept mesh keeps every group, the others'
+    go, and an equal mesh cannot be built again in the process (DTensor's caches name the old one).
+    On a fake process group of 8 ranks, with a flattened and an unflattened (experts') view."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchpar.parallel.layout import MESH_DIMS, Layout, release_meshes
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        count = lambda: len(dist.distributed_c10d._world.pg_map)  # noqa: E731
+        kept, other, experts = Layout(dp_shard=8), Layout(dp_shard=4, tp=2), Layout(dp_shard=4, cp=2, ep=2)
+        start = count()
+        kept.build_mesh("cpu")
+        after_kept = count()
+        other.build_mesh("cpu")
+        experts.build_mesh("cpu")
+        assert count() > after_kept > start
+        Layout(dp_shard=8).build_mesh("cpu")  # equal degrees: no new group
+        built = count()
+        assert release_meshes(keep=Layout(dp_shard=8)) == built - after_kept
+        assert count() == after_kept
+        live = set(dist.distributed_c10d._world.pg_map)
+        assert all(kept.mesh.get_group(dim) in live for dim in MESH_DIMS)
+        with pytest.raises(RuntimeError, match="released"):
+            Layout(dp_shard=4, tp=2).build_mesh("cpu")
+    finally:
+        dist.destroy_process_group()

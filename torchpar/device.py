@@ -305,10 +305,7 @@ _GROUP_TIMEOUT = timedelta(seconds=600)  # comm.timeout_s, once init_distributed
 
 def group_timeout() -> timedelta:
     """comm.timeout_s, for a group made after the default one (c10d would give it its own default:
-    30 minutes on gloo, 10 on nccl). The mesh's groups keep c10d's default: init_device_mesh's
-    per-dimension options make new groups for every mesh, and DTensor then mixes in the groups of
-    an earlier, equal mesh of the same process (the self-test's layouts); a collective that hangs
-    there is ended sooner by the watchdog (comm.watchdog_s) anyway."""
+    30 minutes on gloo, 10 on nccl): the mesh's groups, the probe's, the checkpointer's."""
     return _GROUP_TIMEOUT
 
 

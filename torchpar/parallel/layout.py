@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torchpar.composition import Features, check
 from torchpar.config import Parallelism
 from torchpar.console import warn
-from torchpar.device import device_type
+from torchpar.device import device_type, group_timeout
 from torchpar.errors import ConfigError
 from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
@@ -51,8 +51,30 @@ def effective_zero_stage(zero_stage: int, shard_ranks: int) -> int:
 # earlier one (auto's trials, the self-test's layouts) takes its mesh, and so its process groups,
 # instead of building new ones beside them (each group holds a communicator: threads and connections
 # on gloo, buffers on NCCL). Torch's DTensor caches key on equal meshes, so an equal mesh with groups
-# of its own would be served the first one's anyway.
+# of its own would be served the first one's anyway. Each entry: (the default group it was built in,
+# the mesh, the experts' view, the groups it made).
 _MESHES: dict[tuple, tuple] = {}
+# Keys whose groups release_meshes destroyed: DTensor's sharding caches (Python and C++) may still
+# hand out specs naming those meshes, so an equal mesh built later would be served dead groups.
+_RELEASED: set[tuple] = set()
+
+
+def release_meshes(keep: Layout | None) -> int:
+    """Destroy the process groups of every mesh this process built except ``keep``'s (the layout
+    auto chose after its trials: the others' NCCL communicators would hold their buffers for the
+    whole run). Every rank calls it at the same point, with no trainer of a released mesh alive.
+    Returns how many groups went."""
+    kept = keep.mesh_key(device_type()) if keep is not None else None
+    gone = 0
+    for key in [k for k in _MESHES if k != kept]:
+        world, _, _, groups = _MESHES.pop(key)
+        _RELEASED.add(key)
+        if world is not dist.GroupMember.WORLD:
+            continue  # (its default group is gone, and its groups with it)
+        for group in groups:  # (in creation order, the same on every rank)
+            dist.destroy_process_group(group)
+            gone += 1
+    return gone
 
 
 @dataclass(kw_only=True)
@@ -186,18 +208,27 @@ class Layout:
 
     # -- the mesh (trainer only)
 
+    def mesh_key(self, device_type: str) -> tuple:
+        """What two layouts with the same mesh share: the device type, the degrees and ep."""
+        return (device_type, self.degrees, self.ep)
+
     def build_mesh(self, device_type: str):
         """The one DeviceMesh, plus the flattened views: ``dp`` (replicate x shard) and, with
         context parallelism, ``dp_shard_cp`` and ``dp_cp``; with expert parallelism, the view
         :attr:`experts_view` whose ``dp_shard`` is unflattened into ``efsdp x ep``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        key = (device_type, self.degrees, self.ep)
-        if any(world is not dist.GroupMember.WORLD for world, _, _ in _MESHES.values()):
+        key = self.mesh_key(device_type)
+        if any(entry[0] is not dist.GroupMember.WORLD for entry in _MESHES.values()):
             _MESHES.clear()  # (the default group they were built in is gone, and their groups with it)
+            _RELEASED.clear()
+        if key in _RELEASED:
+            raise RuntimeError(f"the mesh {key} was released in this process (release_meshes); "
+                               "DTensor's caches may still name its groups: build no equal mesh after it")
         if key in _MESHES:
-            _, self.mesh, self.experts_view = _MESHES[key]
+            _, self.mesh, self.experts_view, _ = _MESHES[key]
             return self.mesh
+        before = set(dist.distributed_c10d._world.pg_map)
         mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         if self.cp > 1:
@@ -210,7 +241,13 @@ class Layout:
             if self.cp > 1:
                 view["efsdp", "cp"]._flatten("efsdp_cp")
             self.experts_view = view
-        _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view)
+        made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]  # (in creation order)
+        for group in (g for g in made if dist.get_backend(g) != "fake"):  # (the planner's tests)
+            # c10d gives a group made after the default one its own default (10 minutes on NCCL),
+            # not comm.timeout_s; init_device_mesh takes a timeout only with per-dimension backend
+            # options, which would also make a group of the default one's size anew.
+            dist.distributed_c10d._set_pg_timeout(group_timeout(), group)
+        _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view, made)
         return mesh
 
     def coordinate(self, name: str) -> int:

@@ -29,6 +29,7 @@ from torchpar.config import JobConfig
 from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
 from torchpar.models import adapter, model_args
+from torchpar.parallel.layout import release_meshes
 from torchpar.plan.compare import step_terms
 from torchpar.plan.estimate import Plan, device_peak, memory_of, plan
 from torchpar.plan.layout import Cluster, layout_from_config
@@ -361,6 +362,8 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
                 say(f"torchpar: trial {i + 1}/{min(trials, len(cands))}: {c.name}")
             c.measured_s = trial(c.cfg, cfg.parallelism.auto_trial_steps, base / f"trial_{i + 1}")
         chosen = min((c for c in cands if c.measured_s is not None), key=lambda c: c.measured_s)
+        # (the trials' other meshes: their communicators would hold their buffers for the whole run)
+        release_meshes(keep=layout_from_config(chosen.cfg, world)[0])
     if rank == 0:
         say(report(cands, unfit, chosen))
         if trials:
