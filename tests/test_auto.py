@@ -321,8 +321,9 @@ def _auto_worker(rank, world, out, overrides):
         Path(out, "auto.json").write_text(json.dumps({
             "losses": losses, "said": said, "records": [r for r in records if "loss" in r],
             "trials": sorted(p.name for p in Path(out, "run", "auto_trials").iterdir()),
-            "layout": trainer.layout.to_dict(), "meshes": meshes, "mesh_key": list(trainer.layout.mesh_key("cpu")),
-            "timeouts": timeouts, "timeout_s": cfg.comm.timeout_s}))
+            "layout": trainer.layout.to_dict(), "meshes": meshes,
+            "mesh_key": list(trainer.layout.mesh_key("cpu")), "timeouts": timeouts,
+            "timeout_s": cfg.comm.timeout_s}))
 
 
 @pytest.mark.slow
