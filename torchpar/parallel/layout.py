@@ -215,7 +215,10 @@ class Layout:
     def build_mesh(self, device_type: str):
         """The one DeviceMesh, plus the flattened views: ``dp`` (replicate x shard) and, with
         context parallelism, ``dp_shard_cp`` and ``dp_cp``; with expert parallelism, the view
-        :attr:`experts_view` whose ``dp_shard`` is unflattened into ``efsdp x ep``."""
+        :attr:`experts_view` whose ``dp_shard`` is unflattened into ``efsdp x ep``. A dimension of
+        size 1 gets a group too: torch's init_device_mesh skips one only through its "fake"
+        backend, which only torchcomms and torch's own tests register; a one-rank NCCL communicator
+        has no peer to connect to (NCCL connects on first use), so it holds no transport buffers."""
         from torch.distributed.device_mesh import init_device_mesh
 
         key = self.mesh_key(device_type)
