@@ -163,6 +163,16 @@ CASES = [
          "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keeps as "
          "DTensor shards"),
     Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss: got 'nan', not a finite number"),
+    # --- the model
+    Case("a model path to no module", CHECK + " --model.name no_such_module:ADAPTER",
+         "model.name = 'no_such_module:ADAPTER': ModuleNotFoundError"),
+    Case("a model path to something else", CHECK + " --model.name json:dumps",
+         "model.name = 'json:dumps' names a function, not a ModelAdapter instance"),
+    Case("a yes/no model field on a family without it", CHECK + " --model.name gpt2 --model.qk_norm true",
+         "model.qk_norm does not apply to the gpt2 family; leave it unset"),
+    Case("attention sinks under context parallelism", CHECK + " --model.attn_sink true "
+         "--parallelism.context_parallel_degree 2", "model.attn_sink = true writes the attention scores out",
+         world=2),
     # --- a mixture of experts
     Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
          "model.top_k = 9 must be between 1 and model.experts = 8"),

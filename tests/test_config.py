@@ -88,3 +88,28 @@ def test_help_lists_every_field_with_its_docstring():
     text = help_text()
     assert "--training.global_batch_size (int, default 0): Sequences per optimizer step" in text
     assert "--parallelism.zero_stage" in text and "--metrics.wandb_project" in text
+
+
+def test_every_model_field_reaches_a_familys_args_and_yes_no_fields_may_stay_unset(tmp_path):
+    """A [model] field is a shape override by name: every one (but the family, flavour and
+    tokenizer) is a field of some family's args, so none parses and does nothing; a yes/no field is
+    unset (the flavour's), true or false, and a family without it refuses it in one line; an unset
+    field leaves the printed config (TOML has no null) and reads back unset."""
+    import dataclasses
+
+    from torchpar.config.sections import Model
+    from torchpar.models import MODELS, NOT_SHAPE
+
+    read = {f.name for family in MODELS.values() for f in dataclasses.fields(family.args_class)}
+    assert {f.name for f in dataclasses.fields(Model)} - set(NOT_SHAPE) <= read
+    assert model_args(load_config(None, ["--model.qk_norm", "true"]).model).qk_norm is True
+    assert model_args(load_config(None, ["--model.name", "moe", "--model.qk_norm", "false"]).model).qk_norm is False
+    assert model_args(load_config(None, ["--model.name", "moe"]).model).qk_norm  # (the flavour's, Qwen3's)
+    with pytest.raises(ConfigError, match="model.attn_sink does not apply to the gpt2 family; leave it unset"):
+        model_args(load_config(None, ["--model.name", "gpt2", "--model.attn_sink", "false"]).model)
+    cfg = load_config(None, ["--model.attn_sink", "true", "--model.attn_sink", "unset"])
+    assert cfg.model.attn_sink is None and "attn_sink" not in to_toml(cfg)
+    write(tmp_path / "dump.toml", to_toml(cfg))
+    assert load_config(tmp_path / "dump.toml") == cfg
+    with pytest.raises(ConfigError, match="model.attn_sink: got 'maybe'"):
+        load_config(None, ["--model.attn_sink", "maybe"])

@@ -138,3 +138,90 @@ def test_shape_overrides_from_config_reach_the_model_and_the_planner():
     ):
         with pytest.raises(ConfigError, match=message):
             model_args(load_config(None, overrides).model)
+
+
+def test_attention_sinks_take_a_share_of_each_softmax_and_nothing_else():
+    """With sinks the scores are written out: a sink far below every score is plain attention
+    (causal, inside documents given as spans or as a bias, grouped KV heads); a finite sink scales
+    each query's output by the share its keys keep, 1 / (1 + exp(sink - logsumexp(scores))), and
+    takes a gradient."""
+    import torch.nn.functional as F
+
+    from torchpar.models.common import DocumentSpans, attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 6, 8, generator=gen) for _ in range(2))
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    keep = (docs[:, :, None] == docs[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).unsqueeze(1)
+    spans = DocumentSpans(((0, 3, 6), (0, 6)))
+    far = torch.full((4,), -1e4)
+    for mask in (None, spans, bias):
+        assert torch.allclose(attention(q, k, v, mask, far), attention(q, k, v, mask), atol=1e-6)
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    got = attention(q, k, v, bias, sinks)
+    rep_k, rep_v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    lse = torch.logsumexp(q @ rep_k.mT / 8 ** 0.5 + bias, dim=-1, keepdim=True)  # [b, h, s, 1]
+    kept = torch.sigmoid(lse - sinks.view(1, 4, 1, 1))
+    want = F.scaled_dot_product_attention(q, rep_k, rep_v, attn_mask=bias) * kept
+    assert torch.allclose(got, want, atol=1e-5)
+    got.sum().backward()
+    assert sinks.grad is not None and sinks.grad.abs().min() > 0
+
+
+def test_a_tensor_parallel_plan_key_that_names_nothing_is_one_line():
+    """Each key of a family's plan names a module or parameter (or an optional part left out: a
+    block without q/k norms or sinks); a misspelt key, which would leave its module replicated
+    under TP, is refused in one line, as is a parameter word on a module."""
+    from torchpar.models import MODELS
+    from torchpar.parallel.tensor import plan_problem
+
+    for family in MODELS.values():
+        for flavor in ("debug",):
+            args = family.args(flavor)
+            with torch.device("meta"):
+                model = family.build(args)
+            assert plan_problem(model, family.top_plan, "top_plan") is None, family.name
+            for i, block in model.layers.items():
+                assert plan_problem(block, family.layer_plan(args, int(i)), f"block {i}") is None, family.name
+    with torch.device("meta"):
+        model = Transformer(ADAPTER.args("debug", attn_sink=True))
+    block = model.layers["0"]
+    assert plan_problem(block, ADAPTER.block_plan, "block 0") is None
+    misspelt = {**ADAPTER.block_plan, "attention.wqq": "colwise"}
+    assert plan_problem(block, misspelt, "block 0") == (
+        "the tensor-parallel plan's key 'attention.wqq' (block 0) names no module or parameter of "
+        "TransformerBlock; correct the key in the model adapter's plan")
+    assert "'heads' is a word for a parameter" in plan_problem(block, {"attention.wq": "heads"}, "block 0")
+    assert "'colwise' is a word for a module" in plan_problem(block, {"attention.sinks": "colwise"}, "block 0")
+
+
+def test_tensor_parallelism_refuses_a_misspelt_plan_key_before_splitting_anything():
+    """The trainer's TP path checks the whole plan first: a fork's misspelt key is a ConfigError on
+    every rank before the first module is split (a fake 2-rank group)."""
+    from dataclasses import replace as copy
+
+    import pytest
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchpar.errors import ConfigError
+    from torchpar.parallel.layout import Layout
+    from torchpar.parallel.tensor import apply_tensor_parallel
+
+    class Misspelt(type(ADAPTER)):
+        block_plan = {**ADAPTER.block_plan, "feed_forward.w4": "colwise"}
+
+    args = copy(FLAVORS["debug"], n_layers=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        lay = Layout(tp=2)
+        lay.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args)
+        with pytest.raises(ConfigError, match="'feed_forward.w4' \\(block 0\\) names no module"):
+            apply_tensor_parallel(model, Misspelt(), args, lay.mesh["tp"], False, False)
+        assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -35,6 +35,8 @@ class Features:
     tied: bool = False  # the flavour ties its token embedding and output head
     # model fields (set to non-zero) whose terms are computed over each whole sequence
     sequence_terms: tuple[str, ...] = ()
+    # model fields (set) that make attention write its scores out (an attention sink)
+    written_attention: tuple[str, ...] = ()
     optimizer: str = "adamw"  # optimizer.name
     whole: bool = False  # its update needs whole matrices (orthogonalization, row/column factors)
     gathers: bool = False  # ...and it gathers a sharded matrix itself (Muon)
@@ -61,7 +63,7 @@ class Features:
 # Each dimension and the features that carry its value: a rule names the dimensions it reads, and
 # reads no feature of another (a test holds every rule to its word).
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "family": ("family", "experts", "tied"),
+    "family": ("family", "experts", "tied", "written_attention"),
     "optimizer": ("optimizer", "whole", "gathers"),
     "zero": ("zero", "replicas"),
     "tp": ("tp",),
@@ -90,7 +92,8 @@ class Rule:
 
     def says(self, f: Features) -> str:
         return self.reason.format(**{k.name: getattr(f, k.name) for k in fields(f)},
-                                  sequence_fields=" and ".join(f"model.{t}" for t in f.sequence_terms))
+                                  sequence_fields=" and ".join(f"model.{t}" for t in f.sequence_terms),
+                                  attention_fields=" and ".join(f"model.{t}" for t in f.written_attention))
 
 
 RULES: tuple[Rule, ...] = (
@@ -138,6 +141,10 @@ RULES: tuple[Rule, ...] = (
          "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
          "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "
          "kept), or document_masking = false"),
+    Rule(("cp", "family"), lambda f: f.cp > 1 and bool(f.written_attention),
+         "{attention_fields} = true writes the attention scores out, which context parallelism "
+         "(context_parallel_degree = {cp}) does not exchange; set context_parallel_degree = 1, or leave "
+         "{attention_fields} unset"),
     Rule(("cp", "family", "loss_terms"), lambda f: f.cp > 1 and bool(f.sequence_terms),
          "{sequence_fields}: the {family} family computes these terms per whole sequence, which context "
          "parallelism (context_parallel_degree = {cp}) splits over ranks; set them to 0 or the "

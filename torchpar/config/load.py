@@ -12,8 +12,9 @@ import dataclasses
 import functools
 import math
 import sys
+import types
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from torchpar.config.sections import JobConfig
 from torchpar.errors import ConfigError, did_you_mean
@@ -34,6 +35,11 @@ def _coerce(where: str, value: Any, typ: Any, from_cli: bool) -> Any:
     bad = ConfigError(
         f"{where}: got {value!r} ({type(value).__name__}), expected {getattr(typ, '__name__', typ)}."
     )
+    if get_origin(typ) in (Union, types.UnionType):  # X | None: a field that may be left unset
+        inner = [a for a in get_args(typ) if a is not type(None)]
+        if from_cli and str(value).lower() in ("none", "unset"):
+            return None
+        return _coerce(where, value, inner[0], from_cli)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -293,7 +299,8 @@ def to_toml(cfg: JobConfig) -> str:
     for f in dataclasses.fields(cfg):
         lines.append(f"[{f.name}]")
         for k, v in dataclasses.asdict(getattr(cfg, f.name)).items():
-            lines.append(f"{k} = {fmt(v)}")
+            if v is not None:  # (TOML has no null: an unset field is left out)
+                lines.append(f"{k} = {fmt(v)}")
         lines.append("")
     return "\n".join(lines)
 

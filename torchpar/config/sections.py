@@ -53,6 +53,13 @@ class Model:
     ffn_dim_multiplier: float = opt(0.0, "Llama: override the SwiGLU width multiplier (0 = the flavour's).")
     multiple_of: int = opt(0, "Llama: override what the SwiGLU width rounds up to (0 = the flavour's).")
     rope_theta: float = opt(0.0, "Llama: override the RoPE base (0 = the flavour's).")
+    qk_norm: bool | None = opt(None, "Llama and MoE: RMSNorm over each query and key head before RoPE "
+                                     "(Qwen3's); unset = the flavour's.")
+    attn_sink: bool | None = opt(
+        None, "Llama and MoE: a learned logit per attention head in each softmax's denominator (an attention "
+              "sink, as gpt-oss has), so a head may attend to nothing. The scores are written out (no fused "
+              "kernel takes a sink): s x s per head, for research at short sequences. Unset = the flavour's "
+              "(none).")
     experts: int = opt(0, "MoE: override the routed experts per block (0 = the flavour's).")
     top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
     capacity_factor: float = opt(

@@ -216,11 +216,26 @@ def repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tens
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds where parallel code split it (a DTensor's differentiable
+    ``to_local()``), else ``t`` itself: for model code that combines a split parameter with this
+    rank's activations, such as a per-head vector (tensor parallelism's word ``heads``) with this
+    rank's heads. Read by duck typing: a model imports nothing of torch.distributed."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
     :func:`document_layout` = causal inside each document; a :class:`SequenceShard` = over the
-    whole sequence, of which q, k and v are this rank's part."""
+    whole sequence, of which q, k and v are this rank's part. sinks [h]: each head's extra logit in
+    its softmax (see :func:`_with_sinks`)."""
+    if sinks is not None:
+        if isinstance(mask, SequenceShard):  # (the composition table refuses this before launch)
+            raise ValueError("attention sinks are not served over a sequence split by context parallelism")
+        return _with_sinks(q, k, v, mask, sinks)
     if isinstance(mask, SequenceShard):
         return mask.attend(q, k, v)
     gqa = q.shape[1] != k.shape[1]
@@ -245,6 +260,33 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocum
     out = varlen_attn(pack(q), pack(k), pack(v), docs.cu_seqlens, docs.cu_seqlens, docs.max_len,
                       docs.max_len, window_size=(-1, 0), **grouped)  # [b*s, h, hd]
     return unpack(out, q.shape[0])  # [b, h, s, hd]
+
+
+def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
+                sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax over a query's keys has one more logit, its head's sink: it takes a
+    share of the probability and brings no value, so a head may attend to (almost) nothing. No
+    fused kernel takes it, so the scores are written out, [b, h, s, s] in fp32."""
+    b, h, s, hd = q.shape
+    k, v = repeat_kv(k, v, h // k.shape[1])
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * hd ** -0.5  # [b, h, s, s]
+    scores = scores.masked_fill(~_visible(mask, s, q.device), float("-inf"))
+    sink = sinks.float().view(1, h, 1, 1).expand(b, h, s, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]  # (the sink's share dropped)
+    return torch.matmul(probs.to(v.dtype), v)  # [b, h, s, hd]
+
+
+@torch.compiler.disable  # (spans: host tuples, new every batch)
+def _visible(mask: Mask, s: int, device: torch.device) -> torch.Tensor:
+    """[b or 1, 1, s, s] bool: the keys each query sees (causal, inside its document)."""
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return causal.view(1, 1, s, s)
+    if isinstance(mask, DocumentSpans):
+        docs = torch.tensor([[i for i, (a, e) in enumerate(zip(cuts, cuts[1:])) for _ in range(e - a)]
+                             for cuts in mask.cuts], device=device)  # [b, s]: each token's document
+        return ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+    return mask == 0  # (the additive bias: 0 where a key is seen, -inf elsewhere)
 
 
 @torch.compiler.disable  # new spans every batch: run eagerly between a compiled block's graphs
@@ -390,13 +432,16 @@ class ModelAdapter(ABC):
     # -- args and building
 
     def args(self, flavor: str, n_layers: int = 0, **shape):
-        """The flavour's args with the given shape fields replaced (0 = keep the flavour's); a
-        field this family does not have, or a shape it cannot build, raises ValueError."""
+        """The flavour's args with the given shape fields replaced (0 or None = keep the flavour's;
+        True and False both replace it); a field this family does not have, or a shape it cannot
+        build, raises ValueError."""
         args = self.flavors[flavor]
-        changes = {k: v for k, v in {"n_layers": n_layers, **shape}.items() if v}
+        changes = {k: v for k, v in {"n_layers": n_layers, **shape}.items()
+                   if v is not None and (isinstance(v, bool) or v != 0)}
         unknown = sorted(set(changes) - {f.name for f in fields(args)})
         if unknown:
-            raise ValueError(f"model.{unknown[0]} does not apply to the {self.name} family; leave it at 0")
+            keep = "leave it unset" if isinstance(changes[unknown[0]], bool) else "leave it at 0"
+            raise ValueError(f"model.{unknown[0]} does not apply to the {self.name} family; {keep}")
         args = replace(args, **changes)
         self.check_shape(args)
         return args
@@ -452,6 +497,12 @@ class ModelAdapter(ABC):
     def sequence_terms(self, args) -> tuple[str, ...]:
         """The model fields (set here) whose terms are computed over each whole sequence, which
         context parallelism splits (a fact the composition table reads)."""
+        return ()
+
+    def written_attention(self, args) -> tuple[str, ...]:
+        """The model fields (set here) that make attention write its scores out instead of calling
+        a fused kernel (an attention sink): context parallelism's exchanges carry no such scores
+        (a fact the composition table reads)."""
         return ()
 
     @abstractmethod

@@ -24,6 +24,7 @@ from torchpar.models.common import (
     SwiGLU,
     attention,
     document_layout,
+    local,
 )
 
 
@@ -42,6 +43,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     head_size: int = 0  # each attention head's width; 0 = dim / n_heads (Qwen3 sets it apart)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    attn_sink: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
     @property
     def head_dim(self) -> int:
@@ -133,6 +135,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sink else None  # [h]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Mask = None) -> torch.Tensor:
@@ -146,8 +149,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         # mask: None = causal over the window, else kept inside documents (common.attention);
         # grouped-query heads are served inside the kernel, with no repeated copy of K and V.
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [b, h, s, hd]
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                        self.head_sinks())  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+    def head_sinks(self) -> torch.Tensor | None:
+        """The sinks [h] of this rank's heads (under TP the split's local part), or None."""
+        return local(self.sinks) if self.sinks is not None else None
 
 
 class TransformerBlock(nn.Module):
@@ -218,6 +227,8 @@ class Transformer(SeededInit):
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
         if name == "output.weight":
             return self.args.dim ** -0.5
+        if name.endswith("attention.sinks"):  # logits beside the scores, which start near N(0, 1)
+            return 1.0
         if name.endswith(("wo.weight", "w2.weight")):  # residual projections, scaled with depth
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
@@ -245,6 +256,7 @@ class LlamaAdapter(ModelAdapter):
     block_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
                   "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
                   "attention.q_norm": "head_norm", "attention.k_norm": "head_norm",
+                  "attention.sinks": "heads",
                   "ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
                   "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
 
@@ -300,6 +312,14 @@ class LlamaAdapter(ModelAdapter):
         rows, cols = t.shape
         return t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
+    def hf_problem(self, args: ModelArgs) -> str | None:
+        if args.attn_sink:
+            return f"model.attn_sink: {self.hf_architecture} has no attention sinks"
+        return super().hf_problem(args)
+
+    def written_attention(self, args: ModelArgs) -> tuple[str, ...]:
+        return ("attn_sink",) if args.attn_sink else ()
+
     def tp_divisors(self, args: ModelArgs) -> dict[str, int]:
         return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
                 "vocab_size": args.vocab_size}
@@ -331,9 +351,10 @@ class LlamaAdapter(ModelAdapter):
         d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
         norms = [("attention.q_norm.weight", (args.head_dim, 1), None),
                  ("attention.k_norm.weight", (args.head_dim, 1), None)] if args.qk_norm else []
+        sinks = [("attention.sinks", (args.n_heads, 1), 0)] if args.attn_sink else []
         return [("attention_norm.weight", (d, 1), None),
                 ("attention.wq.weight", (q, d), 0), ("attention.wk.weight", (kv, d), 0),
-                ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, q), 1), *norms]
+                ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, q), 1), *norms, *sinks]
 
     def param_counts(self, args: ModelArgs) -> dict[str, int]:
         d = args.dim
@@ -345,8 +366,8 @@ class LlamaAdapter(ModelAdapter):
                 "output": 0 if args.tie_embeddings else args.vocab_size * d}
 
     def block_vectors(self, args: ModelArgs) -> int:
-        """A block's parameters that multiply no activation: its norms' weights."""
-        return 2 * args.dim + 2 * args.head_dim * args.qk_norm
+        """A block's parameters that multiply no activation: its norms' weights, its heads' sinks."""
+        return 2 * args.dim + 2 * args.head_dim * args.qk_norm + args.n_heads * args.attn_sink
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
         return self.param_counts(args)["layer"] - self.block_vectors(args), args.vocab_size * args.dim

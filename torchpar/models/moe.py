@@ -387,11 +387,12 @@ class MoEAdapter(LlamaAdapter):
         unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
                   (("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
                    ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
-                   ("tie_embeddings", not args.tie_embeddings)) if not same]
+                   ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink))
+                  if not same]
         if unlike:
             return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
                     f"{self.hf_architecture} routes by softmax scores without shared experts or a route "
-                    "scale, with per-head q/k norms and an untied head")
+                    "scale or attention sinks, with per-head q/k norms and an untied head")
         return None
 
     def hf_config(self, args: MoEArgs) -> dict:

@@ -410,7 +410,7 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
     schedule = lay.schedule if lay.pp > 1 else ""
     return Features(
         family=model.name, experts=model.experts(args) > 0, tied=bool(args.tie_embeddings),
-        sequence_terms=model.sequence_terms(args),
+        sequence_terms=model.sequence_terms(args), written_attention=model.written_attention(args),
         optimizer=lay.optimizer.name if lay.optimizer is not None else "adamw",
         whole=kind.whole is not None, gathers=kind.gathers_shards, zero=lay.zero_stage,
         replicas=lay.dp_replicate, tp=lay.tp, pp=lay.pp, schedule=schedule,

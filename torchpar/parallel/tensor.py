@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,6 +27,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from torchpar.errors import ConfigError
 
 
 def loss_context(enabled: bool):
@@ -80,6 +83,42 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
     raise ValueError(f"unknown tensor-parallel style {word!r}")
 
 
+PARAMETER_WORDS = ("heads",)  # words that name a parameter, not a module
+
+
+def plan_problem(module, plan: dict[str, str], where: str) -> str | None:
+    """The one line for a plan key that names nothing in ``module`` (a misspelt key would leave its
+    module replicated: the losses still match, the bytes do not), or a parameter word on a module;
+    None when every key names a module, a parameter, or an optional part this module leaves out
+    (an attribute set to None: a pipeline stage's missing embedding, a block's absent q/k norms)."""
+    for name, word in plan.items():
+        target = module
+        for part in name.split("."):
+            target = getattr(target, part, AttributeError)
+            if target is None or target is AttributeError:
+                break
+        if target is AttributeError:
+            return (f"the tensor-parallel plan's key {name!r} ({where}) names no module or parameter of "
+                    f"{type(module).__name__}; correct the key in the model adapter's plan")
+        if target is not None and (word in PARAMETER_WORDS) != isinstance(target, nn.Parameter):
+            return (f"the tensor-parallel plan's key {name!r} ({where}): {word!r} is a word for "
+                    f"{'a parameter' if word in PARAMETER_WORDS else 'a module'}")
+    return None
+
+
+def _split_parameters(module, plan: dict[str, str], tp_mesh) -> None:
+    """The parameters the plan splits by their first dimension ('heads': a per-head vector, each
+    rank its own heads' entries, as the column-wise projections give it its heads)."""
+    for name, word in plan.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = submodule(module, owner_name) if owner_name else module
+        p = getattr(owner, leaf, None) if owner is not None else None
+        if word == "heads" and isinstance(p, nn.Parameter):
+            # (values are filled in afterwards, from the seed: nothing to send from rank 0)
+            owner.register_parameter(leaf, nn.Parameter(
+                distribute_tensor(p.data, tp_mesh, [Shard(0)], src_data_rank=None), p.requires_grad))
+
+
 def submodule(module, name: str):
     """``module``'s submodule ``name``, or None where it has none (a pipeline stage lacks some
     top-level modules; a block may lack optional ones)."""
@@ -92,6 +131,8 @@ def submodule(module, name: str):
 def _plan(module, plan: dict[str, str], sequence_parallel: bool, loss_parallel: bool) -> dict:
     out = {}
     for name, word in plan.items():
+        if word in PARAMETER_WORDS:
+            continue  # (_split_parameters)
         target = submodule(module, name)
         style = _style(word, target, sequence_parallel, loss_parallel) if target is not None else None
         if style is not None:
@@ -103,6 +144,11 @@ def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool,
     """Shard ``module`` (a whole model or a pipeline stage: modules a stage lacks are skipped) in
     place by its adapter ``model``'s plan for ``args``. (Stacked experts are split by
     ``parallel.experts``.)"""
+    problems = [plan_problem(module, model.top_plan, "top_plan")]
+    problems += [plan_problem(block, model.layer_plan(args, int(layer)), f"block {layer}")
+                 for layer, block in module.layers.items()]
+    if any(problems):  # (every rank the same line, before the first collective of TP)
+        raise ConfigError(next(p for p in problems if p))
     parallelize_module(module, tp_mesh, _plan(module, model.top_plan, sequence_parallel, loss_parallel))
     for name, word in model.top_plan.items():
         if word == "embedding" and getattr(module, name) is not None:
@@ -110,6 +156,7 @@ def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool,
     for layer, block in module.layers.items():
         plan = model.layer_plan(args, int(layer))
         parallelize_module(block, tp_mesh, _plan(block, plan, sequence_parallel, loss_parallel))
+        _split_parameters(block, plan, tp_mesh)
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
     module.tie_weights()

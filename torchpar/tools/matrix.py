@@ -35,7 +35,7 @@ from torchpar.selftest import BASE
 # Every dimension's values; the first is the plain job's (what a cell leaves a dimension at when
 # nothing else is asked of it).
 VALUES: dict[str, tuple] = {
-    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied"),
+    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "llama3-sink"),
     "optimizer": ("adamw", "muon", "adafactor", "torch.optim.SGD"),
     "zero": (0, 1, 2, 3, "hsdp"),
     "tp": (1, 2),
@@ -80,6 +80,7 @@ def _world(cell: Cell) -> int:
 
 def _model(family: str, loss_terms: bool) -> list[str]:
     out = {"llama3": [], "llama3-tied": ["--model.flavor", "debug-tied"], "gpt2": ["--model.name", "gpt2"],
+           "llama3-sink": ["--model.attn_sink", "true"],
            "moe": ["--model.name", "moe"],
            "moe-deepseek": ["--model.name", "moe", "--model.flavor", "debug-deepseek",
                             "--model.bias_rate", "0.01"]}[family]
