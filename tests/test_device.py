@@ -262,24 +262,49 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
 
 @pytest.mark.slow
 def test_selftest_passes_and_fails_a_broken_layout(tmp_path):
-    """`torchpar selftest --nproc 2` on CPU, on two built-in layouts (the layout tables train every
-    one of them already): each equals one process; a layout whose learning rate differs (a broken
-    layout, on purpose) fails the run."""
+    """`torchpar selftest --nproc 2` on CPU, on a job with an opt-in model feature (attention sinks,
+    given as a plain override) and two built-in layouts: each equals one process (losses,
+    parameters); a layout whose learning rate differs (a broken layout, on purpose) differs."""
     out = tmp_path / "rows.json"
     r = cli(["selftest", "--nproc", "2", "--only", "zero3,dp2_zero1", "--json", str(out), "--layout",
-             "broken=--optimizer.lr 4e-3"], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+             "broken=--optimizer.lr 4e-3", "--model.attn_sink", "true"],
+            {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     rows = {row["layout"]: row for row in json.loads(out.read_text())}
     assert r.returncode == 1, r.stdout + r.stderr
-    assert rows.pop("broken")["status"] == "FAIL" and "failed: broken (float32)" in r.stdout
+    assert "with --model.attn_sink true" in r.stdout
+    broken = rows.pop("broken")
+    assert broken["status"].startswith("DIFFERS: the loss differs from step 2 on")  # (after the first update)
+    assert "failed: broken (float32)" in r.stdout
+    assert any("final parameters differ" in line for line in broken["differences"])
     assert set(rows) == {"one_device", "zero3", "dp2_zero1"}
     for row in rows.values():
         assert row["status"] == "PASS" and row["max_dloss"] <= 1e-5 and row["tokens_per_sec"] > 0, row
 
 
+@pytest.mark.slow
+def test_selftest_catches_a_forks_broken_change_and_names_its_refusals(tmp_path):
+    """A fork's change that is right on one device and wrong under tensor parallelism (attention
+    sinks read in reverse order: each rank's split hands its heads other heads' sinks; a model kept
+    outside the package, named by module:NAME, set by --set): DIFFERS under tp 2 and PASS where no
+    split reorders heads; context parallelism is REFUSED with the composition table's line, before
+    any process starts, and does not fail the run."""
+    out = tmp_path / "rows.json"
+    path = f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    r = cli(["selftest", "--nproc", "2", "--only", "dp2_zero3,tp2_sp_lp,cp2_alltoall", "--json", str(out),
+             "--set", "model.name=flipped_sinks:ADAPTER", "--set", "model.attn_sink=true"], env, timeout=600)
+    rows = {row["layout"]: row["status"] for row in json.loads(out.read_text())}
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rows["one_device"] == rows["dp2_zero3"] == "PASS", rows
+    assert rows["tp2_sp_lp"].startswith("DIFFERS: the loss differs from step 1 on"), rows
+    assert rows["cp2_alltoall"].startswith("REFUSED: model.attn_sink = true writes the attention"), rows
+    assert "2 of 4 passed, 1 refused; failed: tp2_sp_lp (float32)" in r.stdout
+
+
 def fake_result(loss: float = 1.0) -> dict:
     """What a layout's run returns, as much of it as a table row reads."""
-    return {"losses": [loss], "logged": [{"loss": loss, "tokens_per_sec": 100.0, "mfu": None,
-                                           "mem_peak_rss_gib": 0.5}]}
+    return {"losses": [loss], "params": {}, "val_losses": [],
+            "logged": [{"loss": loss, "tokens_per_sec": 100.0, "mfu": None, "mem_peak_rss_gib": 0.5}]}
 
 
 def test_selftest_reports_a_layout_that_raises_and_runs_the_others(monkeypatch, capsys):

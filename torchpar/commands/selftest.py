@@ -1,4 +1,5 @@
-"""``torchpar selftest``: train the debug model in every layout the devices hold, each against one device."""
+"""``torchpar selftest``: train a job (the debug model's, or yours) in every layout the devices hold,
+each against one device."""
 
 from __future__ import annotations
 
@@ -9,13 +10,21 @@ from pathlib import Path
 import torch
 
 from torchpar import device as dev
+from torchpar.config import load_config, parse_overrides
 from torchpar.console import ArgumentParser, at_least
 from torchpar.errors import ConfigError, did_you_mean
-from torchpar.selftest import LAYOUTS, format_rows, selftest
+from torchpar.selftest import BASE, LAYOUTS, format_rows, selftest
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="torchpar selftest", description=__doc__.split("\n\n")[0],
+                       epilog="Further arguments --section.key value (or --section.key=value) override "
+                              "the job, as --set does, for the one-device run and every layout.")
+    p.add_argument("--config", default=str(BASE),
+                   help="the job to check (default: the debug model's few steps, "
+                        "torchpar/assets/selftest.toml); keep it small: every layout trains it")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override the job, e.g. --set model.attn_sink=true (repeatable)")
     p.add_argument("--nproc", type=int, default=dev.default_nproc(),
                    help="processes (one per GPU); default: every visible GPU, else 2 CPU ranks")
     p.add_argument("--dtype", default="float32,bfloat16" if dev.device_type() == "cuda" else "float32",
@@ -26,7 +35,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default="", metavar="NAME,...",
                    help="only these built-in layouts (and the one-device reference), e.g. zero3,tp2_sp_lp")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
+    overrides = []
+    for item in a.set:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: write section.key=value, e.g. --set model.attn_sink=true")
+        overrides.append("--" + item)
+    for key, value in parse_overrides(rest):
+        overrides += [f"--{key}", value]
+    load_config(a.config, overrides)  # (a wrong field or value: its one line now, not in every run)
     at_least("--nproc", a.nproc, 1)
     only = [n.strip() for n in a.only.split(",") if n.strip()] or None
     for name in only or []:
@@ -41,17 +58,22 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--nproc {a.nproc}: this machine has {dev.default_nproc()} GPU(s)")
     extra = {}
     for spec in a.layout:
-        name, sep, overrides = spec.partition("=")
+        name, sep, layout = spec.partition("=")
         if not sep or not name:
             raise ConfigError(f"--layout {spec!r}: write NAME='--section.key value ...'")
-        extra[name] = shlex.split(overrides)
+        extra[name] = shlex.split(layout)
+    job = "the debug job" if a.config == str(BASE) else a.config
     print(f"torchpar selftest: {a.nproc} process(es) on {dev.device_name()}, torch {torch.__version__}; "
-          "each layout's losses against one device's", flush=True)
-    rows = selftest(a.nproc, dtypes, extra, only=only)
+          f"{job}{' with ' + ' '.join(overrides) if overrides else ''}: each layout's losses, held-out "
+          "losses and parameters against one device's", flush=True)
+    rows = selftest(a.nproc, dtypes, extra, base=a.config, only=only, overrides=overrides)
     print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
-    failed = [r["layout"] + f" ({r['dtype']})" for r in rows if r["status"] != "PASS"]
-    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} passed" + (f"; failed: {', '.join(failed)}"
-                                                                          if failed else ""))
+    failed = [r["layout"] + f" ({r['dtype']})" for r in rows
+              if r["status"].startswith(("DIFFERS", "ERROR"))]
+    refused = sum(r["status"].startswith("REFUSED") for r in rows)
+    print(f"selftest: {len(rows) - len(failed) - refused} of {len(rows)} passed"
+          + (f", {refused} refused" if refused else "")
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
