@@ -103,9 +103,10 @@ def test_every_model_field_reaches_a_familys_args_and_yes_no_fields_may_stay_uns
     read = {f.name for family in MODELS.values() for f in dataclasses.fields(family.args_class)}
     assert {f.name for f in dataclasses.fields(Model)} - set(NOT_SHAPE) <= read
     assert model_args(load_config(None, ["--model.qk_norm", "true"]).model).qk_norm is True
-    assert model_args(load_config(None, ["--model.name", "moe", "--model.qk_norm", "false"]).model).qk_norm is False
-    assert model_args(load_config(None, ["--model.name", "moe"]).model).qk_norm  # (the flavour's, Qwen3's)
-    with pytest.raises(ConfigError, match="model.attn_sink does not apply to the gpt2 family; leave it unset"):
+    moe = ["--model.name", "moe"]
+    assert model_args(load_config(None, [*moe, "--model.qk_norm", "false"]).model).qk_norm is False
+    assert model_args(load_config(None, moe).model).qk_norm  # (the flavour's, Qwen3's)
+    with pytest.raises(ConfigError, match="model.attn_sink does not apply to the gpt2 family; leave it"):
         model_args(load_config(None, ["--model.name", "gpt2", "--model.attn_sink", "false"]).model)
     cfg = load_config(None, ["--model.attn_sink", "true", "--model.attn_sink", "unset"])
     assert cfg.model.attn_sink is None and "attn_sink" not in to_toml(cfg)

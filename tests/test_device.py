@@ -688,3 +688,33 @@ def test_a_rank_with_nothing_of_its_own_reduces_on_the_device(monkeypatch):
     with pytest.raises(_Sent):
         auto_layout.trial(load_config(TINY, []), 3, Path("/nonexistent/trial"))
     assert seen == [torch.device("meta")] * 2
+
+
+class SignSGD(torch.optim.SGD):
+    """A stand-in for a fork's sign optimizer: what the self-test reads is its declaration."""
+
+    continuous = False
+
+
+def test_selftest_bounds_a_sign_optimizer_by_norm_and_a_continuous_one_by_element():
+    """A layout whose reduction differs in the last bits flips a sign optimizer's step on an
+    element (2 x lr): the self-test then compares each matrix in norm (Kind.continuous False:
+    Rprop, or a class saying ``continuous = False``), while a continuous optimizer's parameters
+    stay compared element by element; a wrong shard differs under both."""
+    from torchpar.config import load_config
+    from torchpar.optim import kind_of
+    from torchpar.selftest import _row
+
+    assert not kind_of(load_config(None, ["--optimizer.name", "torch.optim.Rprop"]).optimizer).continuous
+    assert not kind_of(load_config(None, ["--optimizer.name", f"{__name__}.SignSGD"]).optimizer).continuous
+    assert kind_of(load_config(None, ["--optimizer.name", "torch.optim.SGD"]).optimizer).continuous
+    assert kind_of(load_config(None, []).optimizer).continuous
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    ref = {**fake_result(), "params": {"w": weight}}
+    flipped = weight.clone()
+    flipped[3, 5] += 2 * 2e-3  # one element stepped the other way
+    wrong = weight.roll(1, 0)  # another rank's rows
+    for params, continuous, status in ((flipped, True, "DIFFERS"), (flipped, False, "PASS"),
+                                       (wrong, False, "DIFFERS")):
+        row = _row("dp2_zero1", 2, "float32", {**fake_result(), "params": {"w": params}}, ref, continuous)
+        assert row["status"].split(":")[0] == status, (continuous, row["status"])

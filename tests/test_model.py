@@ -194,7 +194,7 @@ def test_a_tensor_parallel_plan_key_that_names_nothing_is_one_line():
         "the tensor-parallel plan's key 'attention.wqq' (block 0) names no module or parameter of "
         "TransformerBlock; correct the key in the model adapter's plan")
     assert "'heads' is a word for a parameter" in plan_problem(block, {"attention.wq": "heads"}, "block 0")
-    assert "'colwise' is a word for a module" in plan_problem(block, {"attention.sinks": "colwise"}, "block 0")
+    assert "'colwise' is a word for a module" in plan_problem(block, {"attention.sinks": "colwise"}, "0")
 
 
 def test_tensor_parallelism_refuses_a_misspelt_plan_key_before_splitting_anything():

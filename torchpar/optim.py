@@ -354,6 +354,11 @@ class Kind:
     state_bytes: Callable[[tuple, str, dict], int] | None  # fp32 state of one parameter (shape, role, kwargs)
     # matmul FLOPs of the update of one whole parameter (shape, role, kwargs); element-wise work not counted
     update_flops: Callable[[tuple, str, dict], int] = lambda shape, role, kwargs: 0
+    # Its update moves with the gradient continuously, so two layouts (whose reductions differ in
+    # the last bits) end within rounding of each other. False for a sign or threshold of a
+    # gradient-derived value (Rprop, Lion, signSGD): a last-bit difference flips an element's step
+    # (2 x lr apart), so layouts are compared by their losses and each matrix in norm.
+    continuous: bool = True
 
 
 OPTIMIZERS = {
@@ -363,6 +368,9 @@ OPTIMIZERS = {
     "adafactor": Kind(_build_single(torch.optim.Adafactor), lambda role, ndim: True, False, _adafactor_state),
 }
 
+# torch.optim classes whose step is the sign of a gradient-derived value (see Kind.continuous); a
+# class of one's own says so with a class attribute ``continuous = False``.
+SIGN_BASED = {"Rprop"}
 # torch.optim classes whose update of each element reads only that element's gradient and state:
 # they may take slices of the ZeRO buckets; any other dotted class gets whole parameters.
 ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta",
@@ -427,7 +435,9 @@ def optimizer_kind(cfg) -> Kind:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer.name = {cfg.name!r} is not a torch.optim.Optimizer subclass")
     elementwise = cls.__module__.startswith("torch.optim") and attr in ELEMENTWISE
-    return Kind(_build_single(cls), None if elementwise else lambda role, ndim: True, False, None)
+    continuous = attr not in SIGN_BASED and bool(getattr(cls, "continuous", True))
+    return Kind(_build_single(cls), None if elementwise else lambda role, ndim: True, False, None,
+                continuous=continuous)
 
 
 def build_optimizer(items, cfg, model) -> torch.optim.Optimizer:
