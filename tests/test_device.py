@@ -718,3 +718,29 @@ def test_selftest_bounds_a_sign_optimizer_by_norm_and_a_continuous_one_by_elemen
                                        (wrong, False, "DIFFERS")):
         row = _row("dp2_zero1", 2, "float32", {**fake_result(), "params": {"w": params}}, ref, continuous)
         assert row["status"].split(":")[0] == status, (continuous, row["status"])
+
+
+def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):
+    """Rank 0's first line: the launcher's share (from what run_train.sh's launcher exported), this
+    process's imports, each phase of at least 0.05 s, and the rest, summing to the total; without
+    the launcher's figures, from this process's start."""
+    import re
+
+    from torchpar import console
+
+    ages = iter([10.0, 14.0])  # (at the clock's start, at the line)
+    monkeypatch.setattr(console, "process_age_s", lambda: next(ages))
+    monkeypatch.setattr(console.time, "time", lambda: 1000.0)
+    clock = console.StartupClock()
+    clock.seconds = {"checks": 0.5, "process group and mesh": 1.0, "model": 2.0, "data": 0.01}
+    monkeypatch.setenv(console.LAUNCHED_AT, str(1000.0 - 14.0 - 5.0))  # 5 s before this process
+    monkeypatch.setenv(console.LAUNCH_CHECK_S, "3.0")
+    line = clock.line()
+    assert line == ("torchpar: ready 19.0 s after the launch: the launcher's imports and check 3.0 s, "
+                    "torchrun 2.0 s, imports 10.0 s, checks 0.5 s, process group and mesh 1.0 s, "
+                    "model 2.0 s, the rest 0.5 s"), line
+    assert sum(float(x) for x in re.findall(r" (\d+\.\d) s", line.split(": ", 2)[2])) == 19.0
+    monkeypatch.delenv(console.LAUNCHED_AT)
+    ages = iter([10.0, 14.0])
+    alone = console.StartupClock().line()
+    assert alone.startswith("torchpar: ready 14.0 s after this process started: imports 10.0 s"), alone

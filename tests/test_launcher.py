@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,13 @@ def test_a_divergence_stop_is_its_line_and_code_3(tmp_path, report_disk):
     run = train_sh(tmp_path, "--optimizer.lr", "1e30")
     assert run.wait() == 3
     assert_one_line(run, 3, "torchpar: error: step ", "non-finite loss", "last good checkpoint: none")
+    # Rank 0's first line says where the start-up went: its parts add up to the whole, which the
+    # launch's wall clock contains.
+    ready = next(line for line in "".join(run.out).splitlines() if line.startswith("torchpar: ready "))
+    total = float(ready.split()[2])
+    parts = [float(x) for x in re.findall(r" (\d+\.\d) s", ready.split(": ", 2)[2])]
+    assert "after the launch: the launcher's imports and check" in ready, ready
+    assert abs(sum(parts) - total) <= 0.05 * (len(parts) + 1) and total <= run.elapsed, ready
     if report_disk == "free":
         assert "ChildFailedError" in report(tmp_path) and "Root Cause" in report(tmp_path)
     assert run.elapsed < 120, run.elapsed

@@ -206,6 +206,60 @@ def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: floa
         raise
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where that cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class StartupClock:
+    """How long each start-up phase takes, for the line that says where a run's start-up went."""
+
+    def __init__(self):
+        self.started_s = process_age_s()  # (the imports and the launch before it)
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def line(self) -> str:
+        """``torchpar: ready N s after the launch: ...``: the launcher's share (its imports and the
+        job's check, then torchrun's start; ``run_train.sh`` says when it started), this process's
+        imports, then each phase of at least 0.05 s, in order."""
+        age = process_age_s()
+        parts, total, since = [], None, "this process started"
+        if age is not None and self.started_s is not None:
+            total = age
+            launched, checked = os.environ.get(LAUNCHED_AT), os.environ.get(LAUNCH_CHECK_S)
+            if launched and checked:
+                before = time.time() - age - float(launched)  # (the launcher's start to this process's)
+                parts += [f"the launcher's imports and check {float(checked):.1f} s",
+                          f"torchrun {max(0.0, before - float(checked)):.1f} s"]
+                total, since = age + before, "the launch"
+            parts.append(f"imports {self.started_s:.1f} s")
+        parts += [f"{name} {s:.1f} s" for name, s in self.seconds.items() if s >= 0.05]
+        if total is None:
+            return "torchpar: start-up: " + ", ".join(parts)
+        rest = age - self.started_s - sum(self.seconds.values())
+        parts += [f"the rest {rest:.1f} s"] if rest >= 0.05 else []
+        return f"torchpar: ready {total:.1f} s after {since}: " + ", ".join(parts)
+
+
+# What the launcher (run_train.sh's) tells its ranks: when it started (seconds since the epoch),
+# and how long it took to import and check the job.
+LAUNCHED_AT, LAUNCH_CHECK_S = "TORCHPAR_LAUNCHED_AT", "TORCHPAR_LAUNCH_CHECK_S"
+
+
 @contextlib.contextmanager
 def _watched(what: str, after_s: float, every_s: float, line, until):
     done, started = threading.Event(), time.perf_counter()

@@ -16,7 +16,7 @@ from torchpar import device as dev
 from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, to_toml
-from torchpar.console import progress, tee_output, warn
+from torchpar.console import StartupClock, progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
@@ -47,12 +47,14 @@ class Trainer:
         ``check_layout(cfg, layout, model, args)``: raises ConfigError for a layout it refuses,
         before any collective (``torchpar train`` passes the planner's memory cap)."""
         self.cfg, self.on_first_step, self.on_logged_step = cfg, on_first_step, on_logged_step
+        self.startup = clock = StartupClock()
         tr = cfg.training
         dev.adopt_slurm_environment()  # srun without torchrun: every task joins one job
         # 1. Everything a user can get wrong is checked here, before any collective.
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        with progress("checking the config, tokenizer, data and checkpoint", rank == 0):
+        with progress("checking the config, tokenizer, data and checkpoint", rank == 0), \
+                clock.phase("checks"):
             pre = preflight(cfg, world)
             if check_layout is not None:
                 check_layout(cfg, pre.layout, pre.model, pre.args)
@@ -64,7 +66,8 @@ class Trainer:
         lay = self.layout
 
         # 2. Process group, mesh, model, optimizer, data.
-        with progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0):
+        with (progress(f"joining the process group of {world} rank(s) and building the mesh", rank == 0),
+              clock.phase("process group and mesh")):
             self.rank, world = dev.init_distributed(cfg.comm.timeout_s, lay.cpu_offload, tr.tf32)
             self.device = dev.local_device(tr.tf32)
             # where the gradients live: the host under CPU offload (its group has gloo for them)
@@ -72,16 +75,19 @@ class Trainer:
             dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
         if on_process_group is not None:
-            on_process_group(cfg, lay, pre.model, pre.args)
+            with clock.phase("machine probe"):
+                on_process_group(cfg, lay, pre.model, pre.args)
         torch.manual_seed(tr.seed)
-        with progress("building, parallelizing and initializing the model", rank == 0):
+        with progress("building, parallelizing and initializing the model", rank == 0), \
+                clock.phase("model"):
             self.model = build_parallel_model(
                 pre.model, self.args, lay, self.device, tr.seed,
                 OptimizerFactory(cfg.optimizer, pre.model), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
-        self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
-                                           lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers, cfg.data.lanes,
-                                           self.device.type == "cuda", pre.shares)
+        with clock.phase("data"):
+            self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
+                                               lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers,
+                                               cfg.data.lanes, self.device.type == "cuda", pre.shares)
         self.source_names = pre.source_names
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
@@ -115,7 +121,8 @@ class Trainer:
             self.routing.names if self.routing is not None else ())
         if self.model.pipeline is not None:
             self.model.pipeline.z_loss = cfg.loss.z_loss
-        self._restore(pre.resume, pre.resume_manifest)
+        with clock.phase("checkpoint"):
+            self._restore(pre.resume, pre.resume_manifest)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
         if world > 1 and cfg.comm.watchdog_s > 0:
@@ -319,7 +326,7 @@ class Trainer:
     def train(self) -> list[float]:
         cfg, tr, ts = self.cfg, self.cfg.training, self.train_state
         if self.rank == 0:
-            print(describe_run(self), flush=True)
+            print(self.startup.line() + "\n" + describe_run(self), flush=True)
         batches = iter(self.dataloader)
         dev.reset_peak_memory()
         first = ts.step + 1  # > 1 after a resume

@@ -36,7 +36,7 @@ from torchpar import device as dev
 from torchpar.commands.train import main as train_command
 from torchpar.commands.train import parse_train_args
 from torchpar.config import load_config
-from torchpar.console import progress, run_command
+from torchpar.console import LAUNCH_CHECK_S, LAUNCHED_AT, process_age_s, progress, run_command
 
 PROG = "run_train.sh"
 
@@ -255,6 +255,9 @@ def main(argv: list[str]) -> int:
     code = check_once(args, script_args)
     if code:
         return code
+    age = process_age_s()
+    if age is not None:  # (each rank's first line says where the start-up went)
+        os.environ[LAUNCHED_AT], os.environ[LAUNCH_CHECK_S] = f"{time.time() - age:.3f}", f"{age:.3f}"
     config, overrides, _, _ = parse_train_args(script_args, "")
     cfg = load_config(config, overrides)  # (the check loaded the same: no error left)
     # The agent turns these signals into its own exception from the moment it starts ranks; before
