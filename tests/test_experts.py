@@ -106,7 +106,8 @@ def _worker(rank, world, out):
             batches = iter(trainer.dataloader)
             trainer.train_step(batches)  # the first step creates lazy state; measure the second
             trainer.model.state.zero_grad()
-            with CommLedger(trainer.layout.mesh, experts_view=trainer.layout.experts_view) as ledger:
+            with CommLedger(trainer.layout.mesh, experts_view=trainer.layout.experts_view,
+                            views=trainer.layout.views) as ledger:
                 trainer.train_step(batches)
             results["ledger"][name] = {"sent": ledger.sent_bytes(), "records": ledger.records,
                                        "unknown": ledger.unknown}

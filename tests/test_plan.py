@@ -49,7 +49,7 @@ def _ledger_worker(rank, world, out):
             batches = iter(trainer.dataloader)
             trainer.train_step(batches)  # the first step creates lazy state; measure the second
             trainer.model.state.zero_grad()
-            with CommLedger(trainer.layout.mesh) as ledger:
+            with CommLedger(trainer.layout.mesh, views=trainer.layout.views) as ledger:
                 trainer.train_step(batches)
             results[name] = {
                 "sent": ledger.sent_bytes(),

@@ -73,12 +73,13 @@ def step_timer():
 
 
 class StepBreakdown:
-    def __init__(self, mesh, synchronize, pipeline=None, timer=None, experts_view=None):
+    def __init__(self, mesh, synchronize, pipeline=None, timer=None, experts_view=None, views=None):
         """``synchronize``: the device's, for the communication ledger, which waits for each
         collective; ``timer``: marks the phases' borders (default :func:`step_timer`);
-        ``experts_view``: the layout's, naming the expert-parallel groups in the ledger."""
+        ``experts_view`` and ``views``: the layout's, naming the expert-parallel and flattened
+        groups in the ledger."""
         self.mesh, self.synchronize, self.pipeline = mesh, synchronize, pipeline
-        self.experts_view = experts_view
+        self.experts_view, self.views = experts_view, views
         self.timer = timer or step_timer()
         self.on = False
         self.times: dict[str, float] = defaultdict(float)
@@ -95,7 +96,7 @@ class StepBreakdown:
         """Around one whole step: ``timed`` = time its phases; ``count_bytes`` = count its traffic."""
         self.on, self.times, self.sent, self.actions, self.spans = timed, defaultdict(float), None, [], []
         if count_bytes:
-            with CommLedger(self.mesh, self.synchronize, self.experts_view) as ledger:
+            with CommLedger(self.mesh, self.synchronize, self.experts_view, self.views) as ledger:
                 yield
             self.sent, self.comm_seconds = ledger.sent_bytes(), dict(ledger.seconds)
         else:

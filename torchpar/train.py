@@ -94,7 +94,7 @@ class Trainer:
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,
-                                       experts_view=lay.experts_view)
+                                       experts_view=lay.experts_view, views=lay.views)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.losses: list[float] = []  # every step's global loss, as the host reads them

@@ -123,7 +123,7 @@ class FlatZero(FlatCheckpoints):
         # garbage collector runs, and a held group would outlive destroy_process_group.
         # "dp" / "dp_shard": the ranks gradients are averaged / sharded over (with context
         # parallelism the flattened dp_cp / dp_shard_cp: a sequence's parts are like more data).
-        self.meshes = {"dp": mesh[layout.reduce_dim], "dp_shard": mesh[layout.shard_dim],
+        self.meshes = {"dp": layout.submesh(layout.reduce_dim), "dp_shard": layout.submesh(layout.shard_dim),
                        "dp_replicate": mesh["dp_replicate"]}
         rank = self.meshes["dp_shard"].get_local_rank() if n > 1 else 0
         sizes = [local(p).numel() for p in params]

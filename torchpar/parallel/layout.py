@@ -67,7 +67,7 @@ def release_meshes(keep: Layout | None) -> int:
     kept = keep.mesh_key(device_type()) if keep is not None else None
     gone = 0
     for key in [k for k in _MESHES if k != kept]:
-        world, _, _, groups = _MESHES.pop(key)
+        world, *_, groups = _MESHES.pop(key)
         _RELEASED.add(key)
         if world is not dist.GroupMember.WORLD:
             continue  # (its default group is gone, and its groups with it)
@@ -108,6 +108,8 @@ class Layout:
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
     # with ep > 1: the mesh whose dp_shard is unflattened into (efsdp, ep); see build_mesh
     experts_view: object = field(default=None, compare=False, repr=False)
+    # the flattened meshes by name (dp; with cp: dp_shard_cp, dp_cp, efsdp_cp), once built
+    views: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         self.zero_stage = effective_zero_stage(self.zero_stage, self.shard_ranks)
@@ -117,7 +119,7 @@ class Layout:
 
     def to_dict(self) -> dict:
         """The layout's fields without its mesh (for JSON and comparisons)."""
-        skip = ("mesh", "experts_view", "optimizer")
+        skip = ("mesh", "experts_view", "views", "optimizer")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     # -- sizes
@@ -229,20 +231,21 @@ class Layout:
             raise RuntimeError(f"the mesh {key} was released in this process (release_meshes); "
                                "DTensor's caches may still name its groups: build no equal mesh after it")
         if key in _MESHES:
-            _, self.mesh, self.experts_view, _ = _MESHES[key]
+            _, self.mesh, self.experts_view, self.views, _ = _MESHES[key]
             return self.mesh
         before = set(dist.distributed_c10d._world.pg_map)
         mesh = init_device_mesh(device_type, self.degrees, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # The flattened meshes are kept here, by name: torch deprecates slicing them from the root.
+        self.views = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}
         if self.cp > 1:
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-            mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self.views["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            self.views["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         self.mesh = mesh
         self.experts_view = None
         if self.ep > 1:
             view = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
             if self.cp > 1:
-                view["efsdp", "cp"]._flatten("efsdp_cp")
+                self.views["efsdp_cp"] = view["efsdp", "cp"]._flatten("efsdp_cp")
             self.experts_view = view
         made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]  # (in creation order)
         for group in (g for g in made if dist.get_backend(g) != "fake"):  # (the planner's tests)
@@ -250,12 +253,16 @@ class Layout:
             # not comm.timeout_s; init_device_mesh takes a timeout only with per-dimension backend
             # options, which would also make a group of the default one's size anew.
             dist.distributed_c10d._set_pg_timeout(group_timeout(), group)
-        _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view, made)
+        _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view, self.views, made)
         return mesh
+
+    def submesh(self, name: str):
+        """The mesh of one dimension, or of a flattened view (``dp``, ``dp_shard_cp``, ...)."""
+        return self.views[name] if name in self.views else self.mesh[name]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along a mesh dimension (or the flattened ``dp``)."""
-        return self.mesh[name].get_local_rank()
+        return self.submesh(name).get_local_rank()
 
     @property
     def pp_rank(self) -> int:
@@ -282,14 +289,14 @@ class Layout:
         shard, mesh = ("efsdp_cp", self.mesh) if self.cp > 1 else ("efsdp", self.experts_view)
         if self.dp_replicate > 1:
             return mesh["dp_replicate", shard]
-        return mesh[shard]
+        return self.views[shard] if shard in self.views else mesh[shard]
 
     @property
     def dp_mesh(self):
         """What ZeRO-3 shards over: dp_shard (x cp), or (dp_replicate, dp_shard (x cp)) for HSDP."""
         if self.dp_replicate > 1:
             return self.mesh["dp_replicate", self.shard_dim]
-        return self.mesh[self.shard_dim]
+        return self.submesh(self.shard_dim)
 
 
 # ---------------------------------------------------------------------- from the config

@@ -99,25 +99,25 @@ def _wait(out) -> None:
 
 
 class CommLedger(TorchDispatchMode):
-    def __init__(self, mesh=None, synchronize=None, experts_view=None):
+    def __init__(self, mesh=None, synchronize=None, experts_view=None, views=None):
+        """``mesh``: the layout's, whose dimensions name its groups; ``views``: its flattened
+        meshes by name (Layout.views); ``experts_view``: its experts' view (efsdp x ep)."""
         super().__init__()
         self.synchronize = synchronize
         self.seconds: dict[str, float] = defaultdict(float)  # per mesh dim, when timed
         self.names: dict[str, str] = {}
+        views = views or {}
         # A group that is several things is named by the last: flattened view, world, mesh dimension.
-        for dim in FLATTENED if mesh is not None else ():
-            try:
-                self.names[mesh[dim].get_group().group_name] = dim
-            except KeyError:  # a view this layout does not build
-                continue
+        for dim in (d for d in FLATTENED if d in views):
+            self.names[views[dim].get_group().group_name] = dim
         if dist.is_initialized():
             self.names[dist.group.WORLD.group_name] = "world"
         for dim in mesh.mesh_dim_names if mesh is not None else ():
             self.names[mesh[dim].get_group().group_name] = dim
         for dim in EXPERT_DIMS if experts_view is not None else ():
             try:
-                self.names[experts_view[dim].get_group().group_name] = dim
-            except KeyError:
+                self.names[(views[dim] if dim in views else experts_view[dim]).get_group().group_name] = dim
+            except KeyError:  # a view this layout does not build
                 continue
         self.unknown: set[str] = set()  # collective ops the ledger cannot size (should stay empty)
         self.records: list[tuple[str, str, int, int]] = []  # (mesh dim, kind, payload bytes, group size)

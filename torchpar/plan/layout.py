@@ -89,7 +89,7 @@ _NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activat
 
 
 _STATE_FIELDS = tuple(f.name for f in fields(Layout)
-                      if f.name not in _NOT_STATE and f.name not in ("mesh", "experts_view"))
+                      if f.name not in _NOT_STATE and f.name not in ("mesh", "experts_view", "views"))
 
 
 def by_state(fn):
