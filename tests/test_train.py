@@ -102,6 +102,9 @@ def test_run_train_sh_two_processes_end_to_end(tmp_path):
     assert len(recs[0]["param_bytes_per_rank"]) == 2
     assert [x["step"] for x in records(out, "val_loss")] == [4]  # the default config evaluates after the last
     assert "world 2 = pp 1 x dp_replicate 1 x dp_shard 1 x tp 2" in r.stdout
+    # a run says what torchpar says: no library's warning reaches the console (torch's deprecated
+    # slicing of a flattened mesh and torchdata's set_vital did, in every run)
+    assert "Warning" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_user_error_under_torchrun_is_one_line(tmp_path):

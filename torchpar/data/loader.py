@@ -16,6 +16,8 @@ per-worker snapshot).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -171,7 +173,11 @@ class WindowLoader(StatefulDataLoader):
     page-locked memory (the joined batch with workers, else the loader's own pinning)."""
 
     def __init__(self, dataset: PackedWindows, pin_batches: bool = False, **kwargs):
-        super().__init__(dataset, pin_memory=pin_batches and not kwargs.get("num_workers"), **kwargs)
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls torch.set_vital, which torch deprecates: a line in every run
+            # that no user can act on.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(dataset, pin_memory=pin_batches and not kwargs.get("num_workers"), **kwargs)
         self.pin_batches = pin_batches
 
     def __iter__(self):
