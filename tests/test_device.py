@@ -728,9 +728,10 @@ def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):
 
     from torchpar import console
 
-    ages = iter([10.0, 14.0])  # (at the clock's start, at the line)
+    ages = iter([10.0, 14.0, 15.0])  # (at the clock's start, at the line; the second clock's line)
     monkeypatch.setattr(console, "process_age_s", lambda: next(ages))
     monkeypatch.setattr(console.time, "time", lambda: 1000.0)
+    monkeypatch.setattr(console.StartupClock, "_first", True)  # (a process's first trainer)
     clock = console.StartupClock()
     clock.seconds = {"checks": 0.5, "process group and mesh": 1.0, "model": 2.0, "data": 0.01}
     monkeypatch.setenv(console.LAUNCHED_AT, str(1000.0 - 14.0 - 5.0))  # 5 s before this process
@@ -740,7 +741,11 @@ def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):
                     "torchrun 2.0 s, imports 10.0 s, checks 0.5 s, process group and mesh 1.0 s, "
                     "model 2.0 s, the rest 0.5 s"), line
     assert sum(float(x) for x in re.findall(r" (\d+\.\d) s", line.split(": ", 2)[2])) == 19.0
+    later = console.StartupClock()  # a second trainer in the process: its own phases only
+    later.seconds = {"model": 2.0}
+    assert later.line() == "torchpar: start-up: model 2.0 s"
     monkeypatch.delenv(console.LAUNCHED_AT)
+    monkeypatch.setattr(console.StartupClock, "_first", True)
     ages = iter([10.0, 14.0])
     alone = console.StartupClock().line()
     assert alone.startswith("torchpar: ready 14.0 s after this process started: imports 10.0 s"), alone

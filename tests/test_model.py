@@ -225,3 +225,20 @@ def test_tensor_parallelism_refuses_a_misspelt_plan_key_before_splitting_anythin
         assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_a_field_newer_than_the_checkpoint_counts_as_its_default():
+    """A checkpoint saved before a model field existed holds the model without it: resuming with
+    the field at its default loads, with it set is the one-line shape refusal (not a missing key
+    on every rank after the process group is up)."""
+    import pytest
+
+    from torchpar.checkpoint.files import check_model_matches
+    from torchpar.errors import ConfigError
+
+    args = ADAPTER.args("debug")
+    older = {k: v for k, v in args.to_dict().items() if k != "attn_sink"}
+    saved = {"model_name": "llama3", "model_flavor": "debug", "model_args": older}
+    check_model_matches("checkpoint x", saved, "llama3", "debug", args)
+    with pytest.raises(ConfigError, match="attn_sink: saved False vs config True"):
+        check_model_matches("checkpoint x", saved, "llama3", "debug", ADAPTER.args("debug", attn_sink=True))

@@ -207,21 +207,23 @@ def progress(what: str, shown: bool = True, after_s: float = 10.0, every_s: floa
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (Linux: /proc), or None where that cannot be read."""
+    """Seconds since this process started (Linux: /proc and the boot-time clock), or None where
+    that cannot be read."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class StartupClock:
     """How long each start-up phase takes, for the line that says where a run's start-up went."""
 
+    _first = True  # only a process's first trainer counts its imports and the launch
+
     def __init__(self):
-        self.started_s = process_age_s()  # (the imports and the launch before it)
+        self.started_s = process_age_s() if StartupClock._first else None
+        StartupClock._first = False
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager

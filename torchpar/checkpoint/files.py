@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -183,7 +184,12 @@ def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -
             f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set model.flavor = "
             f"{saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder"
         )
-    diff = {k: (v, args.to_dict()[k]) for k, v in saved_args.items() if args.to_dict().get(k) != v}
+    mine = args.to_dict()
+    diff = {k: (v, mine[k]) for k, v in saved_args.items() if mine.get(k) != v}
+    # A field newer than the checkpoint: it was saved with the field's default (e.g. no attention sinks).
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    diff.update({k: (defaults.get(k), v) for k, v in mine.items()
+                 if k not in saved_args and v != defaults.get(k, v)})
     if diff:
         pretty = ", ".join(f"{k}: saved {a} vs config {b}" for k, (a, b) in diff.items())
         raise ConfigError(

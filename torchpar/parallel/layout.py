@@ -68,9 +68,9 @@ def release_meshes(keep: Layout | None) -> int:
     gone = 0
     for key in [k for k in _MESHES if k != kept]:
         world, *_, groups = _MESHES.pop(key)
-        _RELEASED.add(key)
         if world is not dist.GroupMember.WORLD:
             continue  # (its default group is gone, and its groups with it)
+        _RELEASED.add(key)
         for group in groups:  # (in creation order, the same on every rank)
             dist.destroy_process_group(group)
             gone += 1

@@ -150,6 +150,7 @@ def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool,
     if any(problems):  # (every rank the same line, before the first collective of TP)
         raise ConfigError(next(p for p in problems if p))
     parallelize_module(module, tp_mesh, _plan(module, model.top_plan, sequence_parallel, loss_parallel))
+    _split_parameters(module, model.top_plan, tp_mesh)
     for name, word in model.top_plan.items():
         if word == "embedding" and getattr(module, name) is not None:
             getattr(module, name).register_forward_hook(_wait_for_embedding_output)
