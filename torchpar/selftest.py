@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from torchpar import device as dev
-from torchpar.config import load_config
+from torchpar.config import load_config, parse_overrides
 from torchpar.data.loader import PackedWindows
 from torchpar.errors import ConfigError
 from torchpar.models import canonical_name
@@ -345,20 +345,13 @@ def _row(name: str, world: int, dtype: str, run: dict, ref: dict, continuous: bo
             "status": "DIFFERS: " + found[0] if found else "PASS", "differences": found}
 
 
-def _degree(overrides: list[str], key: str) -> int:
-    """The last value of ``--parallelism.<key>`` in ``overrides`` (1 when absent)."""
-    flag = f"--parallelism.{key}"
-    values = [overrides[i + 1] for i, a in enumerate(overrides[:-1]) if a == flag]
-    values += [a.split("=", 1)[1] for a in overrides if a.startswith(flag + "=")]
-    return int(values[-1]) if values else 1
-
-
 def batch_overrides(world: int, name: str, overrides: list[str], batch: int) -> list[str]:
     """The local batch that makes a layout train ``batch`` sequences a step (the job's), given its
     degrees; the layout's own overrides may still set another."""
+    given = dict(parse_overrides(overrides))  # (the last of each wins, as when the config loads)
     split = 1
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
-        split *= _degree(overrides, key)
+        split *= int(given.get(f"parallelism.{key}", 1))
     dp = max(1, world // split)
     local = max(1, batch // dp // ACCUMULATION.get(name, 1))
     return ["--training.local_batch_size", str(local), "--training.global_batch_size", str(batch)]
@@ -387,7 +380,7 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
     rows = []
     for dtype in dtypes:
         common = [*overrides, "--training.mixed_precision_param", dtype, "--training.tf32", "false"]
-        ref = run_each(1, {"one_device": [*common, Z, "0"]}, base)["one_device"]
+        ref = run_each(1, {"one_device": [*common, *REFERENCE]}, base)["one_device"]
         if isinstance(ref, str):  # nothing to compare with: every layout of this dtype says so
             rows += [_error_row(n, w, dtype, f"no one-device run: {ref}")
                      for w, n, _ in [(1, "one_device", None), *table]]

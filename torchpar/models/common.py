@@ -220,7 +220,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds where parallel code split it (a DTensor's differentiable
     ``to_local()``), else ``t`` itself: for model code that combines a split parameter with this
     rank's activations, such as a per-head vector (tensor parallelism's word ``heads``) with this
-    rank's heads. Read by duck typing: a model imports nothing of torch.distributed."""
+    rank's heads. Read by duck typing, so model code stays free of the distributed package."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

@@ -52,11 +52,12 @@ def effective_zero_stage(zero_stage: int, shard_ranks: int) -> int:
 # instead of building new ones beside them (each group holds a communicator: threads and connections
 # on gloo, buffers on NCCL). Torch's DTensor caches key on equal meshes, so an equal mesh with groups
 # of its own would be served the first one's anyway. Each entry: (the default group it was built in,
-# the mesh, the experts' view, the groups it made).
+# the mesh, the experts' view, the flattened views, the groups it made).
 _MESHES: dict[tuple, tuple] = {}
-# Keys whose groups release_meshes destroyed: DTensor's sharding caches (Python and C++) may still
-# hand out specs naming those meshes, so an equal mesh built later would be served dead groups.
-_RELEASED: set[tuple] = set()
+# Keys whose groups release_meshes destroyed, with the default group they were built in:
+# DTensor's sharding caches (Python and C++) may still hand out specs naming those meshes, so an
+# equal mesh built later in that process group would be served dead groups.
+_RELEASED: dict[tuple, object] = {}
 
 
 def release_meshes(keep: Layout | None) -> int:
@@ -70,7 +71,7 @@ def release_meshes(keep: Layout | None) -> int:
         world, *_, groups = _MESHES.pop(key)
         if world is not dist.GroupMember.WORLD:
             continue  # (its default group is gone, and its groups with it)
-        _RELEASED.add(key)
+        _RELEASED[key] = world
         for group in groups:  # (in creation order, the same on every rank)
             dist.destroy_process_group(group)
             gone += 1
@@ -226,8 +227,7 @@ class Layout:
         key = self.mesh_key(device_type)
         if any(entry[0] is not dist.GroupMember.WORLD for entry in _MESHES.values()):
             _MESHES.clear()  # (the default group they were built in is gone, and their groups with it)
-            _RELEASED.clear()
-        if key in _RELEASED:
+        if _RELEASED.get(key) is dist.GroupMember.WORLD:
             raise RuntimeError(f"the mesh {key} was released in this process (release_meshes); "
                                "DTensor's caches may still name its groups: build no equal mesh after it")
         if key in _MESHES:
