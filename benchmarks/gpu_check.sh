@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures in the docs, cheapest and most asked-for stage first, so a short lease gets the most answers:
-#   env          nvidia-smi, and the torch build and the GPUs it sees
+#   env          nvidia-smi, and the torch build and the GPUs it sees, with the seconds `import torch`
+#                took; an import still running 30 s before the stage's limit prints where it waits
 #   smoke_1gpu   the self-test's tiny job, 3 steps on one GPU
 #   smoke_2gpu   the same on 2 GPUs through run_train.sh (torchrun, nccl) with NCCL_DEBUG=INFO: the first
 #                distributed stage, so NCCL's set-up is on the record (skipped with one GPU)
@@ -55,14 +56,24 @@ stage() {
   fi
 }
 
-GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The stages say `python`; an image that has only python3 (a virtual environment's, say) gets a shim
+# that runs it by its own path, so the environment's packages come along.
+if ! command -v python >/dev/null && command -v python3 >/dev/null; then
+  mkdir -p "$OUT/bin"
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$OUT/bin/python"
+  chmod +x "$OUT/bin/python"
+  export PATH="$OUT/bin:$PATH"
+fi
+GPUS=$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 TINY=(--config torchpar/assets/selftest.toml --training.steps 3)
 # A real-sized job's common flags: no checkpoints or evaluation, figures every 5 steps.
 RUN=(--checkpoint.enable false --validation.enable false --metrics.log_freq 5)
 # (the 1B runs also probe the GPU and log the planner's step time beside the measured one)
 ONE_B=(--config train_configs/debug_model.toml --model.flavor 1B --training.steps 20 --training.seq_len 2048
        --training.local_batch_size 4 --metrics.predict_step_time true "${RUN[@]}")
-stage env "$SMOKE_S" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && python -c \"import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count())\""
+# (faulthandler's timer prints every thread's stack if the import alone nears the limit)
+IMPORT="import faulthandler, time; faulthandler.dump_traceback_later($((SMOKE_S > 60 ? SMOKE_S - 30 : SMOKE_S / 2)), exit=True); t = time.time(); import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count(), f'(import torch: {time.time() - t:.1f} s)')"
+stage env "$SMOKE_S" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader && python -c \"$IMPORT\""
 stage smoke_1gpu "$SMOKE_S" python -m torchpar train "${TINY[@]}" --job.dump_folder "$OUT/smoke_1gpu"
 if [ "$GPUS" -ge 2 ]; then
   stage smoke_2gpu "$SMOKE_S" env NGPU=2 CONFIG_FILE=torchpar/assets/selftest.toml NCCL_DEBUG=INFO \
