@@ -57,16 +57,20 @@ def emulated_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, wind
     """varlen_attn for the calls common makes, as one causal SDPA call per packed sequence: query
     [T, h, hd], key and value [T, h_kv, hd] -> [T, h, hd]."""
     assert cu_seq_q.dtype == torch.int32 and cu_seq_k is cu_seq_q and scale is None
-    assert window_size == (-1, 0)  # causal
+    left, right = window_size
+    assert right == 0 and (left == -1 or left >= 0)  # causal, or a window of left + 1 keys
     assert enable_gqa == (query.shape[1] != key.shape[1])
     assert enable_gqa is False or common.VARLEN_GROUPS_HEADS, "this torch's varlen_attn has no enable_gqa"
     cuts = cu_seq_q.tolist()
     assert cuts[0] == 0 and cuts[-1] == query.shape[0] == key.shape[0]
     assert max_q == max_k == max(e - a for a, e in zip(cuts, cuts[1:]))
     # Contiguous [1, h, len, hd], as the per-document path calls the kernel: the same rounding.
+    def band(n: int):  # (None: causal)
+        return None if left == -1 else torch.ones(n, n, dtype=torch.bool).tril().triu(-left)
+
     parts = [F.scaled_dot_product_attention(*(t[a:e].transpose(0, 1).contiguous().unsqueeze(0)
-                                              for t in (query, key, value)),
-                                            is_causal=True, enable_gqa=enable_gqa)[0].transpose(0, 1)
+                                              for t in (query, key, value)), attn_mask=band(e - a),
+                                            is_causal=left == -1, enable_gqa=enable_gqa)[0].transpose(0, 1)
              for a, e in zip(cuts, cuts[1:])]  # [len, h, hd] each
     return torch.cat(parts)
 
@@ -168,7 +172,7 @@ def test_a_compiled_block_takes_new_documents_without_a_graph_break():
     with torch.device("meta"):
         block = TransformerBlock(args)
         h = torch.randn(b, s, args.dim, requires_grad=True)
-    cos, sin = (t.to("meta")[:s].expand(b, s, -1) for t in rope_tables(args.head_dim, s, args.rope_theta))
+    cos, sin = (t.to("meta")[:s].expand(b, s, -1) for t in rope_tables(args))
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     counters.clear()
     for n, longest in [(3, 20), (5, 9), (4, 17), (9, 6), (2, 31)]:
@@ -223,7 +227,7 @@ def test_compiled_block_on_a_gpu_equals_eager():
         documents = (torch.arange(s) >= cut).long().expand(b, s).contiguous()
         positions, docs = common.document_layout(documents, torch.bfloat16, device)
         assert isinstance(docs, common.PackedDocuments)
-        cos, sin = (t.to(device)[positions] for t in rope_tables(args.head_dim, s, args.rope_theta))
+        cos, sin = (t.to(device)[positions] for t in rope_tables(args))
         results = []
         for run in (compiled, block):
             h = torch.randn(b, s, args.dim, device=device, dtype=torch.bfloat16,
@@ -244,3 +248,53 @@ def test_selective_recomputation_keeps_the_varlen_kernels_output():
 
     assert torch.ops.torch_attn._varlen_attn.default in kept_ops()
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in kept_ops()
+
+
+def reference_attention(q, k, v, documents, window: int = 0, sinks=None):
+    """Attention written out from its definition: query i of a row sees key j of the same document
+    with j <= i (and i - j < window, with one), its softmax over those scores and its sink."""
+    b, h, s, hd = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
+    seen = (j <= i) & ((i - j < window) if window else True)
+    seen = seen & (documents.unsqueeze(2) == documents.unsqueeze(1))  # [b, s, s]
+    scores = (q @ k.transpose(-2, -1) * hd ** -0.5).masked_fill(~seen.unsqueeze(1), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :s] @ v
+
+
+@pytest.mark.parametrize("path", ["no documents", "spans", "dense bias", "varlen (emulated)"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_sliding_window_sees_each_query_and_the_keys_before_it(path, sinks, emulated, monkeypatch):
+    """A window of w keys (each query and the w - 1 before it, inside its document) on every path
+    attention takes, with grouped heads and with sinks: output and gradients equal attention written
+    out from its definition; a window as long as the row is plain causal attention."""
+    documents = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [2] * 12])
+    if path == "no documents":
+        documents = torch.zeros_like(documents)
+    q, k, v = qkv(2, 12, 4, 2)
+    head_sinks = torch.randn(4, requires_grad=True) if sinks else None
+    if path == "no documents":
+        mask = None
+    elif path == "varlen (emulated)":
+        mask = packed(documents, monkeypatch)
+    else:
+        monkeypatch.setattr(common, "PER_DOCUMENT_MAX", 8 if path == "spans" else 0)
+        mask = common.document_layout(documents, torch.float32, CPU)[1]
+        assert isinstance(mask, common.DocumentSpans if path == "spans" else torch.Tensor)
+    for window in (3, 12):
+        got = common.attention(q, k, v, mask, head_sinks, window)
+        want = reference_attention(q, k, v, documents, window, head_sinks)
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.square().sum(), [q, k, v])
+        torch.testing.assert_close(grads, torch.autograd.grad(want.square().sum(), [q, k, v]))
+    if path == "varlen (emulated)" and not sinks:
+        assert len(emulated) == 2  # (the window went to the kernel)
+    if path == "no documents" and not sinks:  # on a GPU: each row one sequence of the varlen kernel
+        monkeypatch.setattr(common, "_varlen_serves", lambda device, dtype: True)
+        torch.testing.assert_close(common.attention(q, k, v, None, None, 3),
+                                   reference_attention(q, k, v, documents, 3))
+        assert len(emulated) == 1
+    causal = common.attention(q, k, v, mask, head_sinks)
+    torch.testing.assert_close(common.attention(q, k, v, mask, head_sinks, 12), causal)

@@ -170,9 +170,17 @@ CASES = [
          "model.name = 'json:dumps' names a function, not a ModelAdapter instance"),
     Case("a yes/no model field on a family without it", CHECK + " --model.name gpt2 --model.qk_norm true",
          "model.qk_norm does not apply to the gpt2 family; leave it unset"),
-    Case("attention sinks under context parallelism", CHECK + " --model.attn_sink true "
-         "--parallelism.context_parallel_degree 2", "model.attn_sink = true writes the attention scores out",
-         world=2),
+    *(Case(f"{what} under ring attention", f"{CHECK} --model.{field} {value} --parallelism.context_parallel_"
+           "degree 2 --parallelism.context_parallel_method ring",
+           f"model.{field}: attention beyond what the ring's kernels compute", world=2)
+      for what, field, value in (("attention sinks", "attn_sink", "true"),
+                                 ("a sliding window", "sliding_window", 8))),
+    Case("a YaRN factor below 1", CHECK + " --model.yarn_factor 0.5", "model.yarn_factor = 0.5",
+         "at least 1"),
+    Case("YaRN without the original context", CHECK + " --model.yarn_factor 4",
+         "model.yarn_factor needs model.yarn_original_seq_len"),
+    Case("a window on GPT-2", CHECK + " --model.name gpt2 --model.sliding_window 8",
+         "model.sliding_window does not apply to the gpt2 family"),
     # --- a mixture of experts
     Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
          "model.top_k = 9 must be between 1 and model.experts = 8"),

@@ -233,7 +233,7 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_heads():
     args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=16, max_seq_len=16)
     attn = Attention(args)
     x = torch.randn(2, 16, 64, requires_grad=True)
-    cos, sin = rope_tables(args.head_dim, 16, args.rope_theta)
+    cos, sin = rope_tables(args)
     out = attn(x, cos, sin)
     out.sum().backward()
     grads = [p.grad.clone() for p in attn.parameters()] + [x.grad.clone()]
@@ -383,7 +383,7 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     launch = ("-m torchpar.commands.launch --standalone --nproc-per-node 2 --max-restarts 0 "
               "--local-ranks-filter 0 -m torchpar train --config train_configs/debug_model.toml")
     stages = [
-        ("-c import torch", ""),
+        ("-c import faulthandler, time; faulthandler.dump_traceback_later(10, exit=True)", ""),
         ("-m torchpar train --config torchpar/assets/selftest.toml --training.steps 3", ""),
         ("-m torchpar.commands.launch --standalone --nproc-per-node 2", "INFO"),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),

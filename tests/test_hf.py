@@ -21,22 +21,25 @@ LLAMA = MODELS["llama3"]
 MOE = MODELS["moe"]
 
 
-def make_hf_llama(folder: Path, flavor: str, seed: int = 0) -> "transformers.LlamaForCausalLM":
-    """A random LlamaForCausalLM of a torchpar flavour's shape, saved as transformers saves it."""
-    args = LLAMA.args(flavor)
+def make_hf_llama(folder: Path, flavor: str, seed: int = 0, **shape) -> "transformers.LlamaForCausalLM":
+    """A random LlamaForCausalLM of a torchpar flavour's shape (with ``shape``'s fields), saved as
+    transformers saves it."""
+    args = LLAMA.args(flavor, **shape)
     fields = {k: v for k, v in LLAMA.hf_config(args).items() if k not in ("architectures", "rope_parameters")}
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
-    with torch.no_grad():  # transformers zero-inits nothing we rely on; make the norms non-trivial too
+    with torch.no_grad():  # make the norms and the (zero-initialized) biases non-trivial too
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
     return model
 
 
-def torchpar_model(values, flavor: str):
-    args = LLAMA.args(flavor)
+def torchpar_model(values, flavor: str, **shape):
+    args = LLAMA.args(flavor, **shape)
     with torch.device("meta"):
         model = LLAMA.build(args)
     model.to_empty(device="cpu")
@@ -50,11 +53,17 @@ def run(args):
     return cli(args, dict(os.environ), timeout=600)
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-tied"])
-def test_import_gives_transformers_logits(tmp_path, flavor):
-    """GQA (4 KV heads for 8 query heads), tied and untied: the same logits within 1e-4."""
-    hf = make_hf_llama(tmp_path, flavor)
-    model = torchpar_model(HFWeights(tmp_path, LLAMA, LLAMA.args(flavor), flavor), flavor)
+# gpt-oss's attention biases and YaRN (the context RoPE was trained at stretched 4 times)
+BIAS_YARN = {"attn_bias": True, "yarn_factor": 4.0, "yarn_original_seq_len": 512}
+
+
+@pytest.mark.parametrize("flavor,shape", [("debug", {}), ("debug-tied", {}), ("debug", BIAS_YARN)],
+                         ids=["debug", "debug-tied", "biases+yarn"])
+def test_import_gives_transformers_logits(tmp_path, flavor, shape):
+    """GQA (4 KV heads for 8 query heads), tied and untied, with attention biases and YaRN: the
+    same logits within 1e-4."""
+    hf = make_hf_llama(tmp_path, flavor, **shape)
+    model = torchpar_model(HFWeights(tmp_path, LLAMA, LLAMA.args(flavor, **shape), flavor), flavor, **shape)
     tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()
@@ -92,6 +101,30 @@ def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         [MARKER, "notes.txt", "model.safetensors", "config.json", "generation_config.json"])
     assert (tmp_path / "elsewhere.txt").exists()
+
+
+def test_biases_and_yarn_round_trip_and_another_rope_is_one_line(tmp_path):
+    """Attention biases and YaRN: HF -> torchpar -> HF bit for bit, YaRN's fields in config.json;
+    a checkpoint whose RoPE is not the model's is one line naming the field."""
+    from safetensors.torch import load_file
+
+    from torchpar.errors import ConfigError
+
+    make_hf_llama(tmp_path / "in", "debug", **BIAS_YARN)
+    args = LLAMA.args("debug", **BIAS_YARN)
+    params = dict(torchpar_model(HFWeights(tmp_path / "in", LLAMA, args, "debug"), "debug",
+                                 **BIAS_YARN).named_parameters())
+    assert "layers.0.attention.wq.bias" in params
+    stats = write_hf(tmp_path / "out", LLAMA, args, lambda name: params[name].detach(), torch.float32)
+    original = load_file(tmp_path / "in" / "model.safetensors")
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+    rope = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 512)
+    with pytest.raises(ConfigError, match="RoPE type 'yarn', but model.flavor = 'debug' has 'default'"):
+        HFWeights(tmp_path / "in", LLAMA, LLAMA.args("debug", attn_bias=True), "debug")
+    with pytest.raises(ConfigError, match="RoPE factor = 4.0, but the model has 8.0"):
+        HFWeights(tmp_path / "in", LLAMA, LLAMA.args("debug", **{**BIAS_YARN, "yarn_factor": 8.0}), "debug")
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,28 @@ def test_flops_hand_computed():
     assert param_counts(args)["layer"] == per_layer + 2 * 64
 
 
+def test_flops_and_params_with_biases_and_a_window():
+    """Biases count as parameters that multiply no activation (no matmul FLOPs); a layer sliding a
+    window of w keys counts min(s, 2w) keys of attention where a full one counts s; every
+    parameter the model builds is one of the planner's entries, in order, with its shape."""
+    from dataclasses import replace
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, multiple_of=32)
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 192
+    matmul, seq = 2 * per_layer + 100 * 64, 16
+    biased = replace(args, attn_bias=True, sliding_window=3)
+    assert [biased.window(i) for i in range(2)] == [3, 0]
+    assert param_counts(biased)["layer"] == per_layer + 2 * 64 + 64 + 2 * 32 + 64
+    assert flops_per_token(biased, seq) == 3 * (2 * matmul + 2 * 2 * (6 + seq) * 64)
+    assert flops_per_token(replace(biased, sliding_window=seq), seq) == flops_per_token(args, seq)
+    with torch.device("meta"):
+        model = Transformer(biased)
+    built = [(n.removeprefix("layers.0."), tuple(p.shape)) for n, p in model.named_parameters()
+             if n.startswith("layers.0.")]
+    assert built == [(n, (r, c) if c > 1 else (r,)) for n, (r, c), _ in ADAPTER.block_params(biased)]
+    assert [layer.attention.window for layer in model.layers.values()] == [3, 0]
+
+
 def test_shapes_and_deterministic_init():
     args = FLAVORS["debug"]
     a, b = Transformer(args), Transformer(args)

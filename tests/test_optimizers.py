@@ -346,3 +346,29 @@ def test_a_schedule_restores_its_position_into_other_groups():
     assert {g["role"]: g["lr"] for g in opt.param_groups} == {r: pytest.approx(p * factor, rel=1e-12)
                                                                 for r, p in peaks.items()}
     assert new.last_epoch == 7 and new.get_last_lr() == [g["lr"] for g in opt.param_groups]
+
+
+def test_rprop_is_declared_to_need_plain_tensors_because_a_dtensor_fails_its_step():
+    """Rprop's foreach step calls _foreach_copy_ and its loop an in-place masked write, neither of
+    which DTensor takes: ZeRO-3's and TP's shards fail its step, so its Kind says plain_tensors and
+    the composition table refuses those layouts (when torch gains the rules, drop the name)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchpar.optim import PLAIN_TENSORS_ONLY, kind_of
+
+    for name in PLAIN_TENSORS_ONLY:
+        assert kind_of(load_config(None, ["--optimizer.name", f"torch.optim.{name}"]).optimizer).plain_tensors
+    assert not kind_of(load_config(None, ["--optimizer.name", "torch.optim.SGD"]).optimizer).plain_tensors
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for name in sorted(PLAIN_TENSORS_ONLY):
+            for foreach in (True, False):
+                p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+                p.grad = distribute_tensor(torch.full((4, 2), 0.5), mesh, [Shard(0)])
+                with pytest.raises((NotImplementedError, RuntimeError)):
+                    getattr(torch.optim, name)([p], lr=0.1, foreach=foreach).step()
+    finally:
+        dist.destroy_process_group()

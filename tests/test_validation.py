@@ -10,6 +10,7 @@ from torchpar.errors import ConfigError
 from torchpar.models import MODELS
 from torchpar.models.llama import ModelArgs
 from torchpar.parallel.layout import resolve_layout
+from torchpar.plan.layout import layout_from_config
 from torchpar.train import Trainer
 
 
@@ -128,9 +129,9 @@ def test_zero_stage_without_shards_warns_and_runs_as_ddp(capfd):
 
 
 def layout_of(world, *overrides):
-    cfg = load_config(None, list(overrides))  # (the tiny job sets bucket_mb under ZeRO-3: a warning)
+    cfg = load_config(None, list(overrides))
     return resolve_layout(cfg.parallelism, cfg.training, MODELS["llama3"], MODELS["llama3"].args("debug"),
-                          world, "float32")
+                          world, "float32", overridden=cfg.overridden)
 
 
 def warnings_in(err: str) -> list[str]:
@@ -138,14 +139,18 @@ def warnings_in(err: str) -> list[str]:
 
 
 def test_bucket_size_under_zero3_warns(capfd):
-    """FSDP2 has no buckets: a bucket size set under ZeRO-3 is named as having no effect; under
-    ZeRO 0-2, or left at its default, nothing is said."""
+    """FSDP2 has no buckets: a bucket size given on the command line under ZeRO-3 is named as having
+    no effect; under ZeRO 0-2, left at its default, or set by a config file (a base its ZeRO 0-2
+    layouts share: the self-test's), nothing is said."""
     layout_of(2, "--parallelism.zero_stage", "3", "--parallelism.bucket_mb", "4")
     assert warnings_in(capfd.readouterr().err) == [
         "torchpar: warning: parallelism.bucket_mb = 4 has no effect under zero_stage 3 (FSDP2 reduces each "
         "block's gradients in one collective); drop it, or choose zero_stage 0-2 for buckets"]
     layout_of(2, "--parallelism.zero_stage", "3", "--parallelism.bucket_mb", "25")
     layout_of(2, "--parallelism.zero_stage", "2", "--parallelism.bucket_mb", "4")
+    cfg = load_config(TINY)
+    assert cfg.parallelism.zero_stage == 3 and cfg.parallelism.bucket_mb != 25 and not cfg.overridden
+    layout_from_config(cfg, 2)
     assert warnings_in(capfd.readouterr().err) == []
 
 

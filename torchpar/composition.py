@@ -35,11 +35,14 @@ class Features:
     tied: bool = False  # the flavour ties its token embedding and output head
     # model fields (set to non-zero) whose terms are computed over each whole sequence
     sequence_terms: tuple[str, ...] = ()
-    # model fields (set) that make attention write its scores out (an attention sink)
-    written_attention: tuple[str, ...] = ()
+    # model fields (set) that make attention more than the ring computes (a sink, a sliding window)
+    custom_attention: tuple[str, ...] = ()
     optimizer: str = "adamw"  # optimizer.name
     whole: bool = False  # its update needs whole matrices (orthogonalization, row/column factors)
     gathers: bool = False  # ...and it gathers a sharded matrix itself (Muon)
+    # its step takes plain tensors only, no DTensor shard (torch's Rprop; expert parallelism needs
+    # ZeRO-3, so the ZeRO rule covers its shards)
+    plain: bool = False
     zero: int = 0  # the effective ZeRO stage
     replicas: int = 1  # dp_replicate (HSDP when the stage shards)
     tp: int = 1
@@ -63,8 +66,8 @@ class Features:
 # Each dimension and the features that carry its value: a rule names the dimensions it reads, and
 # reads no feature of another (a test holds every rule to its word).
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "family": ("family", "experts", "tied", "written_attention"),
-    "optimizer": ("optimizer", "whole", "gathers"),
+    "family": ("family", "experts", "tied", "custom_attention"),
+    "optimizer": ("optimizer", "whole", "gathers", "plain"),
     "zero": ("zero", "replicas"),
     "tp": ("tp",),
     "pp": ("pp", "schedule", "split_backward"),
@@ -93,7 +96,7 @@ class Rule:
     def says(self, f: Features) -> str:
         return self.reason.format(**{k.name: getattr(f, k.name) for k in fields(f)},
                                   sequence_fields=" and ".join(f"model.{t}" for t in f.sequence_terms),
-                                  attention_fields=" and ".join(f"model.{t}" for t in f.written_attention))
+                                  attention_fields=" and ".join(f"model.{t}" for t in f.custom_attention))
 
 
 RULES: tuple[Rule, ...] = (
@@ -103,6 +106,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("optimizer", "offload"), lambda f: f.whole and f.offload,
          "optimizer.name = {optimizer!r} with parallelism.cpu_offload: the offloaded step runs element-wise "
          "optimizers only (adamw, a dotted element-wise torch.optim class); turn cpu_offload off"),
+    *(Rule(("optimizer", dim), shards,
+           "optimizer.name = {optimizer!r} steps plain tensors only (its in-place masked writes have no "
+           f"DTensor rule), which {setting} keeps as DTensor shards; use {fix}, or another optimizer")
+      for dim, shards, setting, fix in (
+          ("zero", lambda f: f.plain and f.zero == 3, "zero_stage = {zero}", "zero_stage 0-2"),
+          ("tp", lambda f: f.plain and f.tp > 1, "tensor_parallel_degree = {tp}",
+           "tensor_parallel_degree = 1"))),
     Rule(("optimizer", "tp"), lambda f: f.whole and not f.gathers and f.tp > 1,
          "optimizer.name = {optimizer!r} updates whole matrices, which tensor_parallel_degree = {tp} keeps "
          "as DTensor shards; use tensor_parallel_degree = 1, an element-wise optimizer (adamw) or muon (it "
@@ -141,10 +151,10 @@ RULES: tuple[Rule, ...] = (
          "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
          "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "
          "kept), or document_masking = false"),
-    Rule(("cp", "family"), lambda f: f.cp > 1 and bool(f.written_attention),
-         "{attention_fields} = true writes the attention scores out, which context parallelism "
-         "(context_parallel_degree = {cp}) does not exchange; set context_parallel_degree = 1, or leave "
-         "{attention_fields} unset"),
+    Rule(("cp", "family"), lambda f: f.cp > 1 and f.cp_method == "ring" and bool(f.custom_attention),
+         "{attention_fields}: attention beyond what the ring's kernels compute (causal softmax over "
+         "every rank's keys); use context_parallel_method = 'alltoall' (each rank then attends over the "
+         "whole sequence for its heads), or leave {attention_fields} unset"),
     Rule(("cp", "family", "loss_terms"), lambda f: f.cp > 1 and bool(f.sequence_terms),
          "{sequence_fields}: the {family} family computes these terms per whole sequence, which context "
          "parallelism (context_parallel_degree = {cp}) splits over ranks; set them to 0 or the "

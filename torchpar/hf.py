@@ -164,12 +164,36 @@ def read_config(path: Path) -> dict:
         ) from None
 
 
-def _rope(config: dict) -> tuple[object, str]:
-    """(theta, type) of RoPE however transformers spelled it (4.x: rope_theta + rope_scaling;
-    5.x: rope_parameters)."""
+def _rope(config: dict) -> tuple[object, str, dict]:
+    """(theta, type, parameters) of RoPE however transformers spelled it (4.x: rope_theta +
+    rope_scaling; 5.x: rope_parameters)."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = config.get("rope_theta", params.get("rope_theta"))
-    return theta, params.get("rope_type", params.get("type", "default"))
+    return theta, params.get("rope_type", params.get("type", "default")), params
+
+
+# YaRN's fields in config.json, with transformers' defaults for the two it may leave out
+_YARN = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _check_rope(path: Path, config: dict, expected: dict, flavor: str) -> object:
+    """RoPE's type and YaRN's fields against the model's: one line naming the first that differs.
+    Returns theta."""
+    theta, kind, params = _rope(config)
+    want = expected["rope_parameters"]
+    if kind not in ("default", "yarn"):
+        raise ConfigError(f"{path}/config.json: RoPE type {kind!r}; torchpar implements the default RoPE "
+                          "and YaRN (model.yarn_factor)")
+    if kind != want["rope_type"]:
+        raise ConfigError(f"{path}/config.json: RoPE type {kind!r}, but model.flavor = {flavor!r} has "
+                          f"{want['rope_type']!r}; set model.yarn_factor and model.yarn_original_seq_len "
+                          "to the checkpoint's (or 0 for default RoPE)")
+    for key, default in _YARN.items() if kind == "yarn" else ():
+        have = params.get(key, default)
+        if not (isinstance(have, (int, float)) and math.isclose(have, want[key], rel_tol=1e-9)):
+            raise ConfigError(f"{path}/config.json: RoPE {key} = {have!r}, but the model has {want[key]!r}; "
+                              "set model.yarn_factor and model.yarn_original_seq_len to the checkpoint's")
+    return theta
 
 
 def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
@@ -180,17 +204,13 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
             f"{model.name!r} reads {model.hf_architecture}"
         )
     expected = model.hf_config(args)
-    theta, kind = _rope(config)
-    if kind != "default":
-        raise ConfigError(
-            f"{path}/config.json: RoPE type {kind!r} (scaled positions); torchpar implements the default "
-            "RoPE only"
-        )
+    theta = _check_rope(path, config, expected, flavor)
     have_all = {**config, "rope_theta": theta}
     # transformers' defaults equal torchpar's; its generations name the expert count apart
     optional = {"head_dim", "attention_bias", "mlp_bias", "num_experts", "num_local_experts"}
     for key, want in expected.items():
-        if key in ("architectures", "model_type", "max_position_embeddings", "rope_parameters"):
+        if key in ("architectures", "model_type", "max_position_embeddings", "rope_parameters",
+                   "rope_scaling"):
             continue  # the position limit changes no math below it; RoPE is checked above
         have = have_all.get(key, want if key in optional else None)
         close = (

@@ -359,6 +359,9 @@ class Kind:
     # gradient-derived value (Rprop, Lion, signSGD): a last-bit difference flips an element's step
     # (2 x lr apart), so layouts are compared by their losses and each matrix in norm.
     continuous: bool = True
+    # Its step takes plain tensors only: DTensor parameters (ZeRO-3's and TP's shards) are refused
+    # by the composition table (ZeRO 0-2 hands it plain slices of its buckets).
+    plain_tensors: bool = False
 
 
 OPTIMIZERS = {
@@ -373,6 +376,10 @@ OPTIMIZERS = {
 SIGN_BASED = {"Rprop"}
 # torch.optim classes whose update of each element reads only that element's gradient and state:
 # they may take slices of the ZeRO buckets; any other dotted class gets whole parameters.
+# torch.optim classes whose step DTensor parameters (ZeRO-3's and TP's shards) cannot take: Rprop's
+# foreach step calls _foreach_copy_ and its loop an in-place masked write, which have no DTensor
+# rule in torch 2.13 (see Kind.plain_tensors).
+PLAIN_TENSORS_ONLY = {"Rprop"}
 ELEMENTWISE = {"Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta",
                "ASGD", "Rprop"}
 
@@ -436,8 +443,9 @@ def optimizer_kind(cfg) -> Kind:
         raise ConfigError(f"optimizer.name = {cfg.name!r} is not a torch.optim.Optimizer subclass")
     elementwise = cls.__module__.startswith("torch.optim") and attr in ELEMENTWISE
     continuous = attr not in SIGN_BASED and bool(getattr(cls, "continuous", True))
+    plain = cls.__module__.startswith("torch.optim") and attr in PLAIN_TENSORS_ONLY
     return Kind(_build_single(cls), None if elementwise else lambda role, ndim: True, False, None,
-                continuous=continuous)
+                continuous=continuous, plain_tensors=plain)
 
 
 def build_optimizer(items, cfg, model) -> torch.optim.Optimizer:

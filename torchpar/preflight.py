@@ -81,7 +81,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     check_optimizer(cfg.optimizer, param_kinds(model, args))
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
-                            cfg.data.document_masking)
+                            cfg.data.document_masking, overridden=cfg.overridden)
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:

@@ -66,6 +66,16 @@ TOLERANCE = {("cpu", "float32"): (1e-5, 2e-5), ("cuda", "float32"): (1e-4, 1e-4)
 # a last-bit difference flips it: its parameters are compared per matrix, in norm, within this.
 SIGN_PARAM_TOL = 1e-2
 
+
+def bounds(device: str, dtype: str, continuous: bool = True) -> dict:
+    """How close a layout's run must stay to one device's, as :func:`differences`' keywords: losses
+    within ``tol``; parameters per element within ``param_tol``, or, in bf16 or under an optimizer
+    that is not continuous (``optim.Kind.continuous``), each matrix in norm (vectors left out)."""
+    tol, param_tol = TOLERANCE[device, dtype]
+    if not continuous:
+        param_tol = max(param_tol, SIGN_PARAM_TOL)
+    return {"tol": tol, "param_tol": param_tol, "matrices_in_norm": dtype == "bfloat16" or not continuous}
+
 Z = "--parallelism.zero_stage"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
@@ -333,14 +343,12 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
 
 
 def _row(name: str, world: int, dtype: str, run: dict, ref: dict, continuous: bool = True) -> dict:
-    tol, param_tol = TOLERANCE[dev.device_type(), dtype]
-    in_norm = dtype == "bfloat16" or not continuous
-    param_tol = param_tol if continuous else max(param_tol, SIGN_PARAM_TOL)
+    bound = bounds(dev.device_type(), dtype, continuous)
     last = [r for r in run["logged"] if "loss" in r][-1]
     delta = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
     memory = last.get("mem_max_allocated_gib", last.get("mem_peak_rss_gib"))
-    found = differences(run, ref, tol, param_tol, matrices_in_norm=in_norm)
-    return {"layout": name, "world": world, "dtype": dtype, "max_dloss": delta, "tolerance": tol,
+    found = differences(run, ref, **bound)
+    return {"layout": name, "world": world, "dtype": dtype, "max_dloss": delta, "tolerance": bound["tol"],
             "tokens_per_sec": last["tokens_per_sec"], "mfu": last.get("mfu"), "peak_mem_gib": memory,
             "status": "DIFFERS: " + found[0] if found else "PASS", "differences": found}
 

@@ -106,7 +106,7 @@ class Trainer:
         pipeline = self.model.pipeline
         self.holds_loss = (pipeline.has_last if pipeline else True) and lay.coordinate("tp") == 0
         self.logger = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank == 0,
-                                    run_config={k: dataclasses.asdict(v) for k, v in vars(cfg).items()},
+                                    run_config=dataclasses.asdict(cfg),
                                     resumed=pre.resume_manifest)
         self.peak_flops, self.peak_source = dev.peak_flops(getattr(torch, lay.param_dtype), self.args.dim,
                                                            tr.tf32, cfg.metrics.peak_tflops)

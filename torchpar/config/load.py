@@ -187,9 +187,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 )
             for key, value in values.items():
                 _apply(cfg, section, key, value, from_cli=False, origin=origin)
-    for dotted, value in parse_overrides(overrides or []):
+    pairs = parse_overrides(overrides or [])
+    for dotted, value in pairs:
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, from_cli=True, origin="command line")
+    cfg.overridden = frozenset(dotted for dotted, _ in pairs)
     validate(cfg)
     return cfg
 

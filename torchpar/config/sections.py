@@ -60,6 +60,25 @@ class Model:
               "sink, as gpt-oss has), so a head may attend to nothing. The scores are written out (no fused "
               "kernel takes a sink): s x s per head, for research at short sequences. Unset = the flavour's "
               "(none).")
+    attn_bias: bool | None = opt(
+        None, "Llama and MoE: biases on the query, key, value and output projections (gpt-oss's; Hugging "
+              "Face Llama's attention_bias). Unset = the flavour's (none).")
+    sliding_window: int = opt(
+        0, "Llama and MoE: a sliding window of this many keys (each query and the ones before it) in every "
+           "layer but each full_attention_every-th, as gpt-oss alternates them; inside documents under "
+           "document masking. Context parallelism by 'alltoall' (the ring refuses it). 0 = the flavour's "
+           "(none).")
+    full_attention_every: int = opt(
+        0, "Llama and MoE: with sliding_window, layers N-1, 2N-1, ... attend to every earlier key (gpt-oss: "
+           "2, Gemma 3: 6; 1 = no layer slides). 0 = the flavour's (2).")
+    yarn_factor: float = opt(
+        0.0, "Llama and MoE: YaRN's RoPE scaling, stretching the context RoPE was trained at "
+             "(yarn_original_seq_len) this many times (gpt-oss: 32 over 4096); frequencies that turn slowly "
+             "over it are interpolated, fast ones kept, and cos/sin scaled by 0.1 ln(factor) + 1. 0 = the "
+             "flavour's (plain RoPE).")
+    yarn_original_seq_len: int = opt(
+        0, "Llama and MoE: the context RoPE was trained at, which yarn_factor stretches (needed with it). "
+           "0 = the flavour's.")
     experts: int = opt(0, "MoE: override the routed experts per block (0 = the flavour's).")
     top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
     capacity_factor: float = opt(
@@ -265,7 +284,8 @@ class Parallelism:
         25.0, "ZeRO 0-2: gradients are reduced in buckets of this many MB (in the reduction dtype) while "
         "backward still runs, and stages 1-2 gather updated parameters in the same buckets. Larger buckets "
         "mean fewer, more efficient collectives; smaller ones start sooner and, under stage 2, hold less "
-        "gradient memory (two buckets in flight). 25 = DDP's default.")
+        "gradient memory (two buckets in flight). 25 = DDP's default. Unused under ZeRO-3 (a command-line "
+        "value there is named; a config file's serves the ZeRO 0-2 layouts built on it).")
     cpu_offload: bool = opt(
         False, "ZeRO-3 only: parameters, gradients and optimizer step on the CPU (FSDP2 CPUOffloadPolicy)."
     )
@@ -388,6 +408,12 @@ class Comm:
 
 @dataclass
 class JobConfig:
+    # (not a field: no TOML key) The dotted keys the command line set, filled by load_config. A
+    # file's value is a base every layout built on the file shares (the self-test's bucket size
+    # serves its ZeRO 0-2 layouts); an override is this run's own choice, so a check that finds one
+    # with no effect names it.
+    overridden = frozenset()
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)

@@ -109,9 +109,11 @@ class SequenceShard(ABC):
     positions: torch.Tensor
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
         """Causal attention (inside documents, where there are) of the local queries over every
-        rank's keys: q [b, h, s_local, hd], k and v [b, h_kv, s_local, hd] -> [b, h, s_local, hd]."""
+        rank's keys: q [b, h, s_local, hd], k and v [b, h_kv, s_local, hd] -> [b, h, s_local, hd];
+        ``sinks`` and ``window`` as :func:`attention` takes them."""
 
 
 # What a model's ``documents`` input and attention's mask may be (see document_layout, attention).
@@ -226,22 +228,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
     query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
     :func:`document_layout` = causal inside each document; a :class:`SequenceShard` = over the
     whole sequence, of which q, k and v are this rank's part. sinks [h]: each head's extra logit in
-    its softmax (see :func:`_with_sinks`)."""
-    if sinks is not None:
-        if isinstance(mask, SequenceShard):  # (the composition table refuses this before launch)
-            raise ValueError("attention sinks are not served over a sequence split by context parallelism")
-        return _with_sinks(q, k, v, mask, sinks)
+    its softmax (see :func:`_with_sinks`). window > 0: a sliding window, each query sees itself and
+    the ``window - 1`` keys before it (inside its document)."""
     if isinstance(mask, SequenceShard):
-        return mask.attend(q, k, v)
+        return mask.attend(q, k, v, sinks, window)
+    if sinks is not None:
+        return _with_sinks(q, k, v, mask, sinks, window)
     gqa = q.shape[1] != k.shape[1]
+    if window and mask is None and _varlen_serves(q.device, q.dtype):
+        mask = _whole_rows(q.shape[0], q.shape[2], q.device)  # (the kernel that takes a window)
     if isinstance(mask, PackedDocuments):
-        return _varlen(q, k, v, mask, gqa)
-    if isinstance(mask, DocumentSpans):
+        return _varlen(q, k, v, mask, gqa, window)
+    if window:  # (no fused kernel here takes a window: the visible keys as a mask)
+        mask = _visible(mask, q.shape[2], q.device, window)
+    elif isinstance(mask, DocumentSpans):
         return _per_document(q, k, v, mask, gqa)
     if gqa and mask is not None:
         # CUDA's kernels that take a mask do not group heads; the one left would build the
@@ -251,42 +256,54 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = No
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
+@functools.cache
+def _whole_rows(b: int, s: int, device: torch.device) -> PackedDocuments:
+    """Each row of a [b, s] batch as one document, for varlen attention's sliding window."""
+    spans = DocumentSpans(((0, s),) * b)
+    cu_seqlens, _ = varlen_layout(spans)
+    return PackedDocuments(spans.cuts, cu_seqlens.to(device), s)
+
+
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
-            gqa: bool) -> torch.Tensor:
-    # One kernel over every document of the batch, none across two; window (-1, 0) = causal.
+            gqa: bool, window: int = 0) -> torch.Tensor:
+    # One kernel over every document of the batch, none across two; window (-1, 0) = causal,
+    # (w - 1, 0) = each query and the w - 1 keys before it.
     grouped = {"enable_gqa": gqa} if VARLEN_GROUPS_HEADS else {}
     if gqa and not VARLEN_GROUPS_HEADS:
         k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
     out = varlen_attn(pack(q), pack(k), pack(v), docs.cu_seqlens, docs.cu_seqlens, docs.max_len,
-                      docs.max_len, window_size=(-1, 0), **grouped)  # [b*s, h, hd]
+                      docs.max_len, window_size=(window - 1 if window else -1, 0), **grouped)  # [b*s, h, hd]
     return unpack(out, q.shape[0])  # [b, h, s, hd]
 
 
 def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
-                sinks: torch.Tensor) -> torch.Tensor:
+                sinks: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Attention whose softmax over a query's keys has one more logit, its head's sink: it takes a
     share of the probability and brings no value, so a head may attend to (almost) nothing. No
     fused kernel takes it, so the scores are written out, [b, h, s, s] in fp32."""
     b, h, s, hd = q.shape
     k, v = repeat_kv(k, v, h // k.shape[1])
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * hd ** -0.5  # [b, h, s, s]
-    scores = scores.masked_fill(~_visible(mask, s, q.device), float("-inf"))
+    scores = scores.masked_fill(~_visible(mask, s, q.device, window), float("-inf"))
     sink = sinks.float().view(1, h, 1, 1).expand(b, h, s, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s]  # (the sink's share dropped)
     return torch.matmul(probs.to(v.dtype), v)  # [b, h, s, hd]
 
 
 @torch.compiler.disable  # (spans: host tuples, new every batch)
-def _visible(mask: Mask, s: int, device: torch.device) -> torch.Tensor:
-    """[b or 1, 1, s, s] bool: the keys each query sees (causal, inside its document)."""
-    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+def _visible(mask: Mask, s: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """[b or 1, 1, s, s] bool: the keys each query sees (causal, inside its document, and with a
+    window the ``window - 1`` before it)."""
+    seen = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    if window:
+        seen = seen.triu(1 - window)
     if mask is None:
-        return causal.view(1, 1, s, s)
+        return seen.view(1, 1, s, s)
     if isinstance(mask, DocumentSpans):
         docs = torch.tensor([[i for i, (a, e) in enumerate(zip(cuts, cuts[1:])) for _ in range(e - a)]
                              for cuts in mask.cuts], device=device)  # [b, s]: each token's document
-        return ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
-    return mask == 0  # (the additive bias: 0 where a key is seen, -inf elsewhere)
+        return ((docs.unsqueeze(2) == docs.unsqueeze(1)) & seen).unsqueeze(1)
+    return (mask == 0) & seen  # (the additive bias: 0 where a key is seen, -inf elsewhere)
 
 
 @torch.compiler.disable  # new spans every batch: run eagerly between a compiled block's graphs
@@ -499,10 +516,11 @@ class ModelAdapter(ABC):
         context parallelism splits (a fact the composition table reads)."""
         return ()
 
-    def written_attention(self, args) -> tuple[str, ...]:
-        """The model fields (set here) that make attention write its scores out instead of calling
-        a fused kernel (an attention sink): context parallelism's exchanges carry no such scores
-        (a fact the composition table reads)."""
+    def custom_attention(self, args) -> tuple[str, ...]:
+        """The model fields (set here) that make attention more than causal softmax attention (an
+        attention sink's extra logit, a sliding window): the ring's kernels compute none of it,
+        all-to-all context parallelism hands them to the model's own attention (a fact the
+        composition table reads)."""
         return ()
 
     @abstractmethod
@@ -560,7 +578,10 @@ class ModelAdapter(ABC):
         """Training FLOPs per token: 3 x forward (backward = 2 x forward). Forward = 2 FLOPs per
         multiply-accumulate of every matmul weight (the head's too, tied or not) + attention
         scores and values, 2 x 2 x s x d per layer over the full s x s square (PaLM's count;
-        causal masking ignored)."""
+        causal masking ignored); a layer sliding a window of w keys counts min(s, 2w) of them
+        (twice the band's keys, as the square counts causal attention's half twice)."""
         block, head = self.matmul_params(args)
-        attention = 4 * seq_len * args.dim * args.n_layers
+        window = getattr(args, "window", lambda layer: 0)
+        keys = sum(min(seq_len, 2 * window(i)) if window(i) else seq_len for i in range(args.n_layers))
+        attention = 4 * keys * args.dim
         return 3 * (2 * (block * args.n_layers + head) + attention)

@@ -44,6 +44,19 @@ class ModelArgs:
     head_size: int = 0  # each attention head's width; 0 = dim / n_heads (Qwen3 sets it apart)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     attn_sink: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    attn_bias: bool = False  # biases on the q, k, v and output projections (gpt-oss, Qwen2)
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included; 0 = no layer slides
+    full_attention_every: int = 2  # with a window, layers N-1, 2N-1, ... attend fully (gpt-oss: 2)
+    yarn_factor: float = 0.0  # YaRN: RoPE's context stretched this many times (0 or 1 = plain RoPE)
+    yarn_original_seq_len: int = 0  # the context RoPE was trained at, which YaRN stretches
+    yarn_beta_fast: float = 32.0  # YaRN's ramp: rotations above this are kept (extrapolated) ...
+    yarn_beta_slow: float = 1.0  # ... below this interpolated by the factor; between, blended
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0 = it attends to every earlier key)."""
+        if not self.sliding_window or (layer + 1) % self.full_attention_every == 0:
+            return 0
+        return self.sliding_window
 
     @property
     def head_dim(self) -> int:
@@ -105,10 +118,33 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)  # [s, hd/2]
-    return angles.cos(), angles.sin()
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_seq_len, hd/2] of each position's angle per pair of a head's dims."""
+    hd = args.head_dim
+    freqs = 1.0 / args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)  # [hd/2]
+    scale = 1.0
+    if args.yarn_factor > 1:
+        freqs, scale = yarn(freqs, args)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)  # [s, hd/2]
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def yarn(freqs: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023): the frequencies that turn fewer than ``beta_slow`` times over the
+    original context are divided by the factor (interpolated), those that turn more than
+    ``beta_fast`` times are kept, a linear ramp between; and the attention temperature, applied to
+    cos and sin (so to both q and k): 0.1 ln(factor) + 1."""
+    hd, factor = args.head_dim, args.yarn_factor
+
+    def pair_turning(turns: float) -> float:  # the pair index whose frequency turns ``turns`` times
+        turning = math.log(args.yarn_original_seq_len / (turns * 2 * math.pi))
+        return hd * turning / (2 * math.log(args.rope_theta))
+
+    low = max(math.floor(pair_turning(args.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(args.yarn_beta_slow)), hd - 1)
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the pair keeps its frequency, 0: it is interpolated
+    return freqs / factor * (1 - kept) + freqs * kept, 0.1 * math.log(factor) + 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -125,14 +161,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
+        """``window``: the layer's sliding window (0 = none; ModelArgs.window)."""
         super().__init__()
-        self.head_dim = args.head_dim
+        self.head_dim, self.window = args.head_dim, window
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.q_dim, bias=False)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=args.attn_bias)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=args.attn_bias)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=args.attn_bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=args.attn_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sink else None  # [h]
@@ -150,7 +187,7 @@ class Attention(nn.Module):
         # mask: None = causal over the window, else kept inside documents (common.attention);
         # grouped-query heads are served inside the kernel, with no repeated copy of K and V.
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                        self.head_sinks())  # [b, h, s, hd]
+                        self.head_sinks(), self.window)  # [b, h, s, hd]
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -160,11 +197,12 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None):
-        """``feed_forward``: what replaces the dense SwiGLU (a mixture of experts), if anything."""
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None, layer: int = 0):
+        """``feed_forward``: what replaces the dense SwiGLU (a mixture of experts), if anything;
+        ``layer``: the block's index (which says whether its attention slides)."""
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, args.window(layer))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(args.dim, args.ffn_hidden)
 
@@ -184,13 +222,13 @@ class Transformer(SeededInit):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def block(self, args: ModelArgs, layer: int) -> nn.Module:
         """Block ``layer`` (a family built on this one changes its feed-forward here)."""
-        return TransformerBlock(args)
+        return TransformerBlock(args, layer=layer)
 
     def block_args(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What every block takes after the hidden states: the RoPE tables, or for given
@@ -227,6 +265,8 @@ class Transformer(SeededInit):
             return self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
         if name == "output.weight":
             return self.args.dim ** -0.5
+        if name.endswith(".bias"):  # (the projections' biases: start as none)
+            return "zeros"
         if name.endswith("attention.sinks"):  # logits beside the scores, which start near N(0, 1)
             return 1.0
         if name.endswith(("wo.weight", "w2.weight")):  # residual projections, scaled with depth
@@ -234,7 +274,7 @@ class Transformer(SeededInit):
         return 0.02
 
     def reset_buffers(self, device: torch.device | None) -> None:
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = rope_tables(self.args)
         device = device if device is not None else self.rope_cos.device
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -268,10 +308,19 @@ class LlamaAdapter(ModelAdapter):
                 "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
                 "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
                 "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+                "rope_parameters": {"rope_theta": args.rope_theta, **self._hf_rope(args)},
+                "rope_scaling": self._hf_rope(args) if args.yarn_factor > 1 else None,
                 "rms_norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len,
-                "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-                "mlp_bias": False}
+                "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+                "attention_bias": args.attn_bias, "mlp_bias": False}
+
+    @staticmethod
+    def _hf_rope(args: ModelArgs) -> dict:
+        if not args.yarn_factor > 1:
+            return {"rope_type": "default"}
+        return {"rope_type": "yarn", "factor": args.yarn_factor, "beta_fast": args.yarn_beta_fast,
+                "beta_slow": args.yarn_beta_slow,
+                "original_max_position_embeddings": args.yarn_original_seq_len}
 
     def hf_tensors(self, args: ModelArgs) -> list[tuple[str, str, int | None]]:
         out = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
@@ -283,6 +332,10 @@ class LlamaAdapter(ModelAdapter):
                 (f"layers.{i}.attention.wk.weight", f"{a}.k_proj.weight", args.n_kv_heads),
                 (f"layers.{i}.attention.wv.weight", f"{a}.v_proj.weight", None),
                 (f"layers.{i}.attention.wo.weight", f"{a}.o_proj.weight", None),
+                *([(f"layers.{i}.attention.wq.bias", f"{a}.q_proj.bias", args.n_heads),
+                   (f"layers.{i}.attention.wk.bias", f"{a}.k_proj.bias", args.n_kv_heads),
+                   (f"layers.{i}.attention.wv.bias", f"{a}.v_proj.bias", None),
+                   (f"layers.{i}.attention.wo.bias", f"{a}.o_proj.bias", None)] if args.attn_bias else []),
                 (f"layers.{i}.ffn_norm.weight", f"model.layers.{i}.post_attention_layernorm.weight", None),
                 (f"layers.{i}.feed_forward.w1.weight", f"{m}.gate_proj.weight", None),
                 (f"layers.{i}.feed_forward.w2.weight", f"{m}.down_proj.weight", None),
@@ -312,13 +365,27 @@ class LlamaAdapter(ModelAdapter):
         rows, cols = t.shape
         return t.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
+    def check_shape(self, args: ModelArgs) -> None:
+        super().check_shape(args)
+        if args.yarn_factor and not args.yarn_factor >= 1:
+            raise ValueError(f"model.yarn_factor = {args.yarn_factor}: YaRN stretches the context, so the "
+                             "factor is at least 1 (0 = plain RoPE)")
+        if args.yarn_factor > 1 and args.yarn_original_seq_len < 2:
+            raise ValueError("model.yarn_factor needs model.yarn_original_seq_len, the context RoPE was "
+                             "trained at (gpt-oss: 4096)")
+        if args.sliding_window and args.full_attention_every < 1:
+            raise ValueError(f"model.full_attention_every = {args.full_attention_every}: every N-th layer "
+                             "attends fully, N >= 1")
+
     def hf_problem(self, args: ModelArgs) -> str | None:
         if args.attn_sink:
             return f"model.attn_sink: {self.hf_architecture} has no attention sinks"
+        if args.sliding_window:
+            return f"model.sliding_window: {self.hf_architecture} has no sliding-window layers"
         return super().hf_problem(args)
 
-    def written_attention(self, args: ModelArgs) -> tuple[str, ...]:
-        return ("attn_sink",) if args.attn_sink else ()
+    def custom_attention(self, args: ModelArgs) -> tuple[str, ...]:
+        return ("attn_sink",) * args.attn_sink + ("sliding_window",) * bool(args.sliding_window)
 
     def tp_divisors(self, args: ModelArgs) -> dict[str, int]:
         return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
@@ -352,9 +419,14 @@ class LlamaAdapter(ModelAdapter):
         norms = [("attention.q_norm.weight", (args.head_dim, 1), None),
                  ("attention.k_norm.weight", (args.head_dim, 1), None)] if args.qk_norm else []
         sinks = [("attention.sinks", (args.n_heads, 1), 0)] if args.attn_sink else []
+        q_bias, k_bias, v_bias, o_bias = ([(f"attention.w{n}.bias", (rows, 1), split)]
+                                          if args.attn_bias else []
+                                          for n, rows, split in (("q", q, 0), ("k", kv, 0), ("v", kv, 0),
+                                                                 ("o", d, None)))
         return [("attention_norm.weight", (d, 1), None),
-                ("attention.wq.weight", (q, d), 0), ("attention.wk.weight", (kv, d), 0),
-                ("attention.wv.weight", (kv, d), 0), ("attention.wo.weight", (d, q), 1), *norms, *sinks]
+                ("attention.wq.weight", (q, d), 0), *q_bias, ("attention.wk.weight", (kv, d), 0), *k_bias,
+                ("attention.wv.weight", (kv, d), 0), *v_bias, ("attention.wo.weight", (d, q), 1), *o_bias,
+                *norms, *sinks]
 
     def param_counts(self, args: ModelArgs) -> dict[str, int]:
         d = args.dim
@@ -366,8 +438,10 @@ class LlamaAdapter(ModelAdapter):
                 "output": 0 if args.tie_embeddings else args.vocab_size * d}
 
     def block_vectors(self, args: ModelArgs) -> int:
-        """A block's parameters that multiply no activation: its norms' weights, its heads' sinks."""
-        return 2 * args.dim + 2 * args.head_dim * args.qk_norm + args.n_heads * args.attn_sink
+        """A block's parameters that multiply no activation: its norms' weights, its heads' sinks,
+        its projections' biases."""
+        biases = (args.q_dim + 2 * args.n_kv_heads * args.head_dim + args.dim) * args.attn_bias
+        return 2 * args.dim + 2 * args.head_dim * args.qk_norm + args.n_heads * args.attn_sink + biases
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
         return self.param_counts(args)["layer"] - self.block_vectors(args), args.vocab_size * args.dim

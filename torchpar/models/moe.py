@@ -280,10 +280,11 @@ class MoETransformer(Transformer):
 
     def block(self, args: MoEArgs, layer: int) -> nn.Module:
         if layer < args.dense_layers:
-            return TransformerBlock(args)
+            return TransformerBlock(args, layer=layer)
         return TransformerBlock(args, MoE(args.dim, args.moe_hidden, args.experts, args.top_k,
                                           args.shared_hidden, args.score, args.normalize_top_k,
-                                          args.route_scale, args.capacity_factor, args.balance_coeff))
+                                          args.route_scale, args.capacity_factor, args.balance_coeff),
+                                layer)
 
     def init_std(self, name: str) -> float | str:
         if name.endswith("experts.w2"):  # a residual projection, like the dense w2

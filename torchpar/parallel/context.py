@@ -74,11 +74,16 @@ class ContextShard(SequenceShard):
             self.positions = full[:, index]  # [b, s_local]
 
     @torch.compiler.disable  # collectives and host-side layout: eager between compiled graphs
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
         if self.method == "ring":
+            if sinks is not None or window:  # (the composition table refuses this before launch)
+                raise ValueError("the ring's kernels take neither attention sinks nor a sliding window")
             return _ring_attention(q, k, v, self.mesh)
         q, k, v = self._to_heads(q, k, v)  # [b, h/cp, S, hd], [b, h_kv/cp, S, hd] x 2
-        return self._to_sequence(attention(q, k, v, self.mask))
+        if sinks is not None:  # this rank's share of the heads: group j of cp went to rank j
+            sinks = sinks.view(self.cp, -1)[self.mesh.get_local_rank()]
+        return self._to_sequence(attention(q, k, v, self.mask, sinks, window))
 
     def _to_heads(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each of ``ts`` [b, h_i, s, hd] (this rank's tokens, all its heads) -> [b, h_i/cp, cp*s, hd]

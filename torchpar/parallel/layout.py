@@ -399,12 +399,13 @@ def context_problem(args, seq: int, cp: int, tp: int, sequence_parallel: bool, m
     return None
 
 
-def _check_buckets_field(par, zero: int) -> None:
-    """``bucket_mb`` is a positive size, and means something only under ZeRO 0-2."""
+def _check_buckets_field(par, zero: int, overridden: frozenset) -> None:
+    """``bucket_mb`` is a positive size, and means something only under ZeRO 0-2: an override of it
+    (a key in ``overridden``) under ZeRO-3 is named."""
     if not par.bucket_mb > 0:
         raise ConfigError(f"parallelism.bucket_mb = {par.bucket_mb}: the gradient bucket size must be "
                           "positive (25 = DDP's default)")
-    if zero == 3 and par.bucket_mb != Parallelism.bucket_mb:
+    if zero == 3 and "parallelism.bucket_mb" in overridden and par.bucket_mb != Parallelism.bucket_mb:
         warn(f"parallelism.bucket_mb = {par.bucket_mb:g} has no effect under zero_stage 3 (FSDP2 reduces "
              "each block's gradients in one collective); drop it, or choose zero_stage 0-2 for buckets")
 
@@ -417,9 +418,10 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
     schedule = lay.schedule if lay.pp > 1 else ""
     return Features(
         family=model.name, experts=model.experts(args) > 0, tied=bool(args.tie_embeddings),
-        sequence_terms=model.sequence_terms(args), written_attention=model.written_attention(args),
+        sequence_terms=model.sequence_terms(args), custom_attention=model.custom_attention(args),
         optimizer=lay.optimizer.name if lay.optimizer is not None else "adamw",
-        whole=kind.whole is not None, gathers=kind.gathers_shards, zero=lay.zero_stage,
+        whole=kind.whole is not None, gathers=kind.gathers_shards, plain=kind.plain_tensors,
+        zero=lay.zero_stage,
         replicas=lay.dp_replicate, tp=lay.tp, pp=lay.pp, schedule=schedule,
         split_backward=schedule in SPLIT_BACKWARD, cp=lay.cp, cp_method=lay.cp_method, ep=lay.ep,
         recompute=lay.activation_checkpoint, compile=lay.compile, document_masking=document_masking,
@@ -449,12 +451,14 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None) -> Layout:
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
-                   document_masking: bool = False, device: str | None = None) -> Layout:
+                   document_masking: bool = False, device: str | None = None,
+                   overridden: frozenset = frozenset()) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
     [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking;
-    ``device``: the device type the job runs on (default: this machine's)."""
+    ``device``: the device type the job runs on (default: this machine's); ``overridden``: the keys
+    the command line set (JobConfig.overridden)."""
     device = device or device_type()
     if par.expert_parallel_degree < 1:
         raise ConfigError(f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: a degree is a "
@@ -465,7 +469,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
     check(layout_features(layout, model, args, document_masking, device))  # what cannot run together
     _check_model(model, args, layout, par, tr, device)
-    _check_buckets_field(par, layout.zero_stage)
+    _check_buckets_field(par, layout.zero_stage, overridden)
     _check_experts(model, args, layout)
     if layout.pp > 1:
         layout.schedule, layout.stages_per_rank, layout.layers_per_stage = pipeline_split(par, layout, model,

@@ -77,7 +77,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
-                         cfg.data.document_masking, device)
+                         cfg.data.document_masking, device, cfg.overridden)
     return lay, model, args
 
 

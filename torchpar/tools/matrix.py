@@ -35,8 +35,8 @@ from torchpar.selftest import BASE
 # Every dimension's values; the first is the plain job's (what a cell leaves a dimension at when
 # nothing else is asked of it).
 VALUES: dict[str, tuple] = {
-    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "llama3-sink"),
-    "optimizer": ("adamw", "muon", "adafactor", "torch.optim.SGD"),
+    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "llama3-gptoss"),
+    "optimizer": ("adamw", "muon", "adafactor", "torch.optim.SGD", "torch.optim.Rprop"),
     "zero": (0, 1, 2, 3, "hsdp"),
     "tp": (1, 2),
     "pp": ("off", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
@@ -80,7 +80,10 @@ def _world(cell: Cell) -> int:
 
 def _model(family: str, loss_terms: bool) -> list[str]:
     out = {"llama3": [], "llama3-tied": ["--model.flavor", "debug-tied"], "gpt2": ["--model.name", "gpt2"],
-           "llama3-sink": ["--model.attn_sink", "true"],
+           # gpt-oss's attention: sinks, biases, YaRN, and a window of 8 keys in every other layer
+           "llama3-gptoss": ["--model.attn_sink", "true", "--model.attn_bias", "true",
+                             "--model.sliding_window", "8", "--model.yarn_factor", "4",
+                             "--model.yarn_original_seq_len", "512"],
            "moe": ["--model.name", "moe"],
            "moe-deepseek": ["--model.name", "moe", "--model.flavor", "debug-deepseek",
                             "--model.bias_rate", "0.01"]}[family]
@@ -96,7 +99,8 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
     out = _model(cell["family"], cell["loss_terms"])
     out += {"adamw": [], "muon": ["--optimizer.name", "muon"], "adafactor": ["--optimizer.name", "adafactor"],
             "torch.optim.SGD": ["--optimizer.name", "torch.optim.SGD", "--optimizer.kwargs", "momentum=0.9",
-                                "--optimizer.lr", "0.05"]}[cell["optimizer"]]
+                                "--optimizer.lr", "0.05"],
+            "torch.optim.Rprop": ["--optimizer.name", "torch.optim.Rprop"]}[cell["optimizer"]]
     if cell["document_masking"]:  # short documents: most windows hold several
         out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs,
                 "--data.document_masking", "true"]
