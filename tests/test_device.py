@@ -286,18 +286,18 @@ def test_selftest_catches_a_forks_broken_change_and_names_its_refusals(tmp_path)
     """A fork's change that is right on one device and wrong under tensor parallelism (attention
     sinks read in reverse order: each rank's split hands its heads other heads' sinks; a model kept
     outside the package, named by module:NAME, set by --set): DIFFERS under tp 2 and PASS where no
-    split reorders heads; context parallelism is REFUSED with the composition table's line, before
-    any process starts, and does not fail the run."""
+    split reorders heads; ring attention is REFUSED with the composition table's line, before any
+    process starts, and does not fail the run."""
     out = tmp_path / "rows.json"
     path = f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    r = cli(["selftest", "--nproc", "2", "--only", "dp2_zero3,tp2_sp_lp,cp2_alltoall", "--json", str(out),
+    r = cli(["selftest", "--nproc", "2", "--only", "dp2_zero3,tp2_sp_lp,cp2_ring", "--json", str(out),
              "--set", "model.name=flipped_sinks:ADAPTER", "--set", "model.attn_sink=true"], env, timeout=600)
     rows = {row["layout"]: row["status"] for row in json.loads(out.read_text())}
     assert r.returncode == 1, r.stdout + r.stderr
     assert rows["one_device"] == rows["dp2_zero3"] == "PASS", rows
     assert rows["tp2_sp_lp"].startswith("DIFFERS: the loss differs from step 1 on"), rows
-    assert rows["cp2_alltoall"].startswith("REFUSED: model.attn_sink = true writes the attention"), rows
+    assert rows["cp2_ring"].startswith("REFUSED: model.attn_sink: attention beyond what the ring's"), rows
     assert "2 of 4 passed, 1 refused; failed: tp2_sp_lp (float32)" in r.stdout
 
 
