@@ -240,6 +240,10 @@ def test_seed_deepspeed_batch_arithmetic(seeds):
 ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("gpt2", "debug", 4, 64),
                      ("gpt2", "debug", 2, 256), ("llama3", "125M", 1, 128), ("gpt2", "124M", 1, 128),
                      ("llama3", "125M", 1, 384), ("gpt2", "124M", 1, 384)]
+# gpt-oss's attention (sinks, biases, a window in every other layer): the planner traces a sliding
+# block, the larger kind (its mask and its repeated KV heads), for every block
+GPT_OSS = ("llama3", "debug-gptoss", 4, 64)
+ACTIVATION_MODELS.append(GPT_OSS)
 
 
 def _activation_worker(rank, world, out, cases):
@@ -294,7 +298,7 @@ def test_activations_predicted_from_structure_match_one_process():
 def test_activations_predicted_under_tensor_and_sequence_parallelism():
     """The same on one rank of TP = 2, with and without sequence parallelism (loss parallel on):
     the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
-    cases = [(*m, sp, policy, 1) for m in ACTIVATION_MODELS[:5]
+    cases = [(*m, sp, policy, 1) for m in (*ACTIVATION_MODELS[:5], GPT_OSS)
              for sp in (False, True) for policy in ("none", "selective", "full")]
     for r in _activation_ratios(2, cases):
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
@@ -304,8 +308,9 @@ def test_activations_predicted_under_tensor_and_sequence_parallelism():
 def test_activations_predicted_under_context_parallelism():
     """The same on one rank of cp = 2 (each holds half of every sequence), all-to-all and ring
     attention: the trace of one block at half the sequence (the ring keeps its own KV heads)."""
-    cases = [(*m, False, policy, 1, method) for m in ACTIVATION_MODELS[:4]
-             for policy in ("none", "selective", "full") for method in ("alltoall", "ring")]
+    cases = [(*m, False, policy, 1, method) for m in (*ACTIVATION_MODELS[:4], GPT_OSS)
+             for policy in ("none", "selective", "full") for method in ("alltoall", "ring")
+             if m != GPT_OSS or method == "alltoall"]  # (the ring refuses sinks and windows)
     for r in _activation_ratios(2, cases):
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
 

@@ -85,6 +85,9 @@ DEBUG = ModelArgs(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096,
 FLAVORS: dict[str, ModelArgs] = {
     "debug": DEBUG,
     "debug-tied": replace(DEBUG, tie_embeddings=True),
+    # gpt-oss's attention on the debug shape: sinks, biases, a window in every other layer, YaRN
+    "debug-gptoss": replace(DEBUG, attn_sink=True, attn_bias=True, sliding_window=16, yarn_factor=4.0,
+                            yarn_original_seq_len=512),
     # GPT-3 Small's shape with SwiGLU and a padded GPT-2 vocabulary; tied like GPT-3.
     "125M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=50304, multiple_of=256,
                       rope_theta=10000.0, max_seq_len=2048, tie_embeddings=True),

@@ -104,11 +104,13 @@ class FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+        if func is F.scaled_dot_product_attention and len(args) == 3:
+            # (with a mask too: a sliding window's, or many documents' bias, which the fused CPU
+            # kernel takes as the real step does; meta's math path would keep the s x s scores)
             q, k, v = args
             fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
             return fused(q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                         scale=kwargs.get("scale"))[0]
+                         attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
 
 
@@ -176,8 +178,25 @@ def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = 
     own q, k and v (with their own KV heads: each hop repeats them for the kernel and lets the
     copies go), its output and log-sum-exp, as attention on one device keeps."""
     # Everything held is linear in the batch: traced for one sequence.
-    held = traced(model, args, policy, getattr(torch, lay.param_dtype), 1, seq // lay.cp)[part]
+    dtype, local = getattr(torch, lay.param_dtype), seq // lay.cp
+    held = traced(model, args, policy, dtype, 1, local)[part]
+    if lay.cp > 1 and lay.cp_method == "alltoall":
+        whole = traced(model, args, policy, dtype, 1, seq)[part]
+        held = _over_whole_sequences(held, whole, local, seq, lay.cp)
     return batch * divide(held, lay, policy)
+
+
+def _over_whole_sequences(local_held: dict, whole_held: dict, local: int, seq: int, cp: int) -> dict:
+    """What a rank of all-to-all context parallelism holds, by style, from traces at its ``local``
+    tokens and at the whole ``seq``: bytes = a x tokens + b x tokens^2 (the square: an attention
+    that writes its s x s scores out, a sink's), and all-to-all attention runs over the whole
+    sequence with 1/cp of the heads, so a rank holds a x local + b x seq^2 / cp."""
+    out = {}
+    for style in local_held.keys() | whole_held.keys():
+        at_local, at_whole = local_held.get(style, 0), whole_held.get(style, 0)
+        square = (at_whole / seq - at_local / local) / (seq - local)  # b
+        out[style] = at_local + square * (seq * seq / cp - local * local)
+    return out
 
 
 def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) -> float:
