@@ -97,6 +97,49 @@ def test_ties_go_to_the_lower_expert_and_the_bias_steers_the_choice_not_the_weig
     torch.testing.assert_close(weights, torch.full((3, 2), 0.5))  # the scores, normalized: no bias in them
 
 
+def test_group_limited_routing_chooses_within_the_best_groups_token_by_token():
+    """route_groups: each token's experts come from the route_top_groups groups of consecutive
+    experts whose two best scores (with the bias) sum highest; written out token by token, with the
+    bias steering the groups too. One group is plain top-k routing."""
+    torch.manual_seed(0)
+    router = Router(dim=16, experts=8, top_k=3, score="sigmoid", groups=4, top_groups=2)
+    router.expert_bias.copy_(torch.randn(8) * 0.1)
+    x = torch.randn(64, 16)
+    weights, chosen, scores = router(x)
+    choice = scores + router.expert_bias
+    for i in range(64):
+        worth = [sorted(choice[i, 2 * g: 2 * g + 2].tolist())[-2:] for g in range(4)]
+        best = sorted(range(4), key=lambda g: -sum(worth[g]))[:2]
+        allowed = [j for g in sorted(best) for j in (2 * g, 2 * g + 1)]
+        want = sorted(allowed, key=lambda j: -choice[i, j].item())[:3]
+        assert chosen[i].tolist() == want, i
+        assert {j // 2 for j in chosen[i].tolist()} <= set(best)
+    plain = Router(dim=16, experts=8, top_k=3, score="sigmoid")
+    plain.load_state_dict(router.state_dict())
+    plain.expert_bias.copy_(router.expert_bias)
+    grouped_as_one = Router(dim=16, experts=8, top_k=3, score="sigmoid", groups=1, top_groups=1)
+    grouped_as_one.load_state_dict(router.state_dict())
+    grouped_as_one.expert_bias.copy_(router.expert_bias)
+    assert torch.equal(plain(x)[1], grouped_as_one(x)[1])
+    assert not torch.equal(plain(x)[1], chosen)  # (the groups changed some token's choice)
+
+
+def test_group_limited_routing_logs_the_groups_each_token_reaches():
+    """With route_groups the step's figures add moe/groups_per_token: between 1 and
+    route_top_groups on average, exactly 1 when each token keeps one group."""
+    for top, low, high in ((2, 1.0, 2.0), (1, 1.0, 1.0)):
+        args = MOE_FAMILY.args("debug-deepseek", route_top_groups=top)
+        model = MOE_FAMILY.build(args)
+        model.init_weights(0)
+        routing = MOE_FAMILY.routing([model], args)
+        assert routing.names[-1] == "moe/groups_per_token"
+        with loss.auxiliary_terms((), scale=1.0):
+            model(torch.randint(0, args.vocab_size, (2, 8)))
+        reached = routing.update(routing.take())[-1].item()
+        assert low <= reached <= high and (top == 1 or reached > 1), (top, reached)
+    assert "moe/groups_per_token" not in MOE_FAMILY.routing([model], MOE_FAMILY.args("debug")).names
+
+
 def test_capacity_drops_the_latest_tokens_of_a_full_expert():
     moe = layer(capacity_factor=0.5)
     with torch.no_grad():  # every token prefers experts 0 and 1 (a large bias on them)
@@ -182,11 +225,11 @@ def test_routing_sums_loads_moves_the_bias_and_saves_it():
     with loss.auxiliary_terms((), scale=1.0):
         model(torch.randint(0, args.vocab_size, (2, 8)))
     counts = routing.take()
-    rows = counts.view(len(args.moe_layers), -1)
-    assert rows[:, :-1].sum(1).tolist() == [2 * 8 * 2] * 3 and rows[:, -1].tolist() == [0] * 3
+    rows, e = counts.view(len(args.moe_layers), -1), args.experts
+    assert rows[:, :e].sum(1).tolist() == [2 * 8 * 2] * 3 and rows[:, e:].tolist() == [[0, 0]] * 3
     assert routing.take().sum() == 0  # the counters restart
     max_load, dropped, bias_range = routing.update(2 * counts)  # (as if two ranks saw the same)
-    loads = rows[:, :-1]
+    loads = rows[:, :e]
     assert max_load == (loads.max(1).values / loads.mean(1)).max() and dropped == 0
     expected = 0.5 * torch.sign(loads.mean(1, keepdim=True) - loads)
     torch.testing.assert_close(routing.bias, expected)
@@ -209,6 +252,9 @@ def test_moe_shapes_and_layouts_are_refused_in_one_line():
         MOE_FAMILY.args("debug", top_k=9)
     with pytest.raises(ValueError, match="does not apply to the llama3 family"):
         MODELS["llama3"].args("debug", experts=4)
+    for groups, top in ((3, 1), (4, 5), (8, 1)):  # (not dividing 8 experts; more than there are; too few)
+        with pytest.raises(ValueError, match=f"route_groups = {groups} with model.route_top_groups = {top}"):
+            MOE_FAMILY.args("debug", route_groups=groups, route_top_groups=top)
     assert MOE_FAMILY.sequence_terms(MOE_FAMILY.args("debug", balance_coeff=0.01, capacity_factor=1.0)) == (
         "capacity_factor", "balance_coeff")
     assert MOE_FAMILY.sequence_terms(MOE_FAMILY.args("debug")) == ()

@@ -88,6 +88,15 @@ class Model:
     balance_coeff: float = opt(
         0.0, "MoE: coefficient of the auxiliary balance loss (experts x sum over experts of the share of "
              "slots it got x its mean router score; 1 when balanced), logged as loss/balance. 0 = none.")
+    route_groups: int = opt(
+        0, "MoE: group-limited routing (DeepSeek-V3's node-limited routing): the experts in this many groups "
+           "of consecutive experts; each token keeps the route_top_groups groups whose two best scores (with "
+           "the balancing bias) sum highest and takes its top_k experts among theirs. With "
+           "expert_parallel_degree equal to it, a group is one rank's experts, so each token's slots reach "
+           "at most route_top_groups ranks. 0 = the flavour's (debug-deepseek: 4; 1 = none).")
+    route_top_groups: int = opt(
+        0, "MoE: the groups each token's experts come from, with route_groups (DeepSeek-V3: 4 of 8). 0 = the "
+           "flavour's.")
     bias_rate: float = opt(
         0.0, "MoE: the auxiliary-loss-free balancing: after every step each expert's routing bias moves by "
              "this much toward the mean load (down when it got more slots than the mean, summed over all "

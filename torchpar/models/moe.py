@@ -9,7 +9,11 @@ of the router's logits [t, e]; each token takes the k experts of highest ``score
 ``bias`` is the auxiliary-loss-free balancing bias (a buffer changed between steps from the experts'
 loads, never by gradients: it steers the choice, not the weights). The weights are the chosen
 scores, normalized to sum 1 if asked, times ``route_scale``. Ties go to the lower expert index (a
-stable sort), so the choice is a function of the scores alone.
+stable sort), so the choice is a function of the scores alone. Group-limited routing (DeepSeek-V3's
+node-limited routing) first keeps, per token, the ``route_top_groups`` of ``route_groups`` groups
+of consecutive experts whose two best ``score + bias`` sum highest, then takes the k experts among
+theirs: under expert parallelism with as many ranks as groups, each group is one rank's experts, so
+a token's slots go to at most ``route_top_groups`` ranks.
 
 Dispatch: the t x k (token, expert) slots are sorted by expert (stable: token order within an
 expert), the experts run as grouped GEMMs over their contiguous rows, and each slot's output goes
@@ -73,13 +77,14 @@ def how_experts_run(dtype: torch.dtype, device: torch.device, dim: int, hidden: 
 
 class Router(nn.Module):
     def __init__(self, dim: int, experts: int, top_k: int, score: str = "softmax", normalize: bool = True,
-                 route_scale: float = 1.0):
+                 route_scale: float = 1.0, groups: int = 1, top_groups: int = 1):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k = {top_k} must be between 1 and the {experts} experts")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"router score {score!r} is not 'softmax' or 'sigmoid'")
         self.top_k, self.score, self.normalize, self.route_scale = top_k, score, normalize, route_scale
+        self.groups, self.top_groups = groups, top_groups
         self.gate = nn.Linear(dim, experts, bias=False)
         # Not in the model's state: the trainer saves every block's bias in one place (Routing).
         self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32), persistent=False)
@@ -88,12 +93,24 @@ class Router(nn.Module):
         """x [t, d] -> (weights [t, k], chosen experts [t, k], scores [t, e] in fp32)."""
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        chosen = torch.sort(scores.detach() + self.expert_bias, dim=-1, descending=True,
-                            stable=True).indices[:, :self.top_k]
+        choice = scores.detach() + self.expert_bias  # [t, e]
+        if self.groups > 1:
+            choice = self.within_top_groups(choice)
+        chosen = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         weights = scores.gather(-1, chosen)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.route_scale, chosen, scores
+
+    def within_top_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [t, e] with every expert outside the token's ``top_groups`` best groups at -inf;
+        a group's worth is the sum of its two best choices (its one, in groups of one expert)."""
+        t, e = choice.shape
+        per_group = choice.view(t, self.groups, e // self.groups)  # [t, g, e/g]
+        worth = per_group.topk(min(2, e // self.groups), dim=-1).values.sum(-1)  # [t, g]
+        kept = torch.sort(worth, dim=-1, descending=True, stable=True).indices[:, :self.top_groups]
+        inside = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, kept, True)  # [t, g]
+        return choice.masked_fill(~inside.repeat_interleave(e // self.groups, dim=1), float("-inf"))
 
 
 class Experts(nn.Module):
@@ -143,9 +160,10 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, shared_hidden: int = 0,
                  score: str = "softmax", normalize: bool = True, route_scale: float = 1.0,
-                 capacity_factor: float = 0.0, balance_coeff: float = 0.0):
+                 capacity_factor: float = 0.0, balance_coeff: float = 0.0, groups: int = 1,
+                 top_groups: int = 1):
         super().__init__()
-        self.router = Router(dim, experts, top_k, score, normalize, route_scale)
+        self.router = Router(dim, experts, top_k, score, normalize, route_scale, groups, top_groups)
         self.experts = Experts(dim, hidden, experts)
         self.shared = SwiGLU(dim, shared_hidden) if shared_hidden else None  # every token's experts, as one
         self.capacity_factor, self.balance_coeff = capacity_factor, balance_coeff
@@ -154,6 +172,8 @@ class MoE(nn.Module):
         # balancing bias and the metrics); not saved.
         self.register_buffer("loads", torch.zeros(experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
+        # Under group-limited routing, the groups each token's slots reached, summed over tokens.
+        self.register_buffer("reach", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def how(self, dtype: torch.dtype, device: torch.device) -> str:
         """How the experts run: grouped GEMM, or the per-expert loop and why."""
@@ -192,6 +212,9 @@ class MoE(nn.Module):
             counts = kept
         if counting():  # a training forward (not its recomputation in backward, nor evaluation)
             self.loads += counts.float()
+            if self.router.groups > 1:
+                reached = torch.zeros(t, self.router.groups, device=x.device)
+                self.reach += reached.scatter_(1, chosen // (e // self.router.groups), 1.0).sum()
         out = self.experts(x[order // k], counts)  # [kept slots, d]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         placed = out.new_zeros(t * k, shape[-1]).index_copy(0, order, out)  # each slot once
@@ -247,6 +270,8 @@ class MoEArgs(ModelArgs):
     capacity_factor: float = 0.0  # 0 = dropless; c > 0: at most ceil(c s k / e) slots per expert and sequence
     balance_coeff: float = 0.0  # the auxiliary balance loss's coefficient (0 = none)
     bias_rate: float = 0.0  # the auxiliary-loss-free bias's step per optimizer step (0 = none)
+    route_groups: int = 1  # groups of consecutive experts for group-limited routing (1 = none)
+    route_top_groups: int = 1  # the groups each token's experts are chosen from (with route_groups > 1)
 
     @property
     def moe_layers(self) -> range:
@@ -261,7 +286,9 @@ DEBUG = MoEArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, m
 FLAVORS: dict[str, MoEArgs] = {
     "debug": DEBUG,  # Qwen3-MoE's routing: softmax, the top k renormalized, no shared expert
     # DeepSeek-V3's routing: sigmoid scores, renormalized and scaled, one shared expert
-    "debug-deepseek": replace(DEBUG, qk_norm=False, score="sigmoid", route_scale=2.5, shared_hidden=64),
+    # (and its group-limited routing: 4 groups of 2 experts, each token's from the best 2)
+    "debug-deepseek": replace(DEBUG, qk_norm=False, score="sigmoid", route_scale=2.5, shared_hidden=64,
+                              route_groups=4, route_top_groups=2),
     # Qwen3-30B-A3B: 48 blocks of 128 experts (768 wide), top 8, heads of 128 (wider than dim / heads).
     "qwen3-30B-A3B": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, qk_norm=True,
                              vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960,
@@ -271,7 +298,8 @@ FLAVORS: dict[str, MoEArgs] = {
     "deepseek-v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
                            ffn_dim_multiplier=0.9643, multiple_of=1024, rope_theta=10000.0, norm_eps=1e-6,
                            max_seq_len=4096, experts=256, top_k=8, moe_hidden=2048, shared_hidden=2048,
-                           dense_layers=3, score="sigmoid", route_scale=2.5),
+                           dense_layers=3, score="sigmoid", route_scale=2.5, route_groups=8,
+                           route_top_groups=4),
 }
 
 
@@ -283,7 +311,8 @@ class MoETransformer(Transformer):
             return TransformerBlock(args, layer=layer)
         return TransformerBlock(args, MoE(args.dim, args.moe_hidden, args.experts, args.top_k,
                                           args.shared_hidden, args.score, args.normalize_top_k,
-                                          args.route_scale, args.capacity_factor, args.balance_coeff),
+                                          args.route_scale, args.capacity_factor, args.balance_coeff,
+                                          args.route_groups, args.route_top_groups),
                                 layer)
 
     def init_std(self, name: str) -> float | str:
@@ -295,7 +324,7 @@ class MoETransformer(Transformer):
         super().reset_buffers(device)
         for m in self.modules():
             if isinstance(m, MoE):
-                for name in ("loads", "dropped"):
+                for name in ("loads", "dropped", "reach"):
                     setattr(m, name, torch.zeros_like(getattr(m, name), device=device))
                 m.router.expert_bias = torch.zeros_like(m.router.expert_bias, device=device)
 
@@ -307,10 +336,12 @@ class Routing:
     on every rank (the same everywhere: it follows from the summed loads alone) and saved as the
     checkpoint's ``routing`` part; the blocks a rank holds read their rows."""
 
-    names = ("moe/max_load", "moe/dropped", "moe/bias_range")  # the figures' names in the metrics
-
     def __init__(self, parts: list[nn.Module], args: MoEArgs):
         self.args = args
+        # the figures' names in the metrics; with group-limited routing, the groups (with as many
+        # expert-parallel ranks as groups: the ranks) a token's slots reach, on average
+        self.names = ("moe/max_load", "moe/dropped", "moe/bias_range") + (
+            ("moe/groups_per_token",) if args.route_groups > 1 else ())
         # The row of each MoE block this rank holds (routed blocks follow the dense ones) -> its layer.
         self.here = {int(canonical_name(n).split(".")[1]) - args.dense_layers: m
                      for part in parts for n, m in part.named_modules() if isinstance(m, MoE)}
@@ -319,14 +350,15 @@ class Routing:
         self.bias = torch.zeros(len(args.moe_layers), args.experts, device=device)
 
     def take(self) -> torch.Tensor:
-        """[MoE blocks x (experts + 1)]: each block's slots per expert and dropped slots since the
-        last take, zero for blocks on other ranks; the blocks' counters restart."""
-        out = self.bias.new_zeros(self.bias.shape[0], self.args.experts + 1)
+        """[MoE blocks x (experts + 2)]: each block's slots per expert, dropped slots and the groups
+        its tokens reached since the last take, zero for blocks on other ranks; the blocks'
+        counters restart."""
+        e = self.args.experts
+        out = self.bias.new_zeros(self.bias.shape[0], e + 2)
         for row, m in self.here.items():
-            out[row, :-1] = m.loads
-            out[row, -1] = m.dropped
-            m.loads.zero_()
-            m.dropped.zero_()
+            out[row, :e], out[row, e], out[row, e + 1] = m.loads, m.dropped, m.reach
+            for counter in (m.loads, m.dropped, m.reach):
+                counter.zero_()
         return out.flatten()
 
     def update(self, summed: torch.Tensor) -> torch.Tensor:
@@ -334,13 +366,17 @@ class Routing:
         figures named by :attr:`names`: the largest load over the mean of any block, the share of
         slots dropped, the bias's range."""
         counts = summed.view(self.bias.shape[0], -1)
-        loads, dropped = counts[:, :-1], counts[:, -1]
+        e = self.args.experts
+        loads, dropped, reach = counts[:, :e], counts[:, e], counts[:, e + 1]
         if self.args.bias_rate:
             self.bias = update_bias(self.bias, loads, self.args.bias_rate)
             self.sync()
         slots = loads.sum() + dropped.sum()
-        return torch.stack([(loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max(),
-                            dropped.sum() / slots.clamp(min=1), self.bias.max() - self.bias.min()])
+        figures = [(loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max(),
+                   dropped.sum() / slots.clamp(min=1), self.bias.max() - self.bias.min()]
+        if self.args.route_groups > 1:  # (every token takes top_k slots: slots / top_k tokens)
+            figures.append(reach.sum() / (slots / self.args.top_k).clamp(min=1))
+        return torch.stack(figures)
 
     def sync(self) -> None:
         """The blocks this rank holds take their rows of the bias."""
@@ -388,12 +424,14 @@ class MoEAdapter(LlamaAdapter):
         unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
                   (("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
                    ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
-                   ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink))
+                   ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
+                   ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1))
                   if not same]
         if unlike:
             return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
-                    f"{self.hf_architecture} routes by softmax scores without shared experts or a route "
-                    "scale or attention sinks, with per-head q/k norms and an untied head")
+                    f"{self.hf_architecture} routes by softmax scores without shared experts, a route "
+                    "scale or expert groups, has no attention sinks or sliding windows, and has per-head "
+                    "q/k norms and an untied head")
         return None
 
     def hf_config(self, args: MoEArgs) -> dict:
@@ -452,6 +490,12 @@ class MoEAdapter(LlamaAdapter):
                              f"{args.n_layers}")
         if args.score not in ("softmax", "sigmoid"):
             raise ValueError(f"router score {args.score!r} is not 'softmax' or 'sigmoid'")
+        groups, top = args.route_groups, args.route_top_groups
+        if groups > 1 and (args.experts % groups or not 1 <= top <= groups
+                           or args.top_k > top * (args.experts // groups)):
+            raise ValueError(f"model.route_groups = {groups} with model.route_top_groups = {top}: the groups "
+                             f"must divide model.experts = {args.experts}, the top groups be 1 to {groups}, "
+                             f"and hold at least model.top_k = {args.top_k} experts")
 
     def sequence_terms(self, args: MoEArgs) -> tuple[str, ...]:
         # (the balance term and the capacity count each sequence's slots)
@@ -516,7 +560,7 @@ class MoEAdapter(LlamaAdapter):
         return Routing(parts, args)
 
     def routed_counts(self, args: MoEArgs) -> int:
-        return len(args.moe_layers) * (args.experts + 1)
+        return len(args.moe_layers) * (args.experts + 2)
 
 
 ADAPTER = MoEAdapter()
