@@ -1,5 +1,6 @@
 import torch
 
+from torchpar.models import MODELS
 from torchpar.models.llama import ADAPTER, FLAVORS, ModelArgs, Transformer
 
 num_params, param_counts = ADAPTER.num_params, ADAPTER.param_counts
@@ -48,6 +49,10 @@ def test_flops_and_params_with_biases_and_a_window():
     assert param_counts(biased)["layer"] == per_layer + 2 * 64 + 64 + 2 * 32 + 64
     assert flops_per_token(biased, seq) == 3 * (2 * matmul + 2 * 2 * (6 + seq) * 64)
     assert flops_per_token(replace(biased, sliding_window=seq), seq) == flops_per_token(args, seq)
+    moe = MODELS["moe"]  # (its own count of active FLOPs: the same attention term)
+    plain = moe.args("debug")
+    assert (moe.flops_per_token(plain, seq) - moe.flops_per_token(replace(plain, sliding_window=3), seq)
+            == 3 * 4 * (seq - 6) * plain.q_dim * (plain.n_layers // 2))
     with torch.device("meta"):
         model = Transformer(biased)
     built = [(n.removeprefix("layers.0."), tuple(p.shape)) for n, p in model.named_parameters()

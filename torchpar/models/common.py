@@ -578,10 +578,11 @@ class ModelAdapter(ABC):
         """Training FLOPs per token: 3 x forward (backward = 2 x forward). Forward = 2 FLOPs per
         multiply-accumulate of every matmul weight (the head's too, tied or not) + attention
         scores and values, 2 x 2 x s x d per layer over the full s x s square (PaLM's count;
-        causal masking ignored); a layer sliding a window of w keys counts min(s, 2w) of them
-        (twice the band's keys, as the square counts causal attention's half twice)."""
+        causal masking ignored; see :meth:`attention_keys`)."""
         block, head = self.matmul_params(args)
-        window = getattr(args, "window", lambda layer: 0)
-        keys = sum(min(seq_len, 2 * window(i)) if window(i) else seq_len for i in range(args.n_layers))
-        attention = 4 * keys * args.dim
-        return 3 * (2 * (block * args.n_layers + head) + attention)
+        return 3 * (2 * (block * args.n_layers + head) + 4 * self.attention_keys(args, seq_len) * args.dim)
+
+    def attention_keys(self, args, seq_len: int) -> int:
+        """The keys a query's attention is counted over, summed over the layers: the whole
+        sequence in each (the full square, as FLOPs per token count it)."""
+        return seq_len * args.n_layers

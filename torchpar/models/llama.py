@@ -306,13 +306,15 @@ class LlamaAdapter(ModelAdapter):
     hf_architecture = "LlamaForCausalLM"
 
     def hf_config(self, args: ModelArgs) -> dict:
-        # RoPE as both transformers generations spell it: rope_theta (4.x), rope_parameters (5.x).
+        # RoPE as both transformers generations spell it: rope_theta and rope_scaling (4.x),
+        # rope_parameters (5.x).
+        rope = self._hf_rope(args)
         return {"architectures": [self.hf_architecture], "model_type": "llama", "hidden_size": args.dim,
                 "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
                 "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
                 "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rope_theta": args.rope_theta,
-                "rope_parameters": {"rope_theta": args.rope_theta, **self._hf_rope(args)},
-                "rope_scaling": self._hf_rope(args) if args.yarn_factor > 1 else None,
+                "rope_parameters": {"rope_theta": args.rope_theta, **rope},
+                "rope_scaling": rope if args.yarn_factor > 1 else None,
                 "rms_norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len,
                 "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
                 "attention_bias": args.attn_bias, "mlp_bias": False}
@@ -386,6 +388,12 @@ class LlamaAdapter(ModelAdapter):
         if args.sliding_window:
             return f"model.sliding_window: {self.hf_architecture} has no sliding-window layers"
         return super().hf_problem(args)
+
+    def attention_keys(self, args: ModelArgs, seq_len: int) -> int:
+        # A layer sliding a window of w keys counts min(s, 2w): twice the band's keys, as the full
+        # square counts causal attention's half twice.
+        windows = (args.window(i) for i in range(args.n_layers))
+        return sum(min(seq_len, 2 * w) if w else seq_len for w in windows)
 
     def custom_attention(self, args: ModelArgs) -> tuple[str, ...]:
         return ("attn_sink",) * args.attn_sink + ("sliding_window",) * bool(args.sliding_window)

@@ -554,7 +554,7 @@ class MoEAdapter(LlamaAdapter):
         """Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not
         every expert's; attention over heads of q_dim."""
         weights = self.active_matmul_params(args) + args.vocab_size * args.dim
-        return 3 * (2 * weights + 4 * seq_len * args.q_dim * args.n_layers)
+        return 3 * (2 * weights + 4 * self.attention_keys(args, seq_len) * args.q_dim)
 
     def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
         return Routing(parts, args)
