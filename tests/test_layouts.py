@@ -37,6 +37,7 @@ DOCMASK = ["--data.dataset", "files", "--data.path", DOCS, "--validation.path", 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 RING = ["--parallelism.context_parallel_method", "ring"]
+MLA = ["--model.flavor", "debug-mla"]
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -94,6 +95,11 @@ WORLD2 = {
     "cp2_ring_selective": [*CP2, *RING, Z, "0", SAC],
     "cp2_zero1_compile": [*CP2, Z, "1", C],  # the exchanges run eagerly between a block's graphs
     "cp2_ring_zero3_bf16": [*CP2, *RING, Z, "3", "--training.mixed_precision_param", "bfloat16"],
+    # Latent attention with queries from x (the MoE family's layouts train it with a query latent):
+    # the latents and the shared rotary key whole on each tp rank; values narrower than the keys
+    # through the ring.
+    "tp2_sp_lp_mla": [*TP2, Z, "3", *MLA],
+    "cp2_ring_mla": [*CP2, *RING, Z, "1", *MLA],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -122,6 +128,7 @@ WORLD4 = {
     "cp4_zero1_docmask": [*CP4, Z, "1", *DOCMASK],  # 4-token chunks: documents cross every rank
     "cp2_tp2_docmask": [*CP2, *TP2, Z, "3", *DOCMASK],
     # HSDP: FSDP2 over (dp_replicate, dp_shard_cp); the flat engine shards over cp, all-reduces replicas
+    "pp2_cp2_mla": pp(2, "1F1B", *CP2, Z, "0", *MLA),
     "hsdp2_cp2_zero3": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, Z, "3"],
     "hsdp2_cp2_ring_zero2": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, *RING,
                              Z, "2"],
@@ -174,6 +181,7 @@ def refs():
         "ref_val": [Z, "0", *VAL],
         "ref_docmask": [Z, "0", *DOCMASK],
         "ref_docs_unmasked": [Z, "0", *DOCMASK, "--data.document_masking", "false"],
+        "ref_mla": [Z, "0", *MLA],
     }))
 
 
@@ -194,7 +202,7 @@ def param_tols(name: str) -> dict:
 
 def ref_for(name, refs):
     family, layout = name.split("/")
-    for kind in ("docmask", "val", "tied", "5layers", "8layers"):
+    for kind in ("docmask", "val", "tied", "5layers", "8layers", "mla"):
         if kind in layout:
             return refs[f"{family}/ref_{kind}"]
     return refs[f"{family}/ref"]

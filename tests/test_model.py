@@ -238,7 +238,7 @@ def test_tensor_parallelism_refuses_a_misspelt_plan_key_before_splitting_anythin
     from torchpar.parallel.tensor import apply_tensor_parallel
 
     class Misspelt(type(ADAPTER)):
-        block_plan = {**ADAPTER.block_plan, "feed_forward.w4": "colwise"}
+        feed_forward_plan = {**ADAPTER.feed_forward_plan, "feed_forward.w4": "colwise"}
 
     args = copy(FLAVORS["debug"], n_layers=2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow  # trains in spawned processes
 Z = "--parallelism.zero_stage"
 LB = "--training.local_batch_size"
 MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
-DEEPSEEK = ["--model.flavor", "debug-deepseek"]  # sigmoid scores, a shared expert, route scale 2.5
+# latent attention; sigmoid scores, a shared expert, route scale 2.5, group-limited routing
+DEEPSEEK = ["--model.flavor", "debug-deepseek"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 BIAS_ONLY = ["--model.balance_coeff", "0"]
 BALANCE_ONLY = ["--model.bias_rate", "0"]
 EP = "--parallelism.expert_parallel_degree"
@@ -39,7 +41,12 @@ WORLD2 = {
     "dp2_zero1_selective": [LB, "4", Z, "1", "--training.activation_checkpoint", "selective"],
     "dp2_zero3_docmask": [LB, "4", Z, "3", *DOCS],
     # (the balance term and a capacity act per sequence, which cp splits: the bias alone here)
-    "cp2_zero1_bias_only": ["--parallelism.context_parallel_degree", "2", Z, "1", *BIAS_ONLY],
+    "cp2_zero1_bias_only": [*CP2, Z, "1", *BIAS_ONLY],
+    # latent attention's rotary key and narrower values through both ways of context parallelism
+    "cp2_alltoall_deepseek_docmask_bias_only": [*CP2, "--parallelism.context_parallel_method", "alltoall",
+                                                Z, "3", *DEEPSEEK, *BIAS_ONLY, *DOCS],
+    "cp2_ring_deepseek_bias_only": [*CP2, "--parallelism.context_parallel_method", "ring", Z, "1", *DEEPSEEK,
+                                    *BIAS_ONLY],
     "pp2_1F1B": pp("1F1B", Z, "0"),
     "pp2_Interleaved1F1B_deepseek": pp("Interleaved1F1B", Z, "0", *DEEPSEEK),
     "dp2_zero3_capacity": [LB, "4", Z, "3", "--model.capacity_factor", "1.0"],
@@ -60,6 +67,8 @@ WORLD4 = {
     "ep2_hsdp": [LB, "2", Z, "3", EP, "2", "--parallelism.data_parallel_replicate_degree", "2"],
     "ep2_tp2": [LB, "4", Z, "3", EP, "2", *TP2],
     "ep2_tp2_deepseek": [LB, "4", Z, "3", EP, "2", *TP2, *DEEPSEEK],
+    "tp2_dp_shard2_deepseek": [LB, "4", Z, "3", *TP2, *DEEPSEEK],
+    "pp2_cp2_deepseek_bias_only": pp("1F1B", Z, "1", *CP2, *DEEPSEEK, *BIAS_ONLY),
     "pp2_ep2_bias_only": pp("1F1B", LB, "4", Z, "3", EP, "2", *BIAS_ONLY),
     "pp2_ep2_balance_only": pp("1F1B", LB, "4", Z, "3", EP, "2", *BALANCE_ONLY),
 }
@@ -70,8 +79,8 @@ def layouts(table: dict) -> dict:
 
 
 def ref_name(name: str) -> str:
-    kinds = ("deepseek", "docmask", "capacity", "bias_only", "balance_only")
-    return next((f"ref_{kind}" for kind in kinds if kind in name), "ref")
+    kinds = [k for k in ("deepseek", "docmask", "capacity", "bias_only", "balance_only") if k in name]
+    return "_".join(["ref", *kinds])
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +89,8 @@ def refs():
                                    "ref_docmask": [Z, "0", *DOCS],
                                    "ref_capacity": [Z, "0", "--model.capacity_factor", "1.0"],
                                    "ref_bias_only": [Z, "0", *BIAS_ONLY],
+                                   "ref_deepseek_bias_only": [Z, "0", *DEEPSEEK, *BIAS_ONLY],
+                                   "ref_deepseek_docmask_bias_only": [Z, "0", *DEEPSEEK, *BIAS_ONLY, *DOCS],
                                    "ref_balance_only": [Z, "0", *BALANCE_ONLY]}))
 
 

@@ -15,6 +15,7 @@ from torchpar.parallel.recompute import OPTIONS, option_overrides
 
 Z = "--parallelism.zero_stage"
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+MLA_FLAVOR = ["--model.flavor", "debug-mla"]
 LEDGER_LAYOUTS = {
     "dp2_zero0": [Z, "0", "--training.local_batch_size", "4"],
     "dp2_zero2": [Z, "2", "--training.local_batch_size", "4"],
@@ -34,6 +35,24 @@ LEDGER_LAYOUTS = {
     "cp2_ring_zero2": [Z, "2", *CP2, "--parallelism.context_parallel_method", "ring"],
     "cp2_ring_selective": [Z, "1", *CP2, "--parallelism.context_parallel_method", "ring",
                            "--training.activation_checkpoint", "selective"],
+    # Latent attention: the latents' and rotary key's gradients summed over tp in backward; q, k
+    # and narrower values through the all-to-alls, values widened to the keys' width on the ring.
+    "tp2_mla": [Z, "0", *MLA_FLAVOR, "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_sp_lp_mla": [Z, "0", *MLA_FLAVOR, "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
+    "cp2_mla": [Z, "0", *MLA_FLAVOR, *CP2],
+    # A mixture of experts: routed experts' rows and shared experts' partial sums all-reduced (none
+    # for shared experts the flavour leaves out).
+    "tp2_moe": [Z, "0", "--model.name", "moe", "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_sp_lp_moe": [Z, "0", "--model.name", "moe", "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
+    # (with a query latent: the attention's input gradient comes back summed, no reduction of it)
+    "tp2_deepseek": [Z, "0", "--model.name", "moe", "--model.flavor", "debug-deepseek",
+                     "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_sp_lp_deepseek": [Z, "0", "--model.name", "moe", "--model.flavor", "debug-deepseek",
+                              "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
+                              "false", "--parallelism.loss_parallel", "false"],
+    "cp2_ring_mla": [Z, "1", *MLA_FLAVOR, *CP2, "--parallelism.context_parallel_method", "ring"],
 }
 
 
@@ -243,7 +262,11 @@ ACTIVATION_MODELS = [("llama3", "debug", 4, 64), ("llama3", "debug", 2, 256), ("
 # gpt-oss's attention (sinks, biases, a window in every other layer): the planner traces a sliding
 # block, the larger kind (its mask and its repeated KV heads), for every block
 GPT_OSS = ("llama3", "debug-gptoss", 4, 64)
-ACTIVATION_MODELS.append(GPT_OSS)
+# latent attention: its latents and the shared rotary key held whole on every tp rank; without and
+# with a query latent (a flavour's shape overrides follow its name)
+MLA = ("llama3", "debug-mla", 4, 64)
+MLA_Q = ("llama3", "debug-mla q_lora_rank=64", 4, 64)
+ACTIVATION_MODELS += [GPT_OSS, MLA, MLA_Q]
 
 
 def _activation_worker(rank, world, out, cases):
@@ -259,7 +282,9 @@ def _activation_worker(rank, world, out, cases):
         lay = Layout(**degrees, sequence_parallel=sp, loss_parallel=world > 1, activation_checkpoint=policy,
                      activation_checkpoint_every=every, local_batch_size=batch)
         lay.build_mesh("cpu")
-        r = activation_check(model, model.args(flavor), lay, batch, seq)
+        name, *shape = flavor.split()
+        shape = {k: int(v) for k, v in (field.split("=") for field in shape)}
+        r = activation_check(model, model.args(name, **shape), lay, batch, seq)
         dims = f"cp{world} {context[0]}" if context else f"tp{world}"
         results.append({"case": [family, flavor, batch, seq, dims, "sp" if sp else "", policy, every],
                         "block_ratios": r["block_ratios"], "ratio": r["ratio"], "bytes": r["measured_bytes"]})
@@ -298,7 +323,7 @@ def test_activations_predicted_from_structure_match_one_process():
 def test_activations_predicted_under_tensor_and_sequence_parallelism():
     """The same on one rank of TP = 2, with and without sequence parallelism (loss parallel on):
     the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
-    cases = [(*m, sp, policy, 1) for m in (*ACTIVATION_MODELS[:5], GPT_OSS)
+    cases = [(*m, sp, policy, 1) for m in (*ACTIVATION_MODELS[:5], GPT_OSS, MLA, MLA_Q)
              for sp in (False, True) for policy in ("none", "selective", "full")]
     for r in _activation_ratios(2, cases):
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
@@ -308,7 +333,7 @@ def test_activations_predicted_under_tensor_and_sequence_parallelism():
 def test_activations_predicted_under_context_parallelism():
     """The same on one rank of cp = 2 (each holds half of every sequence), all-to-all and ring
     attention: the trace of one block at half the sequence (the ring keeps its own KV heads)."""
-    cases = [(*m, False, policy, 1, method) for m in (*ACTIVATION_MODELS[:4], GPT_OSS)
+    cases = [(*m, False, policy, 1, method) for m in (*ACTIVATION_MODELS[:4], GPT_OSS, MLA, MLA_Q)
              for policy in ("none", "selective", "full") for method in ("alltoall", "ring")
              if m != GPT_OSS or method == "alltoall"]  # (the ring refuses sinks and windows)
     for r in _activation_ratios(2, cases):

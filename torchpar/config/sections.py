@@ -79,6 +79,22 @@ class Model:
     yarn_original_seq_len: int = opt(
         0, "Llama and MoE: the context RoPE was trained at, which yarn_factor stretches (needed with it). "
            "0 = the flavour's.")
+    kv_lora_rank: int = opt(
+        0, "Llama and MoE: multi-head latent attention (DeepSeek-V2/V3's) with keys and values projected up "
+           "from a normalized latent this wide per token (DeepSeek-V3: 512); each q/k head is its head size "
+           "wide without RoPE plus qk_rope_dim with it, the rotary key one per token shared by the heads. "
+           "Needs n_kv_heads = n_heads. Under tensor parallelism the heads are split, the latents computed "
+           "whole on every rank. 0 = the flavour's (Llama debug-mla, MoE debug-deepseek and deepseek-*: "
+           "latent; the others grouped-query).")
+    q_lora_rank: int = opt(
+        0, "Llama and MoE: with kv_lora_rank, queries projected up from a normalized latent this wide "
+           "(DeepSeek-V3: 1536) instead of from the hidden state. 0 = the flavour's.")
+    qk_rope_dim: int = opt(
+        0, "Llama and MoE: with kv_lora_rank, the rotary part of each query and key head (DeepSeek-V3: 64). "
+           "0 = the flavour's (or half the head size).")
+    v_head_size: int = opt(
+        0, "Llama and MoE: with kv_lora_rank, each value head's width, at most a query head's (DeepSeek-V3: "
+           "128). 0 = the flavour's (or the head size).")
     experts: int = opt(0, "MoE: override the routed experts per block (0 = the flavour's).")
     top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
     capacity_factor: float = opt(

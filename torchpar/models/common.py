@@ -57,8 +57,15 @@ VARLEN_GROUPS_HEADS = varlen_attn is not None and "enable_gqa" in inspect.signat
 #              token's scores): replicated plain tensors in, its output converted back to the
 #              residual stream's layout; it splits its experts' hidden width itself (expert_plan)
 #   rowwise_replicated  a row-wise linear inside a routed module: partial sums all-reduced
+#   whole_input  input, where every module inside that takes that input is run whole (replicated,
+#              latent, shared): its gradient comes back already summed, so no backward collective
+#   replicated  a module every tp rank runs whole on the replicated input (latent attention's down
+#              projections): its weights replicated
+#   latent     replicated, its output feeding column-wise projections (a latent's norm): the
+#              output's gradient, a share from each rank's heads, summed over the tp ranks
+#   shared     latent, its output a plain tensor every rank's heads use (the shared rotary key)
 TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input", "head_norm", "routed",
-             "rowwise_replicated")
+             "rowwise_replicated", "whole_input", "replicated", "latent", "shared")
 
 
 def canonical_name(name: str) -> str:
@@ -229,14 +236,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None,
               sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """Causal self-attention: q [b, h, s, hd], k and v [b, h_kv, s, hd] (h_kv divides h: grouped
-    query heads) -> [b, h, s, hd]. mask: None = causal over the window; the spans or the bias of
-    :func:`document_layout` = causal inside each document; a :class:`SequenceShard` = over the
-    whole sequence, of which q, k and v are this rank's part. sinks [h]: each head's extra logit in
-    its softmax (see :func:`_with_sinks`). window > 0: a sliding window, each query sees itself and
-    the ``window - 1`` keys before it (inside its document)."""
+    """Causal self-attention: q [b, h, s, hd], k [b, h_kv, s, hd] and v [b, h_kv, s, vd] (h_kv divides
+    h: grouped query heads; vd <= hd) -> [b, h, s, vd]. mask: None = causal over the window; the
+    spans or the bias of :func:`document_layout` = causal inside each document; a
+    :class:`SequenceShard` = over the whole sequence, of which q, k and v are this rank's part.
+    sinks [h]: each head's extra logit in its softmax (see :func:`_with_sinks`). window > 0: a
+    sliding window, each query sees itself and the ``window - 1`` keys before it (inside its
+    document)."""
     if isinstance(mask, SequenceShard):
         return mask.attend(q, k, v, sinks, window)
+    if v.shape[-1] < q.shape[-1]:
+        # Value heads narrower than query heads (latent attention): the fused kernels (flash on CPU
+        # and CUDA, varlen) take one width for q, k and v. Zero columns widen v; the output's own
+        # columns are the first ones (the rest are zero).
+        width = v.shape[-1]
+        return attention(q, k, F.pad(v, (0, q.shape[-1] - width)), mask, sinks, window)[..., :width]
     if sinks is not None:
         return _with_sinks(q, k, v, mask, sinks, window)
     gqa = q.shape[1] != k.shape[1]
@@ -577,10 +591,22 @@ class ModelAdapter(ABC):
     def flops_per_token(self, args, seq_len: int) -> int:
         """Training FLOPs per token: 3 x forward (backward = 2 x forward). Forward = 2 FLOPs per
         multiply-accumulate of every matmul weight (the head's too, tied or not) + attention
-        scores and values, 2 x 2 x s x d per layer over the full s x s square (PaLM's count;
-        causal masking ignored; see :meth:`attention_keys`)."""
+        scores and values, 2 x s x (heads x (query width + value width)) per layer over the full
+        s x s square (PaLM's 2 x 2 x s x d with heads d wide; causal masking ignored; see
+        :meth:`attention_keys`)."""
         block, head = self.matmul_params(args)
-        return 3 * (2 * (block * args.n_layers + head) + 4 * self.attention_keys(args, seq_len) * args.dim)
+        return 3 * (2 * (block * args.n_layers + head)
+                    + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
+
+    def attention_heads(self, args) -> tuple[int, int, int, int]:
+        """(query heads, key/value heads, a query or key head's width, a value head's width)."""
+        return args.n_heads, args.n_kv_heads, args.dim // args.n_heads, args.dim // args.n_heads
+
+    def attention_width(self, args) -> int:
+        """Multiply-adds per query and key, over all heads: its score (a query head's width) and
+        its share of the output (a value head's width)."""
+        heads, _, qk, v = self.attention_heads(args)
+        return heads * (qk + v)
 
     def attention_keys(self, args, seq_len: int) -> int:
         """The keys a query's attention is counted over, summed over the layers: the whole

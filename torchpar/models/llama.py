@@ -51,6 +51,13 @@ class ModelArgs:
     yarn_original_seq_len: int = 0  # the context RoPE was trained at, which YaRN stretches
     yarn_beta_fast: float = 32.0  # YaRN's ramp: rotations above this are kept (extrapolated) ...
     yarn_beta_slow: float = 1.0  # ... below this interpolated by the factor; between, blended
+    # Multi-head latent attention (DeepSeek-V2/V3), on with kv_lora_rank > 0: keys and values come
+    # from a per-token latent, queries from another (or from x); each q/k head is head_dim wide
+    # without RoPE and qk_rope_dim wide with it, the rotary key one per token, shared by the heads.
+    kv_lora_rank: int = 0  # the key/value latent's width (DeepSeek-V3: 512); 0 = grouped-query attention
+    q_lora_rank: int = 0  # the query latent's width (DeepSeek-V3: 1536); 0 = queries projected from x
+    qk_rope_dim: int = 0  # the rotary part of each q/k head (DeepSeek-V3: 64); 0 = head_dim / 2
+    v_head_size: int = 0  # each value head's width (DeepSeek-V3: 128); 0 = head_dim
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0 = it attends to every earlier key)."""
@@ -60,12 +67,45 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
+        """Each head's width (under latent attention: its part without RoPE)."""
         return self.head_size or self.dim // self.n_heads
 
     @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (else grouped-query attention)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates in each q/k head."""
+        return (self.qk_rope_dim or self.head_dim // 2) if self.latent else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each query and key head's width, the rotary part included."""
+        return self.head_dim + self.rope_dim if self.latent else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return (self.v_head_size or self.head_dim) if self.latent else self.head_dim
+
+    @property
     def q_dim(self) -> int:
-        """The query projection's width, n_heads x head_dim (= dim unless head_size is set)."""
-        return self.n_heads * self.head_dim
+        """The query projection's width, n_heads x qk_head_dim (= dim unless head sizes are set)."""
+        return self.n_heads * self.qk_head_dim
+
+    @property
+    def o_dim(self) -> int:
+        """The output projection's input width, n_heads x v_head_dim."""
+        return self.n_heads * self.v_head_dim
+
+    @property
+    def softmax_temperature(self) -> float:
+        """YaRN's attention temperature, 0.1 ln(factor) + 1 (1 without YaRN): grouped-query
+        attention scales cos and sin by it (so q.k by its square, gpt-oss's and Hugging Face's
+        default); latent attention scales the whole score by its square (DeepSeek-V3's, whose
+        rotary part is a third of the head)."""
+        return 0.1 * math.log(self.yarn_factor) + 1.0 if self.yarn_factor > 1 else 1.0
 
     @property
     def ffn_hidden(self) -> int:
@@ -88,6 +128,10 @@ FLAVORS: dict[str, ModelArgs] = {
     # gpt-oss's attention on the debug shape: sinks, biases, a window in every other layer, YaRN
     "debug-gptoss": replace(DEBUG, attn_sink=True, attn_bias=True, sliding_window=16, yarn_factor=4.0,
                             yarn_original_seq_len=512),
+    # multi-head latent attention on the debug shape, DeepSeek-V2-Lite's kind: keys and values from a
+    # latent of 32, queries projected from x, heads of 16 + a rotary 8 (the MoE family's debug-deepseek
+    # has DeepSeek-V3's, with a query latent)
+    "debug-mla": replace(DEBUG, n_kv_heads=8, kv_lora_rank=32, qk_rope_dim=8),
     # GPT-3 Small's shape with SwiGLU and a padded GPT-2 vocabulary; tied like GPT-3.
     "125M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=50304, multiple_of=256,
                       rope_theta=10000.0, max_seq_len=2048, tie_embeddings=True),
@@ -122,22 +166,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_seq_len, hd/2] of each position's angle per pair of a head's dims."""
-    hd = args.head_dim
+    """cos and sin [max_seq_len, hd/2] of each position's angle per pair of a head's rotated dims."""
+    hd = args.rope_dim
     freqs = 1.0 / args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)  # [hd/2]
-    scale = 1.0
     if args.yarn_factor > 1:
-        freqs, scale = yarn(freqs, args)
+        freqs = yarn(freqs, args)
+    scale = 1.0 if args.latent else args.softmax_temperature  # (latent attention scales its scores)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)  # [s, hd/2]
     return angles.cos() * scale, angles.sin() * scale
 
 
-def yarn(freqs: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, float]:
+def yarn(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """YaRN (Peng et al., 2023): the frequencies that turn fewer than ``beta_slow`` times over the
     original context are divided by the factor (interpolated), those that turn more than
-    ``beta_fast`` times are kept, a linear ramp between; and the attention temperature, applied to
-    cos and sin (so to both q and k): 0.1 ln(factor) + 1."""
-    hd, factor = args.head_dim, args.yarn_factor
+    ``beta_fast`` times are kept, a linear ramp between (its temperature:
+    ModelArgs.softmax_temperature)."""
+    hd, factor = args.rope_dim, args.yarn_factor
 
     def pair_turning(turns: float) -> float:  # the pair index whose frequency turns ``turns`` times
         turning = math.log(args.yarn_original_seq_len / (turns * 2 * math.pi))
@@ -147,7 +191,7 @@ def yarn(freqs: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, float]:
     high = min(math.ceil(pair_turning(args.yarn_beta_slow)), hd - 1)
     ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     kept = 1 - ramp  # 1: the pair keeps its frequency, 0: it is interpolated
-    return freqs / factor * (1 - kept) + freqs * kept, 0.1 * math.log(factor) + 1.0
+    return freqs / factor * (1 - kept) + freqs * kept
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -172,7 +216,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.q_dim, bias=args.attn_bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.attn_bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.attn_bias)
-        self.wo = nn.Linear(args.q_dim, args.dim, bias=args.attn_bias)
+        self.wo = nn.Linear(args.o_dim, args.dim, bias=args.attn_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sink else None  # [h]
@@ -199,13 +243,66 @@ class Attention(nn.Module):
         return local(self.sinks) if self.sinks is not None else None
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, DeepSeek-V3). Keys and values are projected up from
+    a latent of kv_lora_rank per token (and queries from one of q_lora_rank, when set), each
+    normalized; RoPE would not commute with the up-projection, so each q/k head carries a separate
+    rotary part (rd wide) beside its unrotated part (hd wide), and the rotary key is one per token,
+    shared by every head. Value heads are vd wide. A cache at inference keeps only the latent and the
+    rotary key per token (kv_lora_rank + rd numbers): what this attention is for.
+
+    Under tensor parallelism the heads are split (wq / wq_b, wkv_b column-wise, wo row-wise) and
+    the latents replicated: every rank computes them whole from the same input, and each rank's
+    heads add their share to the latents' gradients, summed over the ranks."""
+
+    def __init__(self, args: ModelArgs, window: int = 0):
+        super().__init__()
+        self.window = window
+        self.nope, self.rope, self.v_dim = args.head_dim, args.rope_dim, args.v_head_dim
+        d, h, qk = args.dim, args.n_heads, args.qk_head_dim
+        if args.q_lora_rank:
+            self.wq, self.wq_a = None, nn.Linear(d, args.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, h * qk, bias=False)
+        else:
+            self.wq, self.wq_a, self.q_a_norm, self.wq_b = nn.Linear(d, h * qk, bias=False), None, None, None
+        self.wkv_a = nn.Linear(d, args.kv_lora_rank, bias=False)
+        self.kv_a_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.wk_rope = nn.Linear(d, self.rope, bias=False)  # the shared rotary key
+        self.wo = nn.Linear(h * self.v_dim, d, bias=False)
+        self.sinks = nn.Parameter(torch.empty(h)) if args.attn_sink else None  # [h]
+        # DeepSeek-V3's YaRN temperature on the whole score: q scaled by its square
+        self.q_scale = args.softmax_temperature ** 2
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Mask = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q = q.view(b, s, -1, self.nope + self.rope)  # [b, s, h, hd + rd]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_a_norm(self.wkv_a(x))).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [b, s, h, hd], [b, s, h, vd]
+        k_rope = apply_rope(self.wk_rope(x).unsqueeze(2), cos, sin)  # [b, s, 1, rd]: one per token
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # [b, s, h, hd + rd]
+        # (attention's scale, 1/sqrt(hd + rd), is the query's width's)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                        self.head_sinks(), self.window)  # [b, h, s, vd]
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    head_sinks = Attention.head_sinks
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None, layer: int = 0):
         """``feed_forward``: what replaces the dense SwiGLU (a mixture of experts), if anything;
         ``layer``: the block's index (which says whether its attention slides)."""
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, args.window(layer))
+        self.attention = (LatentAttention if args.latent else Attention)(args, args.window(layer))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(args.dim, args.ffn_hidden)
 
@@ -296,12 +393,30 @@ class LlamaAdapter(ModelAdapter):
     # Megatron's split: q/k/v and the SwiGLU inputs column-wise (each rank its share of heads and
     # hidden units), wo and w2 row-wise; embedding and head vocab-sharded.
     top_plan = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
-    block_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
-                  "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-                  "attention.q_norm": "head_norm", "attention.k_norm": "head_norm",
-                  "attention.sinks": "heads",
-                  "ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
-                  "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+    attention_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
+                      "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+                      "attention.q_norm": "head_norm", "attention.k_norm": "head_norm",
+                      "attention.sinks": "heads"}
+    # Latent attention: the heads split as above; the latents (and the shared rotary key) computed
+    # whole on every rank, their gradients summed over the ranks' heads.
+    latent_plan = {"attention_norm": "norm", "attention": "input", "attention.wq": "colwise",
+                   "attention.wq_a": "replicated", "attention.q_a_norm": "latent",
+                   "attention.wq_b": "colwise", "attention.wkv_a": "replicated",
+                   "attention.kv_a_norm": "latent", "attention.wkv_b": "colwise",
+                   "attention.wk_rope": "shared", "attention.wo": "rowwise", "attention.sinks": "heads"}
+    feed_forward_plan = {"ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
+                         "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+    block_plan = {**attention_plan, **feed_forward_plan}
+
+    def attention_words(self, args: ModelArgs) -> dict[str, str]:
+        """The plan of a block's attention and its norm. (With a query latent, every module that
+        takes the attention's input runs whole: its gradient comes back summed.)"""
+        if not args.latent:
+            return self.attention_plan
+        return {**self.latent_plan, "attention": "whole_input"} if args.q_lora_rank else self.latent_plan
+
+    def layer_plan(self, args: ModelArgs, layer: int) -> dict[str, str]:
+        return {**self.attention_words(args), **self.feed_forward_plan}
 
     hf_architecture = "LlamaForCausalLM"
 
@@ -372,6 +487,21 @@ class LlamaAdapter(ModelAdapter):
 
     def check_shape(self, args: ModelArgs) -> None:
         super().check_shape(args)
+        if args.latent:
+            unlike = [f for f, on in (("attn_bias", args.attn_bias), ("qk_norm", args.qk_norm)) if on]
+            if unlike:
+                raise ValueError(f"model.{unlike[0]} with model.kv_lora_rank (latent attention): its "
+                                 "latents' norms take the place of q/k norms and it has no biases; unset one")
+            if args.n_kv_heads != args.n_heads:
+                raise ValueError(f"model.n_kv_heads = {args.n_kv_heads} with model.kv_lora_rank: latent "
+                                 f"attention gives every query head its own key and value head; set "
+                                 f"n_kv_heads = n_heads = {args.n_heads}")
+            if args.rope_dim % 2 or args.rope_dim < 2:
+                raise ValueError(f"model.qk_rope_dim = {args.rope_dim}: RoPE rotates pairs, so an even width")
+            if args.v_head_dim > args.qk_head_dim:
+                raise ValueError(f"model.v_head_size = {args.v_head_dim} is wider than a query head "
+                                 f"({args.qk_head_dim} = head size + qk_rope_dim); attention kernels take "
+                                 "value heads at most as wide")
         if args.yarn_factor and not args.yarn_factor >= 1:
             raise ValueError(f"model.yarn_factor = {args.yarn_factor}: YaRN stretches the context, so the "
                              "factor is at least 1 (0 = plain RoPE)")
@@ -383,6 +513,8 @@ class LlamaAdapter(ModelAdapter):
                              "attends fully, N >= 1")
 
     def hf_problem(self, args: ModelArgs) -> str | None:
+        if args.latent:
+            return f"model.kv_lora_rank: {self.hf_architecture} has no latent attention"
         if args.attn_sink:
             return f"model.attn_sink: {self.hf_architecture} has no attention sinks"
         if args.sliding_window:
@@ -397,6 +529,9 @@ class LlamaAdapter(ModelAdapter):
 
     def custom_attention(self, args: ModelArgs) -> tuple[str, ...]:
         return ("attn_sink",) * args.attn_sink + ("sliding_window",) * bool(args.sliding_window)
+
+    def attention_heads(self, args: ModelArgs) -> tuple[int, int, int, int]:
+        return args.n_heads, args.n_kv_heads, args.qk_head_dim, args.v_head_dim
 
     def tp_divisors(self, args: ModelArgs) -> dict[str, int]:
         return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn hidden size": args.ffn_hidden,
@@ -427,9 +562,20 @@ class LlamaAdapter(ModelAdapter):
     def attention_params(self, args: ModelArgs):
         """A block's entries up to its feed-forward: the attention and its norms."""
         d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+        sinks = [("attention.sinks", (args.n_heads, 1), 0)] if args.attn_sink else []
+        if args.latent:
+            ql, kvl, h = args.q_lora_rank, args.kv_lora_rank, args.n_heads
+            queries = ([("attention.wq_a.weight", (ql, d), None),
+                        ("attention.q_a_norm.weight", (ql, 1), None), ("attention.wq_b.weight", (q, ql), 0)]
+                       if ql else [("attention.wq.weight", (q, d), 0)])
+            return [("attention_norm.weight", (d, 1), None), *queries,
+                    ("attention.wkv_a.weight", (kvl, d), None),
+                    ("attention.kv_a_norm.weight", (kvl, 1), None),
+                    ("attention.wkv_b.weight", (h * (args.head_dim + args.v_head_dim), kvl), 0),
+                    ("attention.wk_rope.weight", (args.rope_dim, d), None),
+                    ("attention.wo.weight", (d, args.o_dim), 1), *sinks]
         norms = [("attention.q_norm.weight", (args.head_dim, 1), None),
                  ("attention.k_norm.weight", (args.head_dim, 1), None)] if args.qk_norm else []
-        sinks = [("attention.sinks", (args.n_heads, 1), 0)] if args.attn_sink else []
         q_bias, k_bias, v_bias, o_bias = ([(f"attention.w{n}.bias", (rows, 1), split)]
                                           if args.attn_bias else []
                                           for n, rows, split in (("q", q, 0), ("k", kv, 0), ("v", kv, 0),
@@ -452,7 +598,9 @@ class LlamaAdapter(ModelAdapter):
         """A block's parameters that multiply no activation: its norms' weights, its heads' sinks,
         its projections' biases."""
         biases = (args.q_dim + 2 * args.n_kv_heads * args.head_dim + args.dim) * args.attn_bias
-        return 2 * args.dim + 2 * args.head_dim * args.qk_norm + args.n_heads * args.attn_sink + biases
+        latents = (args.q_lora_rank + args.kv_lora_rank) * args.latent  # (their norms)
+        return (2 * args.dim + 2 * args.head_dim * args.qk_norm + args.n_heads * args.attn_sink + biases
+                + latents)
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
         return self.param_counts(args)["layer"] - self.block_vectors(args), args.vocab_size * args.dim

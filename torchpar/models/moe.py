@@ -287,19 +287,31 @@ FLAVORS: dict[str, MoEArgs] = {
     "debug": DEBUG,  # Qwen3-MoE's routing: softmax, the top k renormalized, no shared expert
     # DeepSeek-V3's routing: sigmoid scores, renormalized and scaled, one shared expert
     # (and its group-limited routing: 4 groups of 2 experts, each token's from the best 2)
+    # DeepSeek-V3's latent attention: queries from a latent of 64, keys and values from one of 32, heads
+    # of 16 + a rotary 8 (one rotary key per token), values 16 wide
     "debug-deepseek": replace(DEBUG, qk_norm=False, score="sigmoid", route_scale=2.5, shared_hidden=64,
-                              route_groups=4, route_top_groups=2),
+                              route_groups=4, route_top_groups=2, n_kv_heads=8, q_lora_rank=64,
+                              kv_lora_rank=32, qk_rope_dim=8),
     # Qwen3-30B-A3B: 48 blocks of 128 experts (768 wide), top 8, heads of 128 (wider than dim / heads).
     "qwen3-30B-A3B": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, qk_norm=True,
                              vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960,
                              experts=128, top_k=8, moe_hidden=768, multiple_of=2048),
-    # DeepSeek-V3's MoE blocks (256 experts of 2048, top 8, one shared expert, the first 3 blocks dense
-    # 18432 wide) with grouped-query attention in place of its latent attention.
-    "deepseek-v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
+    # DeepSeek-V3 (671B, 37B active): latent attention (queries from 1536, keys and values from 512,
+    # heads of 128 + 64 rotary), 256 experts of 2048, top 8 from 4 of 8 groups, one shared expert,
+    # the first 3 blocks dense 18432 wide; pretrained at 4096 tokens (its YaRN came after).
+    "deepseek-v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_size=128,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, vocab_size=129280,
                            ffn_dim_multiplier=0.9643, multiple_of=1024, rope_theta=10000.0, norm_eps=1e-6,
                            max_seq_len=4096, experts=256, top_k=8, moe_hidden=2048, shared_hidden=2048,
                            dense_layers=3, score="sigmoid", route_scale=2.5, route_groups=8,
                            route_top_groups=4),
+    # DeepSeek-V2-Lite (16B, 2.4B active): latent attention with queries projected from x, 64 experts
+    # of 1408, top 6 by softmax (not renormalized), two shared experts, the first block dense.
+    "deepseek-v2-lite": MoEArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_size=128,
+                                kv_lora_rank=512, qk_rope_dim=64, vocab_size=102400, ffn_dim_multiplier=1.0,
+                                multiple_of=10944, rope_theta=10000.0, norm_eps=1e-6, max_seq_len=4096,
+                                experts=64, top_k=6, moe_hidden=1408, shared_hidden=2816, dense_layers=1,
+                                normalize_top_k=False),
 }
 
 
@@ -401,12 +413,13 @@ class MoEAdapter(LlamaAdapter):
     # A routed block under TP: attention as Llama's; the MoE layer runs on every tp rank's copy of
     # all tokens (routing needs them; the ranks choose alike), its experts' and shared experts'
     # hidden width split over the tp ranks and their partial sums all-reduced.
-    routed_plan = {**{k: v for k, v in LlamaAdapter.block_plan.items() if not k.startswith("feed_forward")},
-                   "feed_forward": "routed", "feed_forward.shared.w1": "colwise",
+    routed_plan = {"ffn_norm": "norm", "feed_forward": "routed", "feed_forward.shared.w1": "colwise",
                    "feed_forward.shared.w3": "colwise", "feed_forward.shared.w2": "rowwise_replicated"}
 
     def layer_plan(self, args: MoEArgs, layer: int) -> dict[str, str]:
-        return self.block_plan if layer < args.dense_layers else self.routed_plan
+        if layer < args.dense_layers:
+            return super().layer_plan(args, layer)
+        return {**self.attention_words(args), **self.routed_plan}
 
     def experts(self, args: MoEArgs) -> int:
         return args.experts
@@ -552,9 +565,9 @@ class MoEAdapter(LlamaAdapter):
 
     def flops_per_token(self, args: MoEArgs, seq_len: int) -> int:
         """Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not
-        every expert's; attention over heads of q_dim."""
+        every expert's; attention over its heads' widths (:meth:`attention_width`)."""
         weights = self.active_matmul_params(args) + args.vocab_size * args.dim
-        return 3 * (2 * weights + 4 * self.attention_keys(args, seq_len) * args.q_dim)
+        return 3 * (2 * weights + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
 
     def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
         return Routing(parts, args)

@@ -86,17 +86,28 @@ class ContextShard(SequenceShard):
         return self._to_sequence(attention(q, k, v, self.mask, sinks, window))
 
     def _to_heads(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each of ``ts`` [b, h_i, s, hd] (this rank's tokens, all its heads) -> [b, h_i/cp, cp*s, hd]
-        (the whole sequence in order, this rank's share of the heads), in one all-to-all."""
-        b, _, s, hd = ts[0].shape
-        cp, heads = self.cp, [t.shape[1] // self.cp for t in ts]
-        # head group j of every tensor -> rank j (the cat is the one copy)
-        send = torch.cat([t.reshape(b, cp, n, s, hd).movedim(1, 0) for t, n in zip(ts, heads)], dim=2)
-        got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group())
-        got = got.view(cp, b, sum(heads), 2, s // 2, hd)  # from rank j: chunks j and 2cp-1-j
-        front = got[:, :, :, 0].movedim(0, 2).flatten(2, 3)  # chunks 0 .. cp-1
-        back = got[:, :, :, 1].flip(0).movedim(0, 2).flatten(2, 3)  # chunks cp .. 2cp-1
-        return torch.cat([front, back], dim=2).split(heads, dim=1)
+        """Each of ``ts`` [b, h_i, s, hd_i] (this rank's tokens, all its heads) -> [b, h_i/cp, cp*s,
+        hd_i] (the whole sequence in order, this rank's share of the heads), in one all-to-all."""
+        b, _, s, _ = ts[0].shape
+        cp = self.cp
+        # head group j of every tensor -> rank j: each tensor copied once, into its columns of the
+        # send buffer (their head widths may differ: latent attention's values)
+        sizes = [t.numel() // cp for t in ts]
+        send = ts[0].new_empty(cp, sum(sizes))
+        start = 0
+        for t, size in zip(ts, sizes):  # (narrow, not split: autograd takes an in-place copy into one view)
+            n, hd = t.shape[1] // cp, t.shape[3]
+            send.narrow(1, start, size).view(cp, b, n, s, hd).copy_(t.reshape(b, cp, n, s, hd).movedim(1, 0))
+            start += size
+        got = all_to_all_single_autograd(send.flatten(), None, None, self.mesh.get_group()).view(cp, -1)
+        out = []
+        for t, part in zip(ts, got.split(sizes, dim=1)):
+            hd = t.shape[3]
+            part = part.reshape(cp, b, t.shape[1] // cp, 2, s // 2, hd)  # from rank j: chunks j, 2cp-1-j
+            front = part[:, :, :, 0].movedim(0, 2).flatten(2, 3)  # chunks 0 .. cp-1
+            back = part[:, :, :, 1].flip(0).movedim(0, 2).flatten(2, 3)  # chunks cp .. 2cp-1
+            out.append(torch.cat([front, back], dim=2))
+        return tuple(out)
 
     def _to_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`_to_heads`."""
@@ -229,7 +240,10 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_context)
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh) -> torch.Tensor:
-    """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k and v
-    [b, h_kv, s, hd], each rank's two chunks of the sequence -> [b, h, s, hd]."""
+    """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k [b, h_kv,
+    s, hd] and v [b, h_kv, s, vd], each rank's two chunks of the sequence -> [b, h, s, vd]."""
     group = mesh.get_group().group_name
-    return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0]
+    width = v.shape[-1]
+    if width < q.shape[-1]:  # (narrower value heads, latent attention's: the kernels take one width)
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+    return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0][..., :width]

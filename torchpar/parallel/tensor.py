@@ -18,9 +18,10 @@ import inspect
 
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -48,6 +49,26 @@ def _wait_for_embedding_output(module, inputs, output):
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
+class Whole(ParallelStyle):
+    """A module every tp rank runs whole, on a replicated input (a DTensor): its parameters
+    replicated DTensors, its output a replicated DTensor. ``summed``: its output's gradient, which
+    each rank's heads give a share of, is summed over the ranks on the way back (so its own and
+    earlier parameters' gradients are whole); ``local``: its output goes on as a plain tensor that
+    each rank uses with its own heads (then summed, as the gradient is a share)."""
+
+    def __init__(self, summed: bool = False, local: bool = False):
+        super().__init__()
+        self.summed, self.local = summed, local
+
+    def _output(self, module, output, mesh):
+        if self.summed:
+            output = output.redistribute(mesh, [Replicate()])  # (backward: a partial gradient summed)
+        return output.to_local(grad_placements=[Partial()]) if self.local else output
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh, output_fn=self._output)
+
+
 def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
     """The DTensor style for one planned module, or None (left alone)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
@@ -71,7 +92,9 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
                                         desired_output_layouts=(between,), use_local_output=True)
     if word == "norm":
         return SequenceParallel() if sequence_parallel else None
-    if word == "input":
+    if word in ("replicated", "latent", "shared"):
+        return Whole(summed=word != "replicated", local=word == "shared")
+    if word in ("input", "whole_input"):
         # One conversion of the residual stream per sub-module (Megatron's f operator): with
         # sequence parallel an all-gather forward / reduce-scatter backward; without it no
         # forward collective and one backward all-reduce of the summed input gradients of the

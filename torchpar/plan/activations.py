@@ -126,13 +126,14 @@ def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -
     """Bytes a one-block model and its loss hold at the end of the forward, on the meta device,
     by part ("block": the block; "rest": embedding, final norm, head and loss) and creating style."""
 
+    one = model.traced_args(args)
     with torch.device("meta"):
-        module = model.build(model.traced_args(args))
+        module = model.build(one)
     module.to(dtype)
     apply_recompute(module, policy)
     block = module.layers["0"]
     tags = {module: ("rest", None), **styles_of(module, model.top_plan, "rest"), block: ("block", "block"),
-            **styles_of(block, model.block_plan, "block")}
+            **styles_of(block, model.layer_plan(one, 0), "block")}
     tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
     tracker = LiveStorages()
     with tagged(tracker, tags), FusedAttention(), tracker:
@@ -146,8 +147,9 @@ def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -
 
 # How tensor parallelism divides what a tp = 1 model holds, by creating style: "sp" = by tp only
 # with sequence parallelism, "lp" = by tp only with loss parallelism.
+# Modules every tp rank runs whole (latent attention's latents): held whole.
 DIVISOR = {"colwise": "tp", "input": "tp", "block": "sp", "norm": "sp", NORM_OUTPUT: "1", "embedding": "sp",
-           "head": "lp", None: "lp"}
+           "head": "lp", None: "lp", "whole_input": "tp", "replicated": "1", "latent": "1", "shared": "1"}
 
 
 def divide(held: dict, lay, policy: str) -> float:

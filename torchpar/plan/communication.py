@@ -4,6 +4,7 @@ collective), and how much of it the step waits for."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -85,38 +86,87 @@ def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[flo
     return latency, rate
 
 
-def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, entries: list, blocks: list[int],
+WHOLE = ("replicated", "latent", "shared")  # the styles of modules every tp rank runs whole
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_terms(model, args, layer: int) -> dict:
+    """What block ``layer`` of the adapter's plan sends under TP, by kind (cached: the search prices
+    thousands of layouts): ``pairs`` (residual-stream conversions both ways), ``gathered`` (inputs
+    whose every user runs whole: forward only), ``routed`` modules, ``inner`` (a routed module's
+    row-wise outputs and column-wise inputs), ``summed`` (the widths of whole modules' outputs that
+    each rank's heads use, whose gradients are summed), and the replicated parameters whose partial
+    gradients are all-reduced once per step: ``sp_params`` (under sequence parallelism) and
+    ``head_params`` (a rank's own heads': always), as element counts. Modules the block leaves out
+    (a MoE block without shared experts: no parameter) count nothing."""
+    entries = model.block_params(args, layer)
+    held = set()
+    for name, _, _ in entries:
+        parts = name.split(".")
+        held.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    plan = {m: w for m, w in model.layer_plan(args, layer).items() if m in held}
+    routed = tuple(m + "." for m, w in plan.items() if w == "routed")
+    out = {"pairs": sum(w in ("rowwise", "input") for w in plan.values()),
+           "gathered": sum(w == "whole_input" for w in plan.values()),
+           "routed": len(routed),
+           "inner": sum(w == "rowwise_replicated" or (w == "colwise" and m.startswith(routed))
+                        for m, w in plan.items()) if routed else 0,
+           "summed": [], "sp_params": [], "head_params": []}
+    for name, (r, c), tp_dim in entries:
+        module = name.rpartition(".")[0]
+        word = plan.get(module)
+        if word in ("latent", "shared"):
+            out["summed"].append(r)
+        if tp_dim is None and word not in WHOLE:
+            if word == "head_norm":
+                out["head_params"].append(r * c)
+            elif not name.startswith(routed or ("\0",)):  # (a routed module's input is gathered)
+                out["sp_params"].append(r * c)
+    return out
+
+
+def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: list[int],
                      first: bool, last: bool) -> None:
     """Per block and micro-step, forward and backward, one collective pair for each module the
     plan converts the residual stream for (row-wise outputs, sub-module inputs): with sequence
     parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
-    bytes); each embedding and the head add one pair. A routed module (a mixture of experts, run
+    bytes); each embedding and the head add one pair; a sub-module input whose users all run whole
+    only its forward all-gather, with sequence parallelism. A routed module (a mixture of experts, run
     whole on every tp rank) gathers its input forward and its output's gradient backward under
     sequence parallelism; inside it each row-wise linear's partial sums are all-reduced forward and
-    its input's gradient backward, as are its routed experts' ``k`` rows per token (the dropless
-    count). ``entries``: the rank's parameters."""
+    each column-wise linear's input gradient backward, and its routed experts' ``k`` rows per token
+    (the dropless count) both ways. Modules every rank runs whole (latent attention's latents): where
+    each rank's heads use the output, its gradient is summed in backward; their parameters'
+    gradients come out whole. Parameters TP replicates that see sequence-sharded activations, or a
+    rank's own heads (per-head norms): their partial gradients all-reduced once per step."""
     micro_batch, n_micro = lay.micro_steps
-    t, hidden = lay.tp, micro_batch * seq * args.dim * lay.param_dtype_bytes  # (seq: this rank's tokens)
-    plans = [model.layer_plan(args, i).values() for i in blocks]
-    per_block = sum(word in ("rowwise", "input") for plan in plans for word in plan)
+    t, act = lay.tp, lay.param_dtype_bytes
+    hidden = micro_batch * seq * args.dim * act  # (seq: this rank's tokens)
+    terms = [_block_terms(model, args, i) for i in blocks]
+
+    def total(key):
+        return sum(term[key] for term in terms)
+
     embeddings = sum(word == "embedding" for word in model.top_plan.values())
-    pairs = per_block + embeddings * first + last
-    routed = sum(word == "routed" for plan in plans for word in plan)
-    inner = sum(word == "rowwise_replicated" for plan in plans for word in plan)
-    sent.add("tp", "all_reduce", hidden, t, 2 * inner * n_micro)
+    pairs = total("pairs") + embeddings * first + last
+    routed = total("routed")
+    sent.add("tp", "all_reduce", hidden, t, total("inner") * n_micro)
     sent.add("tp", "all_reduce", hidden * model.expert_slots(args), t, 2 * routed * n_micro)
+    summed = [r for term in terms for r in term["summed"]]
+    if summed:
+        width = sum(summed) / len(summed)  # (the mean: bytes and calls as issued)
+        sent.add("tp", "all_reduce", micro_batch * seq * act * width, t, len(summed) * n_micro)
     if lay.sequence_parallel:
-        sent.add("tp", "all_gather", hidden, t, 2 * routed * n_micro)
-    if lay.sequence_parallel:
-        sent.add("tp", "all_gather", hidden, t, pairs * n_micro)
+        sent.add("tp", "all_gather", hidden, t, (pairs + total("gathered") + 2 * routed) * n_micro)
         sent.add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
-        # Parameters TP replicates see sequence-sharded activations: their partial gradients
-        # are all-reduced once per step.
-        for _, (r, c), tp_dim in entries:
-            if tp_dim is None:
-                sent.add("tp", "all_reduce", 4 * r * c, t)
     else:
         sent.add("tp", "all_reduce", hidden, t, pairs * n_micro)
+    params = [n for term in terms for n in term["head_params"] + term["sp_params"] * lay.sequence_parallel]
+    if lay.sequence_parallel:  # the stages' own modules (the final norm)
+        own = model.stage_params(args, first, last, range(0))
+        params += [r * c for _, (r, c), tp_dim in own if tp_dim is None]
+    if params:
+        sent.add("tp", "all_reduce", 4 * sum(params) / len(params), t, len(params))
     if last:
         if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
             sent.add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
@@ -270,7 +320,7 @@ def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     sent.add("ep", "all_to_all", 8 * model.experts(args) * (e - 1) / e, e, forwards * n_micro)
 
 
-def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
+def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[int], n_micro: int) -> None:
     """Context parallelism's exchanges per step, for ``tokens`` of this rank (over its forwards)
     through the blocks of global indices ``blocks``: all-to-all sends (cp-1)/cp of q, k, v and
     the output (the heads of its TP rank) in forward and their gradients in backward; ring passes
@@ -286,12 +336,13 @@ def _context(sent: _Sent, args, lay: Layout, tokens: int, blocks: list[int], n_m
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2  # input- and weight-gradient passes each recompute the block
     passes = 2 * len(blocks) + again  # forward and backward of every block, and the forwards run again
-    head = tokens * args.head_dim / lay.tp
+    heads, kv_heads, qk, v = model.attention_heads(args)
+    per_rank = tokens / lay.tp  # (each tp rank its share of the heads)
     if lay.cp_method == "alltoall":
-        qkvo = head * (2 * args.n_heads + 2 * args.n_kv_heads) * act
+        qkvo = per_rank * (heads * (qk + v) + kv_heads * (qk + v)) * act
         sent.add("cp", "all_to_all", qkvo * (c - 1) / c, c, passes, calls=2 * n_micro)  # (q, k, v; then out)
     else:
-        kv = 2 * head * args.n_kv_heads
+        kv = per_rank * kv_heads * (qk + max(qk, v))  # (values narrower than keys travel widened)
         sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)
         sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
 
@@ -312,17 +363,14 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     sent.add("world", "all_reduce", 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args)),
              lay.world)
     sent.add("world", "all_reduce", 4, lay.world)
-    if lay.tp > 1:
-        entries = [e for s in stages for e in stage_entries(model, args, split, s)]
     starts = [0, *itertools.accumulate(split)]
     blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
     if lay.tp > 1:
-        entries = [e for s in stages for e in stage_entries(model, args, split, s)]
-        _tensor_parallel(sent, model, args, lay, seq, entries, blocks, first, last)
+        _tensor_parallel(sent, model, args, lay, seq, blocks, first, last)
     if lay.ep > 1:
         _experts(sent, model, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.cp > 1:
-        _context(sent, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
+        _context(sent, model, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.grad_ranks > 1:
         local = rank_params(model, args, lay, pp_rank)
         if lay.zero_stage == 3:
