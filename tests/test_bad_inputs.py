@@ -181,6 +181,19 @@ CASES = [
          "model.yarn_factor needs model.yarn_original_seq_len"),
     Case("a window on GPT-2", CHECK + " --model.name gpt2 --model.sliding_window 8",
          "model.sliding_window does not apply to the gpt2 family"),
+    # latent attention
+    Case("latent attention with grouped KV heads", CHECK + " --model.kv_lora_rank 32",
+         "model.n_kv_heads = 4 with model.kv_lora_rank", "set n_kv_heads = n_heads = 8"),
+    Case("latent attention with q/k norms", CHECK + " --model.name moe --model.kv_lora_rank 32 "
+         "--model.n_kv_heads 8", "model.qk_norm with model.kv_lora_rank (latent attention)"),
+    Case("an odd rotary part", CHECK + " --model.flavor debug-mla --model.qk_rope_dim 7",
+         "model.qk_rope_dim = 7: RoPE rotates pairs"),
+    Case("value heads wider than query heads", CHECK + " --model.flavor debug-mla --model.v_head_size 64",
+         "model.v_head_size = 64 is wider than a query head (24"),
+    Case("a latent of NaN", CHECK + " --model.flavor debug-mla --model.kv_lora_rank nan",
+         "model.kv_lora_rank", "expected int"),
+    Case("latent attention on GPT-2", CHECK + " --model.name gpt2 --model.kv_lora_rank 32",
+         "model.kv_lora_rank does not apply to the gpt2 family"),
     # --- a mixture of experts
     Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
          "model.top_k = 9 must be between 1 and model.experts = 8"),

@@ -318,7 +318,7 @@ def test_qwen3_moe_round_trip_is_bitwise(tmp_path):
 
 def test_a_moe_flavour_without_a_hf_form_is_refused():
     """DeepSeek-shaped routing (sigmoid scores, a shared expert, a route scale) is not Qwen3-MoE."""
-    problem = MOE.hf_problem(MOE.args("debug-deepseek"))
+    problem = MOE.hf_problem(MODELS["deepseek_v3"].args("debug"))
     assert "score = 'sigmoid'" in problem and "shared_hidden = 64" in problem
     assert "Qwen3MoeForCausalLM" in problem
     assert MOE.hf_problem(MOE.args("debug")) is None
@@ -340,3 +340,135 @@ def test_training_from_qwen3_moe_is_the_same_under_expert_parallelism(tmp_path):
         assert_matches(result, ref, param_tol=1e-4, per_param={"tok_embeddings.weight": 2e-3})
     fresh = run_layouts(1, {"fresh": ["--model.name", "moe"]})["fresh"]
     assert ref["losses"][0] != fresh["losses"][0]
+
+
+# ---------------------------------------------------------------- DeepSeek-V3
+
+DEEPSEEK = MODELS["deepseek_v3"]
+# (no query latent: DeepSeek-V2's projection from x; YaRN: its temperature on the whole score)
+DEEPSEEK_SHAPES = {"debug": {}, "no query latent": {"q_lora_rank": 0},
+                   "yarn": {"yarn_factor": 4.0, "yarn_original_seq_len": 512}}
+
+
+def deepseek_args(shape: dict):
+    from dataclasses import replace
+
+    return replace(DEEPSEEK.args("debug"), **shape)  # (replace: a 0 field is the flavour's in args())
+
+
+def make_hf_deepseek(folder: Path, args, seed: int = 0) -> "transformers.DeepseekV3ForCausalLM":
+    """A random DeepseekV3ForCausalLM of ``args``'s shape with non-trivial norms, decisive routers
+    and a routing bias, saved as transformers saves it."""
+    fields = {k: v for k, v in DEEPSEEK.hf_config(args).items()
+              if k not in ("architectures", "model_type", "rope_scaling")}
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "mlp.gate." in name:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def deepseek_model(weights, args):
+    """The deepseek_v3 model from ``weights`` (by name), its routers' bias from theirs."""
+    with torch.device("meta"):
+        model = DEEPSEEK.build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0, values=weights)
+    DEEPSEEK.routing([model], args).load_state_dict({"expert_bias": weights["routing.expert_bias"].read()})
+    return model.eval()
+
+
+@pytest.mark.parametrize("shape", list(DEEPSEEK_SHAPES))
+def test_deepseek_v3_import_gives_transformers_logits(tmp_path, shape):
+    """Latent attention (HF's fused key/value-latent and rotary-key projection read as two), the
+    routing bias, group-limited sigmoid routing, shared experts, the dense first block, YaRN's
+    temperature on the whole score: transformers' logits within 2e-6 (float noise; logits ~1)."""
+    args = deepseek_args(DEEPSEEK_SHAPES[shape])
+    hf = make_hf_deepseek(tmp_path, args)
+    model = deepseek_model(HFWeights(tmp_path, DEEPSEEK, args, "debug"), args)
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 2e-6, diff
+
+
+def test_deepseek_v3_round_trip_is_bitwise(tmp_path):
+    """HF -> torchpar -> HF in fp32: every tensor bit for bit, the fused projection written whole
+    from its two parts, the routing bias from the trainer's state; a slice of the rotary key's rows
+    reads only them."""
+    from safetensors.torch import load_file
+
+    args = deepseek_args({})
+    make_hf_deepseek(tmp_path / "in", args)
+    weights = HFWeights(tmp_path / "in", DEEPSEEK, args, "debug")
+    model = deepseek_model(weights, args)
+    state = {**{n: p.detach() for n, p in model.named_parameters()},
+             "routing.expert_bias": weights["routing.expert_bias"].read()}
+    stats = write_hf(tmp_path / "out", DEEPSEEK, args, state.__getitem__, torch.float32,
+                     max_shard_bytes=1 << 20)
+    original = load_file(tmp_path / "in" / "model.safetensors")
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert original.keys() == exported.keys()
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in exported
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    rope = weights["layers.2.attention.wk_rope.weight"].read((slice(2, 6), slice(0, 16)))
+    fused = original["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"]
+    assert torch.equal(rope, fused[args.kv_lora_rank + 2:args.kv_lora_rank + 6, :16])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["q_lora_rank"] == 64 and config["n_group"] == 4 and config["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_yarn_in_another_form_is_one_line(tmp_path):
+    """A checkpoint whose YaRN puts its temperature on cos and sin (no mscale fields) computes other
+    scores than DeepSeek's: one line naming the field."""
+    from torchpar.errors import ConfigError
+
+    args = deepseek_args(DEEPSEEK_SHAPES["yarn"])
+    make_hf_deepseek(tmp_path, args)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key):
+            config[key] = {k: v for k, v in config[key].items() if not k.startswith("mscale")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="RoPE mscale = None"):
+        HFWeights(tmp_path, DEEPSEEK, args, "debug")
+
+
+@pytest.mark.slow
+def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tmp_path):
+    """Started from a DeepSeek-V3-shaped HF folder, each rank reading its own experts: ep 2 trains
+    like one process; the imported routing bias is the run's starting bias (its range after one
+    step is the import's, ~0.2, not one step's 0.02). The checkpoint exports back to a folder that
+    transformers reads with the trained weights and bias: its logits are torchpar's."""
+    from torchpar.weights import load_model
+
+    args = deepseek_args({})
+    make_hf_deepseek(tmp_path / "hf", args, seed=3)
+    start = ["--model.name", "deepseek_v3", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+             "--parallelism.zero_stage", "3", "--model.bias_rate", "0.01"]
+    ref = run_layouts(1, {"ref": start})["ref"]
+    ep2 = run_layouts(2, {"ep2": [*start, "--training.local_batch_size", "4",
+                                  "--parallelism.expert_parallel_degree", "2"]})["ep2"]
+    assert_matches(ep2, ref, param_tol=1e-4, per_param={"tok_embeddings.weight": 2e-3})
+    assert ref["step1"]["moe/bias_range"] > 0.1
+    ckpt = tmp_path / "run"
+    r = run(["train", "--config", str(TINY), *start, "--training.steps", "2", "--job.dump_folder", str(ckpt),
+             "--checkpoint.enable", "true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out"), "--format", "hf"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+    ours, _ = load_model(ckpt)
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 2e-6, diff

@@ -14,6 +14,7 @@ from torchpar.models.common import SwiGLU
 from torchpar.models.moe import MoE, Router, balance_loss, grouped_mm_problem, update_bias
 
 MOE_FAMILY = MODELS["moe"]
+DEEPSEEK = MODELS["deepseek_v3"]
 
 
 def layer(seed=0, **kw):
@@ -128,10 +129,10 @@ def test_group_limited_routing_logs_the_groups_each_token_reaches():
     """With route_groups the step's figures add moe/groups_per_token: between 1 and
     route_top_groups on average, exactly 1 when each token keeps one group."""
     for top, low, high in ((2, 1.0, 2.0), (1, 1.0, 1.0)):
-        args = MOE_FAMILY.args("debug-deepseek", route_top_groups=top)
-        model = MOE_FAMILY.build(args)
+        args = DEEPSEEK.args("debug", route_top_groups=top)
+        model = DEEPSEEK.build(args)
         model.init_weights(0)
-        routing = MOE_FAMILY.routing([model], args)
+        routing = DEEPSEEK.routing([model], args)
         assert routing.names[-1] == "moe/groups_per_token"
         with loss.auxiliary_terms((), scale=1.0):
             model(torch.randint(0, args.vocab_size, (2, 8)))
@@ -193,14 +194,14 @@ def test_top_k_above_the_experts_is_refused():
 def test_stage_params_match_the_built_model_for_dense_and_routed_blocks():
     """The planner's table (expert stacks as (experts, rest)) names every parameter of every
     block, the first dense one included, with its element count; the counts add up."""
-    for flavor in ("debug", "debug-deepseek"):
-        args = MOE_FAMILY.args(flavor)
-        model = MOE_FAMILY.build(args)
+    for family in (MOE_FAMILY, DEEPSEEK):
+        args = family.args("debug")
+        model = family.build(args)
         real = [(n, p.numel()) for n, p in model.named_parameters()]
-        table = MOE_FAMILY.stage_params(args, True, True, range(args.n_layers))
+        table = family.stage_params(args, True, True, range(args.n_layers))
         assert [(n.split(".", 2)[-1] if n.startswith("layers.") else n, c) for n, c in real] == \
             [(n, r * c) for n, (r, c), _ in table]
-        assert MOE_FAMILY.num_params(args) == sum(c for _, c in real)
+        assert family.num_params(args) == sum(c for _, c in real)
         assert isinstance(model.layers["0"].feed_forward, SwiGLU)  # dense_layers = 1
         assert all(isinstance(model.layers[str(i)].feed_forward, MoE) for i in range(1, args.n_layers))
 

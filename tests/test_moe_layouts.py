@@ -19,7 +19,7 @@ Z = "--parallelism.zero_stage"
 LB = "--training.local_batch_size"
 MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
 # latent attention; sigmoid scores, a shared expert, route scale 2.5, group-limited routing
-DEEPSEEK = ["--model.flavor", "debug-deepseek"]
+DEEPSEEK = ["--model.name", "deepseek_v3"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 BIAS_ONLY = ["--model.balance_coeff", "0"]
 BALANCE_ONLY = ["--model.bias_rate", "0"]

@@ -47,9 +47,8 @@ LEDGER_LAYOUTS = {
     "tp2_no_sp_lp_moe": [Z, "0", "--model.name", "moe", "--parallelism.tensor_parallel_degree", "2",
                          "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
     # (with a query latent: the attention's input gradient comes back summed, no reduction of it)
-    "tp2_deepseek": [Z, "0", "--model.name", "moe", "--model.flavor", "debug-deepseek",
-                     "--parallelism.tensor_parallel_degree", "2"],
-    "tp2_no_sp_lp_deepseek": [Z, "0", "--model.name", "moe", "--model.flavor", "debug-deepseek",
+    "tp2_deepseek": [Z, "0", "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_sp_lp_deepseek": [Z, "0", "--model.name", "deepseek_v3",
                               "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                               "false", "--parallelism.loss_parallel", "false"],
     "cp2_ring_mla": [Z, "1", *MLA_FLAVOR, *CP2, "--parallelism.context_parallel_method", "ring"],
@@ -266,7 +265,11 @@ GPT_OSS = ("llama3", "debug-gptoss", 4, 64)
 # with a query latent (a flavour's shape overrides follow its name)
 MLA = ("llama3", "debug-mla", 4, 64)
 MLA_Q = ("llama3", "debug-mla q_lora_rank=64", 4, 64)
-ACTIVATION_MODELS += [GPT_OSS, MLA, MLA_Q]
+# mixtures of experts: a dense block and routed ones (each kind traced), the experts' grouped GEMMs
+# kept by selective recomputation; under TP each rank runs the routed module whole with its share of
+# the experts' width; DeepSeek-V3's shared experts and latent attention
+MOE_MODELS = [("moe", "debug", 4, 64), ("deepseek_v3", "debug", 4, 64)]
+ACTIVATION_MODELS += [GPT_OSS, MLA, MLA_Q, *MOE_MODELS]
 
 
 def _activation_worker(rank, world, out, cases):
@@ -323,7 +326,7 @@ def test_activations_predicted_from_structure_match_one_process():
 def test_activations_predicted_under_tensor_and_sequence_parallelism():
     """The same on one rank of TP = 2, with and without sequence parallelism (loss parallel on):
     the trace of one tp = 1 block divided by the rules of the modules' TP styles."""
-    cases = [(*m, sp, policy, 1) for m in (*ACTIVATION_MODELS[:5], GPT_OSS, MLA, MLA_Q)
+    cases = [(*m, sp, policy, 1) for m in (*ACTIVATION_MODELS[:5], GPT_OSS, MLA, MLA_Q, *MOE_MODELS)
              for sp in (False, True) for policy in ("none", "selective", "full")]
     for r in _activation_ratios(2, cases):
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r

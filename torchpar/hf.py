@@ -22,7 +22,7 @@ import torch
 
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
-from torchpar.models.common import ExpertSlice
+from torchpar.models.common import RowsOf, StackRow
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import LazyWeight
@@ -105,19 +105,22 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
     out.mkdir(parents=True, exist_ok=True)
     mapping = model.hf_tensors(args)
     shapes = full_shapes(model, args)
-    entries = [(hf, model.hf_shape(shapes[tp], how), dtype) for tp, hf, how in mapping]
-    source = {hf: (tp, how) for tp, hf, how in mapping}
+    entries = [(hf, shape, dtype) for hf, shape in hf_shapes(model, args, mapping, shapes).items()]
+    source: dict[str, list] = {}
+    for tp, hf, how in mapping:
+        source.setdefault(hf, []).append((tp, how))
     acct = _Accounting()
     last = {}  # the last tensor read: an expert stack gives one HF tensor per expert, in a row
 
     def produce(hf_name: str) -> torch.Tensor:
-        tp_name, how = source[hf_name]
-        if tp_name not in last:
-            last.clear()
-            last[tp_name] = read(tp_name)
-        value = last[tp_name]
-        converted = model.to_hf(value, how).to(dtype)
-        acct.hold(value, converted)
+        parts = []
+        for tp_name, how in source[hf_name]:  # (several: torchpar tensors fused as rows of one)
+            if tp_name not in last:
+                last.clear()
+                last[tp_name] = read(tp_name)
+            parts.append(model.to_hf(last[tp_name], how).to(dtype))
+        converted = parts[0] if len(parts) == 1 else torch.cat(parts)
+        acct.hold(*last.values(), converted)
         return converted
 
     shards = _shards(entries, max_shard_bytes)
@@ -146,10 +149,23 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
 
 
 def full_shapes(model, args) -> dict[str, tuple[int, ...]]:
-    """Every parameter's full shape by canonical name, from a meta-device build (no memory)."""
+    """Every parameter's full shape by canonical name, from a meta-device build (no memory), and
+    the shapes of the state beside them an HF form holds (:meth:`ModelAdapter.extra_state`)."""
     with torch.device("meta"):
         module = model.build(args)
-    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+    return {**{name: tuple(p.shape) for name, p in module.named_parameters()}, **model.extra_state(args)}
+
+
+def hf_shapes(model, args, mapping: list, shapes: dict) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor's shape, in the mapping's order: a :class:`RowsOf` tensor's rows summed over
+    its parts."""
+    out = {}
+    for tp, hf, how in mapping:
+        shape = model.hf_shape(shapes[tp], how)
+        if isinstance(how, RowsOf) and hf in out:
+            shape = (out[hf][0] + shape[0], *shape[1:])
+        out[hf] = shape
+    return out
 
 
 # ---------------------------------------------------------------------- reading
@@ -174,6 +190,8 @@ def _rope(config: dict) -> tuple[object, str, dict]:
 
 # YaRN's fields in config.json, with transformers' defaults for the two it may leave out
 _YARN = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0}
+# ... and where its temperature goes, absent unless a family sets them (DeepSeek's: on the whole score)
+_YARN_TEMPERATURE = ("mscale", "mscale_all_dim", "attention_factor")
 
 
 def _check_rope(path: Path, config: dict, expected: dict, flavor: str) -> object:
@@ -193,6 +211,13 @@ def _check_rope(path: Path, config: dict, expected: dict, flavor: str) -> object
         if not (isinstance(have, (int, float)) and math.isclose(have, want[key], rel_tol=1e-9)):
             raise ConfigError(f"{path}/config.json: RoPE {key} = {have!r}, but the model has {want[key]!r}; "
                               "set model.yarn_factor and model.yarn_original_seq_len to the checkpoint's")
+    for key in _YARN_TEMPERATURE if kind == "yarn" else ():
+        have, model_value = params.get(key), want.get(key)
+        if have != model_value and not (None not in (have, model_value)
+                                        and math.isclose(have, model_value, rel_tol=1e-9)):
+            raise ConfigError(f"{path}/config.json: RoPE {key} = {have!r}, but the model's YaRN has "
+                              f"{model_value!r} (where its temperature applies); torchpar reads only that "
+                              "form")
     return theta
 
 
@@ -245,7 +270,8 @@ class HFWeights:
                               f"{e}); is the download complete?") from None
         self.shapes = full_shapes(model, args)
         self.entries: dict[str, list] = {}  # torchpar name -> [(file, HF name, how)]: several for a stack
-        for tp_name, hf_name, how in model.hf_tensors(args):
+        mapping = model.hf_tensors(args)
+        for tp_name, hf_name, how in mapping:
             if hf_name not in weight_map:
                 raise ConfigError(f"{self.path}: no tensor {hf_name} in the checkpoint; it holds another "
                                   "model")
@@ -254,14 +280,13 @@ class HFWeights:
             self.entries["output.weight"] = self.entries["tok_embeddings.weight"]
         self._files = {}
         # Every shape from the files' headers (no tensor is read), so a mismatch is found before launch.
-        for tp_name, parts in self.entries.items():
-            for file, hf_name, how in parts:
-                have = tuple(self._slice(file, hf_name).get_shape())
-                shape = model.hf_shape(self.shapes[tp_name], how)
-                if have != shape:
-                    raise ConfigError(f"{self.path / file}: {hf_name} is {have}, torchpar expects {shape} "
-                                      "for model.flavor (and its overrides); choose the flavour the weights "
-                                      "were made for")
+        for hf_name, shape in hf_shapes(model, args, mapping, self.shapes).items():
+            file = weight_map[hf_name]
+            have = tuple(self._slice(file, hf_name).get_shape())
+            if have != shape:
+                raise ConfigError(f"{self.path / file}: {hf_name} is {have}, torchpar expects {shape} "
+                                  "for model.flavor (and its overrides); choose the flavour the weights "
+                                  "were made for")
 
     def _slice(self, file: str, name: str):
         from safetensors import safe_open
@@ -275,17 +300,24 @@ class HFWeights:
 
     def __getitem__(self, name: str) -> LazyWeight:
         parts, shape = self.entries[name], self.shapes[name]
-        if isinstance(parts[0][2], ExpertSlice):
+        if isinstance(parts[0][2], StackRow):
             def stacked(index: tuple[slice, ...]) -> torch.Tensor:
-                experts, rows, cols = index  # each expert's HF tensor is [cols, rows]: read and turn it
+                stack, *rest = index
+                if not parts[0][2].transposed:  # a vector per row of the stack
+                    return torch.stack([self._slice(file, hf_name)[rest[0]]
+                                        for file, hf_name, _ in parts[stack]])
+                rows, cols = rest  # each expert's HF tensor is [cols, rows]: read and turn it
                 return torch.stack([self._slice(file, hf_name)[cols, rows].t()
-                                    for file, hf_name, _ in parts[experts]])
+                                    for file, hf_name, _ in parts[stack]])
 
             return LazyWeight(shape, stacked)
         (file, hf_name, heads), = parts
 
         def read(index: tuple[slice, ...]) -> torch.Tensor:
             part = self._slice(file, hf_name)  # its shape was checked when the folder was opened
+            if isinstance(heads, RowsOf):  # this tensor's rows of the HF one
+                rows, *cols = index
+                return part[(slice(rows.start + heads.start, rows.stop + heads.start), *cols)]
             if heads is None:
                 return part[index]
             if len(index) == 1:  # a vector over one head (a q/k norm's weight): small, read whole

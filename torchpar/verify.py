@@ -56,7 +56,8 @@ def activation_check(model, args, lay, batch: int, seq: int) -> dict:
     measured = measured_activations(model, args, lay, batch, seq)
     policy = lay.activation_checkpoint
     blocks = [held_bytes(model, args, lay, batch, seq,
-                         policy if recomputed(i, policy, lay.activation_checkpoint_every) else "none")
+                         policy if recomputed(i, policy, lay.activation_checkpoint_every) else "none",
+                         layer=i)
               for i in range(args.n_layers)]
     rest = held_bytes(model, args, lay, batch, seq, "none", part="rest")
     whole = sum(measured["blocks"]) + measured["rest"]

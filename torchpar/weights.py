@@ -102,11 +102,13 @@ def open_source(path: str | Path) -> tuple[dict, object]:
     sizes = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
 
     def read(name: str) -> torch.Tensor:
-        sd = {"model": {name: torch.empty(tuple(sizes[f"model.{name}"].size))}}
+        # a parameter's name, or the full key of the state beside them (routing.expert_bias)
+        part, key = ("model", name) if f"model.{name}" in sizes else name.split(".", 1)
+        sd = {part: {key: torch.empty(tuple(sizes[f"{part}.{key}"].size))}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore")
             dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # this tensor's shards, gathered whole
-        return sd["model"][name]
+        return sd[part][key]
 
     return meta, read
 
@@ -122,5 +124,21 @@ def load_model(path: str | Path):
     model.tie_weights()
     values = {name: read(name) for name, _ in model.named_parameters()}
     model.init_weights(0, values=values)
+    extra = extra_state(family, model.args, read)
+    routing = family.routing([model], model.args)
+    if routing is not None and "routing.expert_bias" in extra:  # it steers the routers at inference too
+        routing.load_state_dict({"expert_bias": extra["routing.expert_bias"]})
     model.eval()
     return model, meta
+
+
+def extra_state(family, args, read) -> dict[str, torch.Tensor]:
+    """The state beside the parameters a source holds (the routers' balancing bias), by name; none
+    that a file exported before it held."""
+    out = {}
+    for name in family.extra_state(args):
+        try:
+            out[name] = read(name)
+        except KeyError:
+            pass
+    return out

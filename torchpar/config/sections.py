@@ -33,9 +33,10 @@ class Model:
     name: str = opt(
         "llama3",
         "Model family, one of those registered in torchpar/models/__init__.py (MODELS): 'llama3' (RMSNorm, "
-        "RoPE, GQA, SwiGLU), 'gpt2' (learned positions, LayerNorm, GELU MLP, biases) and 'moe' (Llama blocks "
-        "whose feed-forwards are mixtures of experts; flavours shaped like Qwen3-MoE and DeepSeek-V3) ship "
-        "with torchpar.",
+        "RoPE, GQA, SwiGLU), 'gpt2' (learned positions, LayerNorm, GELU MLP, biases), 'moe' (Llama blocks "
+        "whose feed-forwards are mixtures of experts, shaped like Qwen3-MoE) and 'deepseek_v3' (the same "
+        "with latent attention, group-limited sigmoid routing and shared experts: DeepSeek-V3) ship with "
+        "torchpar.",
     )
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
@@ -84,8 +85,8 @@ class Model:
            "from a normalized latent this wide per token (DeepSeek-V3: 512); each q/k head is its head size "
            "wide without RoPE plus qk_rope_dim with it, the rotary key one per token shared by the heads. "
            "Needs n_kv_heads = n_heads. Under tensor parallelism the heads are split, the latents computed "
-           "whole on every rank. 0 = the flavour's (Llama debug-mla, MoE debug-deepseek and deepseek-*: "
-           "latent; the others grouped-query).")
+           "whole on every rank. 0 = the flavour's (Llama debug-mla and the deepseek_v3 family: latent; the "
+           "others grouped-query).")
     q_lora_rank: int = opt(
         0, "Llama and MoE: with kv_lora_rank, queries projected up from a normalized latent this wide "
            "(DeepSeek-V3: 1536) instead of from the hidden state. 0 = the flavour's.")
@@ -109,7 +110,7 @@ class Model:
            "of consecutive experts; each token keeps the route_top_groups groups whose two best scores (with "
            "the balancing bias) sum highest and takes its top_k experts among theirs. With "
            "expert_parallel_degree equal to it, a group is one rank's experts, so each token's slots reach "
-           "at most route_top_groups ranks. 0 = the flavour's (debug-deepseek: 4; 1 = none).")
+           "at most route_top_groups ranks. 0 = the flavour's (deepseek_v3 debug: 4; 1 = none).")
     route_top_groups: int = opt(
         0, "MoE: the groups each token's experts come from, with route_groups (DeepSeek-V3: 4 of 8). 0 = the "
            "flavour's.")

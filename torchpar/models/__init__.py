@@ -5,11 +5,12 @@ import importlib
 
 from torchpar.errors import ConfigError, did_you_mean
 from torchpar.models.common import ModelAdapter, canonical_name
+from torchpar.models.deepseek import ADAPTER as DEEPSEEK_V3
 from torchpar.models.gpt2 import ADAPTER as GPT2
 from torchpar.models.llama import ADAPTER as LLAMA
 from torchpar.models.moe import ADAPTER as MOE
 
-MODELS: dict[str, ModelAdapter] = {LLAMA.name: LLAMA, GPT2.name: GPT2, MOE.name: MOE}
+MODELS: dict[str, ModelAdapter] = {family.name: family for family in (LLAMA, GPT2, MOE, DEEPSEEK_V3)}
 DEFAULT_FAMILY = LLAMA.name  # [model] name's default; the worked examples' flavours are this family's
 
 

@@ -406,10 +406,19 @@ class SeededInit(nn.Module):
 
 
 @dataclass(frozen=True)
-class ExpertSlice:
-    """How an HF tensor holds a piece of a torchpar one: expert ``index`` of a stack
-    [experts, a, b], transposed ([b, a]) — HF keeps each expert's linears apart, as [out, in]."""
+class StackRow:
+    """How an HF tensor holds a piece of a torchpar one: row ``index`` of a stack. An expert's
+    matrix of a stack [experts, a, b], transposed ([b, a]: HF keeps each expert's linears apart,
+    as [out, in]); or, not transposed, one block's vector of a stack [blocks, n] (a router's bias)."""
     index: int
+    transposed: bool = True
+
+
+@dataclass(frozen=True)
+class RowsOf:
+    """How an HF tensor holds a torchpar one: as its rows from ``start`` on, beside other torchpar
+    tensors' rows (HF fuses projections torchpar keeps apart)."""
+    start: int
 
 
 class ModelAdapter(ABC):
@@ -503,25 +512,37 @@ class ModelAdapter(ABC):
         return None if self.hf_architecture else f"the {self.name} family has no Hugging Face mapping"
 
     def hf_tensors(self, args) -> list[tuple[str, str, object]]:
-        """(torchpar name, HF name, how) per HF tensor: ``how`` is None (the same tensor), the number
-        of heads whose rows are RoPE-permuted, or an :class:`ExpertSlice` (one torchpar stack gives
-        several HF tensors); a tied head is listed once, under the embedding."""
+        """(torchpar name, HF name, how) per HF tensor or part of one: ``how`` is None (the same
+        tensor), the number of heads whose rows are RoPE-permuted, a :class:`StackRow` (one torchpar
+        stack gives several HF tensors) or :class:`RowsOf` (several torchpar tensors give one HF
+        tensor, listed in order); a tied head is listed once, under the embedding. Names may include
+        :meth:`extra_state`'s."""
         raise TypeError(f"the {self.name} family has no Hugging Face mapping")
 
+    def extra_state(self, args) -> dict[str, tuple[int, ...]]:
+        """Tensors the trainer keeps beside the model's parameters that change what it computes, by
+        their name in a checkpoint, with their shapes (a mixture of experts' ``routing.expert_bias``:
+        every MoE block's balancing bias); exports and imports carry them."""
+        return {}
+
     def to_hf(self, t, how):
-        """A torchpar tensor as HF holds it (see :meth:`hf_tensors`; identity when ``how`` is None)."""
-        if isinstance(how, ExpertSlice):
-            return t[how.index].t()
+        """A torchpar tensor as HF holds it (see :meth:`hf_tensors`; identity when ``how`` is None;
+        a :class:`RowsOf` part as it is, its rows placed by hf.py)."""
+        if isinstance(how, StackRow):
+            return t[how.index].t() if how.transposed else t[how.index]
         return t
 
     def from_hf(self, t, how):
-        """The inverse of :meth:`to_hf` for row-permuted heads (expert slices are read by hf.py)."""
+        """The inverse of :meth:`to_hf` for row-permuted heads (stack rows are read by hf.py)."""
         return t
 
     @staticmethod
     def hf_shape(shape: tuple[int, ...], how) -> tuple[int, ...]:
-        """The HF tensor's shape for a torchpar one of ``shape`` (see :meth:`hf_tensors`)."""
-        return (shape[2], shape[1]) if isinstance(how, ExpertSlice) else shape
+        """The shape of the HF tensor (of its part, for :class:`RowsOf`) a torchpar one of
+        ``shape`` gives (see :meth:`hf_tensors`)."""
+        if isinstance(how, StackRow):
+            return (shape[2], shape[1]) if how.transposed else shape[1:]
+        return shape
 
     # -- tensor parallelism
 
@@ -558,9 +579,16 @@ class ModelAdapter(ABC):
         last = args.n_layers - 1 if layer is None else layer
         return self.stage_params(args, False, False, range(last, last + 1))
 
-    def traced_args(self, args):
-        """The one-block model whose activations the planner measures for every block (the
-        largest kind of block, where blocks differ)."""
+    def block_kind(self, args, layer: int):
+        """What makes block ``layer`` hold other activations than another (a hashable; blocks of
+        one kind hold the same bytes): none by default."""
+        return 0
+
+    def traced_args(self, args, kind=None, tp: int = 1):
+        """The one-block model whose activations the planner measures for the blocks of ``kind``
+        (:meth:`block_kind`; None: the largest kind, where blocks differ), on a rank of tensor
+        parallelism of degree ``tp`` where a module splits itself rather than by its plan word (a
+        mixture of experts' hidden width: its model is traced with the rank's share)."""
         return replace(args, n_layers=1)
 
     def routing(self, parts: list[nn.Module], args):

@@ -243,6 +243,11 @@ class Attention(nn.Module):
         return local(self.sinks) if self.sinks is not None else None
 
 
+# The latents' norms keep DeepSeek's own epsilon whatever the blocks' norm_eps (as its code and
+# Hugging Face's build them).
+LATENT_NORM_EPS = 1e-6
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, DeepSeek-V3). Keys and values are projected up from
     a latent of kv_lora_rank per token (and queries from one of q_lora_rank, when set), each
@@ -262,12 +267,12 @@ class LatentAttention(nn.Module):
         d, h, qk = args.dim, args.n_heads, args.qk_head_dim
         if args.q_lora_rank:
             self.wq, self.wq_a = None, nn.Linear(d, args.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_a_norm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, h * qk, bias=False)
         else:
             self.wq, self.wq_a, self.q_a_norm, self.wq_b = nn.Linear(d, h * qk, bias=False), None, None, None
         self.wkv_a = nn.Linear(d, args.kv_lora_rank, bias=False)
-        self.kv_a_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.kv_a_norm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.wk_rope = nn.Linear(d, self.rope, bias=False)  # the shared rotary key
         self.wo = nn.Linear(h * self.v_dim, d, bias=False)
@@ -526,6 +531,15 @@ class LlamaAdapter(ModelAdapter):
         # square counts causal attention's half twice.
         windows = (args.window(i) for i in range(args.n_layers))
         return sum(min(seq_len, 2 * w) if w else seq_len for w in windows)
+
+    def block_kind(self, args: ModelArgs, layer: int) -> int:
+        return args.window(layer)  # (a sliding layer holds its mask, a full one none)
+
+    def traced_args(self, args: ModelArgs, kind: int | None = None, tp: int = 1) -> ModelArgs:
+        one = replace(args, n_layers=1)  # (its block 0 slides where the model has windows)
+        if kind is None or kind == one.window(0):
+            return one
+        return replace(one, sliding_window=kind, full_attention_every=2)  # (layer 0 slides, with a window)
 
     def custom_attention(self, args: ModelArgs) -> tuple[str, ...]:
         return ("attn_sink",) * args.attn_sink + ("sliding_window",) * bool(args.sliding_window)

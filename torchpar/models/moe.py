@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpar.loss import add_auxiliary_loss, counting
-from torchpar.models.common import ExpertSlice, SwiGLU, canonical_name
+from torchpar.models.common import StackRow, SwiGLU, canonical_name
 from torchpar.models.llama import LlamaAdapter, ModelArgs, Transformer, TransformerBlock
 
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
@@ -53,6 +53,8 @@ def grouped_mm_problem(dtype: torch.dtype, device: torch.device, *widths: int, g
     rows must start at multiples of 16 bytes (the widths, and each operand's first element:
     ``tensors``, where known), it takes at most MAX_GROUPS experts at once, and on CUDA bf16 only,
     from compute capability 8.0."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"grouped GEMM takes float32, bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
     size = dtype.itemsize
     odd = [w for w in widths if w * size % 16]
     if odd:
@@ -284,34 +286,13 @@ DEBUG = MoEArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, m
                 rope_theta=10000.0, max_seq_len=2048, experts=8, top_k=2, moe_hidden=64, dense_layers=1,
                 qk_norm=True)
 FLAVORS: dict[str, MoEArgs] = {
-    "debug": DEBUG,  # Qwen3-MoE's routing: softmax, the top k renormalized, no shared expert
-    # DeepSeek-V3's routing: sigmoid scores, renormalized and scaled, one shared expert
-    # (and its group-limited routing: 4 groups of 2 experts, each token's from the best 2)
-    # DeepSeek-V3's latent attention: queries from a latent of 64, keys and values from one of 32, heads
-    # of 16 + a rotary 8 (one rotary key per token), values 16 wide
-    "debug-deepseek": replace(DEBUG, qk_norm=False, score="sigmoid", route_scale=2.5, shared_hidden=64,
-                              route_groups=4, route_top_groups=2, n_kv_heads=8, q_lora_rank=64,
-                              kv_lora_rank=32, qk_rope_dim=8),
+    # Qwen3-MoE's routing: softmax, the top k renormalized, no shared expert (DeepSeek-V3's shapes:
+    # the deepseek_v3 family, models/deepseek.py)
+    "debug": DEBUG,
     # Qwen3-30B-A3B: 48 blocks of 128 experts (768 wide), top 8, heads of 128 (wider than dim / heads).
     "qwen3-30B-A3B": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, qk_norm=True,
                              vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960,
                              experts=128, top_k=8, moe_hidden=768, multiple_of=2048),
-    # DeepSeek-V3 (671B, 37B active): latent attention (queries from 1536, keys and values from 512,
-    # heads of 128 + 64 rotary), 256 experts of 2048, top 8 from 4 of 8 groups, one shared expert,
-    # the first 3 blocks dense 18432 wide; pretrained at 4096 tokens (its YaRN came after).
-    "deepseek-v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_size=128,
-                           q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, vocab_size=129280,
-                           ffn_dim_multiplier=0.9643, multiple_of=1024, rope_theta=10000.0, norm_eps=1e-6,
-                           max_seq_len=4096, experts=256, top_k=8, moe_hidden=2048, shared_hidden=2048,
-                           dense_layers=3, score="sigmoid", route_scale=2.5, route_groups=8,
-                           route_top_groups=4),
-    # DeepSeek-V2-Lite (16B, 2.4B active): latent attention with queries projected from x, 64 experts
-    # of 1408, top 6 by softmax (not renormalized), two shared experts, the first block dense.
-    "deepseek-v2-lite": MoEArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_size=128,
-                                kv_lora_rank=512, qk_rope_dim=64, vocab_size=102400, ffn_dim_multiplier=1.0,
-                                multiple_of=10944, rope_theta=10000.0, norm_eps=1e-6, max_seq_len=4096,
-                                experts=64, top_k=6, moe_hidden=1408, shared_hidden=2816, dense_layers=1,
-                                normalize_top_k=False),
 }
 
 
@@ -438,13 +419,14 @@ class MoEAdapter(LlamaAdapter):
                   (("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
                    ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
                    ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
-                   ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1))
+                   ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
+                   ("kv_lora_rank", not args.latent))
                   if not same]
         if unlike:
             return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
                     f"{self.hf_architecture} routes by softmax scores without shared experts, a route "
-                    "scale or expert groups, has no attention sinks or sliding windows, and has per-head "
-                    "q/k norms and an untied head")
+                    "scale or expert groups, has no attention sinks, sliding windows or latent attention, "
+                    "and has per-head q/k norms and an untied head")
         return None
 
     def hf_config(self, args: MoEArgs) -> dict:
@@ -474,7 +456,7 @@ class MoEAdapter(LlamaAdapter):
             if layer in args.moe_layers and name.endswith("ffn_norm.weight"):
                 m, f = f"model.layers.{layer}.mlp", f"layers.{layer}.feed_forward"
                 out.append((f"{f}.router.gate.weight", f"{m}.gate.weight", None))
-                out += [(f"{f}.experts.{w}", f"{m}.experts.{j}.{proj}.weight", ExpertSlice(j))
+                out += [(f"{f}.experts.{w}", f"{m}.experts.{j}.{proj}.weight", StackRow(j))
                         for j in range(args.experts)
                         for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
         return out
@@ -536,9 +518,17 @@ class MoEAdapter(LlamaAdapter):
             ("feed_forward.experts.w1", (e, d * h), 1), ("feed_forward.experts.w3", (e, d * h), 1),
             ("feed_forward.experts.w2", (e, h * d), 1), *shared]
 
-    def traced_args(self, args: MoEArgs) -> MoEArgs:
-        # A routed block, dropless: its activations hold t x k expert rows whatever the routing.
-        return replace(args, n_layers=1, dense_layers=0, capacity_factor=0.0)
+    def block_kind(self, args: MoEArgs, layer: int) -> tuple[bool, int]:
+        return layer < args.dense_layers, super().block_kind(args, layer)
+
+    def traced_args(self, args: MoEArgs, kind: tuple[bool, int] | None = None, tp: int = 1) -> MoEArgs:
+        # A routed block (the largest kind) or a dense one, dropless: a routed block's activations
+        # hold t x k expert rows whatever the routing. Each tp rank runs the routed module whole
+        # with its share of the experts' and shared experts' hidden width (the planner leaves what
+        # a routed module holds whole).
+        dense, window = kind if kind is not None else (False, None)
+        return replace(super().traced_args(args, window), dense_layers=int(dense), capacity_factor=0.0,
+                       moe_hidden=args.moe_hidden // tp, shared_hidden=args.shared_hidden // tp)
 
     def param_counts(self, args: MoEArgs) -> dict[str, int]:
         counts = super().param_counts(args)
@@ -568,6 +558,9 @@ class MoEAdapter(LlamaAdapter):
         every expert's; attention over its heads' widths (:meth:`attention_width`)."""
         weights = self.active_matmul_params(args) + args.vocab_size * args.dim
         return 3 * (2 * weights + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
+
+    def extra_state(self, args: MoEArgs) -> dict[str, tuple[int, ...]]:
+        return {"routing.expert_bias": (len(args.moe_layers), args.experts)}
 
     def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
         return Routing(parts, args)

@@ -21,6 +21,7 @@ from torch import nn
 # overloads; looked up by name, so one missing from a torch build is simply absent).
 KEPT_OPS = (
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten._grouped_mm.default",  # a mixture of experts' matmuls, all its experts in one
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",

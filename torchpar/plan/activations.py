@@ -121,19 +121,27 @@ def styles_of(module, plan: dict, part: str) -> dict:
     return {named[path]: (part, style) for path, style in plan.items() if path in named}
 
 
-@functools.lru_cache(maxsize=256)
-def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -> dict:
-    """Bytes a one-block model and its loss hold at the end of the forward, on the meta device,
-    by part ("block": the block; "rest": embedding, final norm, head and loss) and creating style."""
+def _traced_plan(plan: dict[str, str]) -> dict[str, str]:
+    """A block's plan as its trace is tagged: what a routed module holds is its own (traced with
+    the rank's share of its widths: see ``traced_args``), except its row-wise outputs, which
+    selective recomputation keeps twice (below)."""
+    routed = tuple(m + "." for m, w in plan.items() if w == "routed")
+    return {m: w for m, w in plan.items() if w == "rowwise_replicated" or not m.startswith(routed or ("\0",))}
 
-    one = model.traced_args(args)
+
+@functools.lru_cache(maxsize=256)
+def traced(model, one, policy: str, dtype: torch.dtype, batch: int, seq: int) -> dict:
+    """Bytes the one-block model of args ``one`` (the adapter's ``traced_args``) and its loss hold
+    at the end of the forward, on the meta device, by part ("block": the block; "rest": embedding,
+    final norm, head and loss) and creating style."""
+
     with torch.device("meta"):
         module = model.build(one)
     module.to(dtype)
     apply_recompute(module, policy)
     block = module.layers["0"]
     tags = {module: ("rest", None), **styles_of(module, model.top_plan, "rest"), block: ("block", "block"),
-            **styles_of(block, model.layer_plan(one, 0), "block")}
+            **styles_of(block, _traced_plan(model.layer_plan(one, 0)), "block")}
     tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
     tracker = LiveStorages()
     with tagged(tracker, tags), FusedAttention(), tracker:
@@ -147,9 +155,11 @@ def traced(model, args, policy: str, dtype: torch.dtype, batch: int, seq: int) -
 
 # How tensor parallelism divides what a tp = 1 model holds, by creating style: "sp" = by tp only
 # with sequence parallelism, "lp" = by tp only with loss parallelism.
-# Modules every tp rank runs whole (latent attention's latents): held whole.
+# Modules every tp rank runs whole (latent attention's latents; a routed module, traced with its
+# rank's share of the experts' hidden width, and its shared experts' reduced outputs): held whole.
 DIVISOR = {"colwise": "tp", "input": "tp", "block": "sp", "norm": "sp", NORM_OUTPUT: "1", "embedding": "sp",
-           "head": "lp", None: "lp", "whole_input": "tp", "replicated": "1", "latent": "1", "shared": "1"}
+           "head": "lp", None: "lp", "whole_input": "tp", "replicated": "1", "latent": "1", "shared": "1",
+           "routed": "1", "rowwise_replicated": "1"}
 
 
 def divide(held: dict, lay, policy: str) -> float:
@@ -164,26 +174,29 @@ def divide(held: dict, lay, policy: str) -> float:
     by = {"tp": tp, "sp": tp if lay.sequence_parallel else 1, "lp": tp if lay.loss_parallel else 1, "1": 1}
     total = 0.0
     for style, nbytes in held.items():
-        if style == "rowwise":
-            total += nbytes / by["sp"] + (nbytes if policy == "selective" and tp > 1 else 0)
+        if style in ("rowwise", "rowwise_replicated"):  # (inside a routed module: whole)
+            whole = nbytes / by["sp" if style == "rowwise" else "1"]
+            total += whole + (nbytes if policy == "selective" and tp > 1 else 0)
         else:
             total += nbytes / by[DIVISOR.get(style, "tp")]
     return total
 
 
-def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = "block") -> float:
-    """Bytes one block (``part = "block"``), or the embedding, final norm, head and loss
-    (``"rest"``), hold for backward on one rank of layout ``lay``, per microbatch of sequences
-    of ``seq`` tokens. Under context parallelism a rank holds seq / cp tokens of each, and its
-    attention keeps as much as a fused kernel over them: all-to-all attention keeps q, k, v, the
-    output and the log-sum-exp of seq tokens and 1/cp of the heads; ring attention keeps its
-    own q, k and v (with their own KV heads: each hop repeats them for the kernel and lets the
-    copies go), its output and log-sum-exp, as attention on one device keeps."""
+def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = "block",
+               layer: int | None = None) -> float:
+    """Bytes block ``layer`` (``part = "block"``; None: the largest kind of block), or the embedding,
+    final norm, head and loss (``"rest"``), hold for backward on one rank of layout ``lay``, per
+    microbatch of sequences of ``seq`` tokens. Under context parallelism a rank holds seq / cp
+    tokens of each, and its attention keeps as much as a fused kernel over them: all-to-all
+    attention keeps q, k, v, the output and the log-sum-exp of seq tokens and 1/cp of the heads;
+    ring attention keeps its own q, k and v (with their own KV heads: each hop repeats them for the
+    kernel and lets the copies go), its output and log-sum-exp, as attention on one device keeps."""
     # Everything held is linear in the batch: traced for one sequence.
     dtype, local = getattr(torch, lay.param_dtype), seq // lay.cp
-    held = traced(model, args, policy, dtype, 1, local)[part]
+    one = model.traced_args(args, None if layer is None else model.block_kind(args, layer), lay.tp)
+    held = traced(model, one, policy, dtype, 1, local)[part]
     if lay.cp > 1 and lay.cp_method == "alltoall":
-        whole = traced(model, args, policy, dtype, 1, seq)[part]
+        whole = traced(model, one, policy, dtype, 1, seq)[part]
         held = _over_whole_sequences(held, whole, local, seq, lay.cp)
     return batch * divide(held, lay, policy)
 
@@ -205,7 +218,8 @@ def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) 
     """Bytes the modules around the blocks hold, per microbatch: the embedding's output on the
     first stage; the final norm and the head on the last (the loss's own share is the planner's
     logits term)."""
-    held = traced(model, args, "none", getattr(torch, lay.param_dtype), 1, seq // lay.cp)["rest"]
+    dtype = getattr(torch, lay.param_dtype)
+    held = traced(model, model.traced_args(args), "none", dtype, 1, seq // lay.cp)["rest"]
     styles = (("embedding",) if first else ()) + (("norm", NORM_OUTPUT, "head") if last else ())
     return batch * divide({s: n for s, n in held.items() if s in styles}, lay, "none")
 
@@ -214,7 +228,10 @@ def stage_activation_bytes(model, args, lay, batch: int, seq: int, first: int, l
     """Bytes the blocks ``first`` .. ``first + layers - 1`` hold, per microbatch."""
 
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
-    wrapped = sum(recomputed(i, policy, every) for i in range(first, first + layers))
-    plain = held_bytes(model, args, lay, batch, seq, "none")
-    kept = held_bytes(model, args, lay, batch, seq, policy) if policy != "none" else plain
-    return wrapped * kept + (layers - wrapped) * plain
+    # Blocks alike (their kind, recomputed or not) counted once: one trace each, whatever the depth.
+    alike: dict[tuple, list[int]] = {}  # -> [a block of them, how many]
+    for i in range(first, first + layers):
+        key = (model.block_kind(args, i), policy if recomputed(i, policy, every) else "none")
+        alike.setdefault(key, [i, 0])[1] += 1
+    return sum(n * held_bytes(model, args, lay, batch, seq, kept, layer=i)
+               for (_, kept), (i, n) in alike.items())

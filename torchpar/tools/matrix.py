@@ -85,7 +85,7 @@ def _model(family: str, loss_terms: bool) -> list[str]:
                              "--model.sliding_window", "8", "--model.yarn_factor", "4",
                              "--model.yarn_original_seq_len", "512"],
            "moe": ["--model.name", "moe"],
-           "moe-deepseek": ["--model.name", "moe", "--model.flavor", "debug-deepseek",
+           "moe-deepseek": ["--model.name", "deepseek_v3",
                             "--model.bias_rate", "0.01"]}[family]
     out += ["--model.n_layers", "4"]  # (enough for 2 x 2 pipeline stages; the flavours' shapes otherwise)
     if loss_terms:  # the z-loss, and a mixture of experts' auxiliary balance term
