@@ -5,13 +5,12 @@
   token and layer (GQA: a key and a value per KV head; MLA: the latent and the shared rotary key);
 * a sliding window against full causal attention at long sequences: milliseconds of the attention
   call alone, forward + backward. On a CPU the window is a boolean mask beside the flash kernel, so
-  it saves nothing here; on CUDA varlen attention skips the keys outside the window (run this
-  there for that figure).
+  it saves nothing here; on CUDA (bf16) varlen attention skips the keys outside the window.
 
     python benchmarks/attention.py [--dim 1024] [--seq 2048] [--long 4096,16384] [--window 1024]
 
 Timings are medians of ``--repeats`` runs after one warm-up; CPU-seconds are this process's
-(all its threads).
+(all its threads). On a GPU the block's figure is tokens per second of wall time instead.
 """
 
 from __future__ import annotations
@@ -26,13 +25,21 @@ import torch
 from torchpar.models.common import attention
 from torchpar.models.llama import ModelArgs, TransformerBlock, rope_tables
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # (the kernels that take a window)
+
 
 def _median_seconds(fn, repeats: int, clock) -> float:
-    fn()  # warm-up
+    def run():
+        fn()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+
+    run()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = clock()
-        fn()
+        run()
         times.append(clock() - t0)
     return statistics.median(times)
 
@@ -52,23 +59,25 @@ def cache_bytes(args: ModelArgs, dtype_bytes: int = 2) -> int:
 
 def block_throughput(args: ModelArgs, seq: int, batch: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    block = TransformerBlock(args)
+    block = TransformerBlock(args).to(DEVICE, DTYPE)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    cos, sin = rope_tables(args)
-    x = torch.randn(batch, seq, args.dim, requires_grad=True)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(args))
+    x = torch.randn(batch, seq, args.dim, device=DEVICE, dtype=DTYPE, requires_grad=True)
 
     def step():
         block(x, cos, sin).sum().backward()
 
-    cpu = _median_seconds(step, repeats, time.process_time)
-    return {"params": _attention_params(args), "tokens_per_cpu_s": batch * seq / cpu,
+    clock = time.perf_counter if DEVICE.type == "cuda" else time.process_time
+    seconds = _median_seconds(step, repeats, clock)
+    return {"params": _attention_params(args), "tokens_per_cpu_s": batch * seq / seconds,
             "cache_bytes": cache_bytes(args)}
 
 
 def window_ms(heads: int, head_dim: int, seq: int, window: int, repeats: int) -> float:
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=DEVICE, dtype=DTYPE, requires_grad=True)
+               for _ in range(3))
 
     def step():
         attention(q, k, v, window=window).sum().backward()
@@ -92,10 +101,11 @@ def main() -> None:
     # latent of dim 3/8, keys and values from one of dim 3/16
     mla = replace(gqa, n_kv_heads=heads, q_lora_rank=3 * a.dim // 8, kv_lora_rank=3 * a.dim // 16,
                   qk_rope_dim=32)
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
     print(f"one block, dim {a.dim}, {heads} heads of 64, SwiGLU {gqa.ffn_hidden}, {a.batch} x {a.seq} "
-          f"tokens, fp32, {torch.get_num_threads()} thread(s); forward + backward")
-    print(f"{'attention':<40} {'attention params':>16} {'tokens / CPU-s':>15} "
-          f"{'cache B / token / layer':>24}")
+          f"tokens, {str(DTYPE).removeprefix('torch.')}, {where}; forward + backward")
+    rate = "tokens / s" if DEVICE.type == "cuda" else "tokens / CPU-s"
+    print(f"{'attention':<40} {'attention params':>16} {rate:>15} {'cache B / token / layer':>24}")
     for name, args in ((f"GQA ({gqa.n_kv_heads} KV heads)", gqa),
                        (f"MLA (latents {mla.q_lora_rank} q, {mla.kv_lora_rank} kv)", mla)):
         r = block_throughput(args, a.seq, a.batch, a.repeats)

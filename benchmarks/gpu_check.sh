@@ -88,6 +88,8 @@ done
 stage cuda_tests "$STAGE_S" python -m pytest -q -p no:cacheprovider tests/test_attention.py \
   tests/test_context.py::test_the_ring_drives_cudas_kernels \
   tests/test_guard.py::test_an_unlogged_step_never_waits_for_the_gpu
+# latent against grouped-query attention; a sliding window against full at 4k and 16k tokens (varlen)
+stage attention "$STAGE_S" python benchmarks/attention.py --repeats 3
 # (run_train.sh's config is its CONFIG_FILE, train_configs/debug_model.toml by default)
 MOE=(--model.name moe --training.steps 20 --training.seq_len 2048 --training.local_batch_size 8 "${RUN[@]}")
 if [ "$GPUS" -ge 2 ]; then
