@@ -554,3 +554,29 @@ def test_released_meshes_free_their_groups_and_are_not_built_again():
             Layout(dp_shard=4, tp=2).build_mesh("cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_jobs_on_equal_meshes_share_each_submesh_object():
+    """torch makes a new DeviceMesh object at every slicing, equal to the last; DTensor's caches
+    compare meshes by value, so an earlier job's cached result on an equal mesh carries that job's
+    object into this one, and a compiled block under TP then failed to trace ("_get_submesh is not
+    an OpOverload") after two TP jobs in the process. Every submesh a layout hands out (a dimension,
+    several, a flattened view, the experts' view) is one object per mesh, whichever Layout asks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchpar.parallel.layout import Layout
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        first, second = Layout(dp_shard=2, tp=2, cp=2), Layout(dp_shard=2, tp=2, cp=2)
+        experts = [Layout(dp_shard=4, tp=2, ep=2, dp_replicate=1) for _ in range(2)]
+        for lay in (first, second, *experts):
+            lay.build_mesh("cpu")
+        assert first.mesh is second.mesh
+        for name in ("tp", "cp", "pp", "dp", "dp_shard_cp", ("dp_shard", "cp")):
+            assert first.submesh(name) is second.submesh(name), name
+        assert first.dp_mesh is second.dp_mesh
+        assert experts[0].expert_mesh is experts[1].expert_mesh
+        assert experts[0].expert_dp_mesh is experts[1].expert_dp_mesh
+    finally:
+        dist.destroy_process_group()

@@ -73,7 +73,7 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         apply_context_parallel(part, layout)
         if layout.tp > 1:
             apply_tensor_parallel(
-                part, model, args, layout.mesh["tp"], layout.sequence_parallel, layout.loss_parallel
+                part, model, args, layout.submesh("tp"), layout.sequence_parallel, layout.loss_parallel
             )
         experts = apply_experts(part, model, layout)
         apply_recompute(part, layout.activation_checkpoint, layout.activation_checkpoint_every)

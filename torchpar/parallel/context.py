@@ -65,7 +65,7 @@ class ContextShard(SequenceShard):
     def __init__(self, layout, seq: int, documents: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device):
         self.cp, self.method = layout.cp, layout.cp_method
-        self.mesh = layout.mesh["cp"]
+        self.mesh = layout.submesh("cp")
         index = _order(self.cp, self.mesh.get_local_rank(), seq, device)
         if documents is None:
             self.positions, self.mask = index.unsqueeze(0), None  # [1, s_local]; causal over the window

@@ -256,9 +256,17 @@ class Layout:
         _MESHES[key] = (dist.GroupMember.WORLD, mesh, self.experts_view, self.views, made)
         return mesh
 
-    def submesh(self, name: str):
-        """The mesh of one dimension, or of a flattened view (``dp``, ``dp_shard_cp``, ...)."""
-        return self.views[name] if name in self.views else self.mesh[name]
+    def submesh(self, name: str | tuple[str, ...], view=None):
+        """The mesh of one dimension (or of several, a tuple), or of a flattened view (``dp``,
+        ``dp_shard_cp``, ...); of ``view`` (the experts' view) instead of the root mesh if given.
+        One object per name, kept with the mesh: torch makes a new one at every slicing, equal to
+        the last, and DTensor's caches compare meshes by value, so a cached result of an earlier
+        job on an equal mesh would carry another object than this job's DTensors — which a
+        compiled block then cannot trace (its backward finds a mesh it was never given)."""
+        key = name if view is None else ("view", name)
+        if key not in self.views:
+            self.views[key] = (view if view is not None else self.mesh)[name]
+        return self.views[key]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along a mesh dimension (or the flattened ``dp``)."""
@@ -276,8 +284,8 @@ class Layout:
     def expert_mesh(self):
         """What an expert's weights are split over: (ep, tp), ep, tp (the hidden width), or None."""
         if self.ep > 1:
-            return self.experts_view[("ep", "tp")] if self.tp > 1 else self.experts_view["ep"]
-        return self.mesh["tp"] if self.tp > 1 else None
+            return self.submesh(("ep", "tp") if self.tp > 1 else "ep", self.experts_view)
+        return self.submesh("tp") if self.tp > 1 else None
 
     @property
     def expert_dp_mesh(self):
@@ -286,16 +294,16 @@ class Layout:
         if self.ep == 1:
             return self.dp_mesh
         # (efsdp x cp is flattened from the view, but torch registers it on the root mesh)
-        shard, mesh = ("efsdp_cp", self.mesh) if self.cp > 1 else ("efsdp", self.experts_view)
+        shard, view = ("efsdp_cp", None) if self.cp > 1 else ("efsdp", self.experts_view)
         if self.dp_replicate > 1:
-            return mesh["dp_replicate", shard]
-        return self.views[shard] if shard in self.views else mesh[shard]
+            return self.submesh(("dp_replicate", shard), view)
+        return self.views[shard] if shard in self.views else self.submesh(shard, view)
 
     @property
     def dp_mesh(self):
         """What ZeRO-3 shards over: dp_shard (x cp), or (dp_replicate, dp_shard (x cp)) for HSDP."""
         if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", self.shard_dim]
+            return self.submesh(("dp_replicate", self.shard_dim))
         return self.submesh(self.shard_dim)
 
 

@@ -218,7 +218,7 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        group = layout.mesh["pp"].get_group()
+        group = layout.submesh("pp").get_group()
         self.layout, self.group, self.pp_rank = layout, group, layout.pp_rank
         stage_ids = layout.stage_ids(self.pp_rank)
         self.parts = dict(zip(stage_ids, parts))  # global stage id -> this rank's module
