@@ -472,3 +472,54 @@ def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tm
     with torch.no_grad():
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     assert diff <= 2e-6, diff
+
+
+# ---------------------------------------------------------------- Qwen3 (dense)
+
+QWEN3 = MODELS["qwen3"]
+
+
+def make_hf_qwen3(folder: Path, args, seed: int = 0) -> "transformers.Qwen3ForCausalLM":
+    fields = {k: v for k, v in QWEN3.hf_config(args).items()
+              if k not in ("architectures", "model_type", "rope_scaling", "mlp_bias")}
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("shape", [{}, {"head_size": 32, "tie_embeddings": True}],
+                         ids=["debug", "wide-heads-tied"])
+def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path, shape):
+    """Per-head q/k norms (their weights permuted within the head, as q's and k's rows), heads wider
+    than dim / heads, tied or not: transformers' logits within 2e-6; HF -> torchpar -> HF bit for bit.
+    A Llama with q/k norms has no LlamaForCausalLM form (it would lose them): one line."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    args = replace(QWEN3.args("debug"), **shape)
+    hf = make_hf_qwen3(tmp_path / "in", args)
+    weights = HFWeights(tmp_path / "in", QWEN3, args, "debug")
+    with torch.device("meta"):
+        model = QWEN3.build(args)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights(0, values=weights)
+    model.eval()
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff <= 2e-6, diff
+    params = dict(model.named_parameters())
+    stats = write_hf(tmp_path / "out", QWEN3, args, lambda name: params[name].detach(), torch.float32)
+    original = load_file(tmp_path / "in" / "model.safetensors")
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert original.keys() == exported.keys() and "model.layers.0.self_attn.q_norm.weight" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    llama_with_norms = LLAMA.hf_problem(LLAMA.args("debug", qk_norm=True))
+    assert "LlamaForCausalLM has no per-head query/key norms" in llama_with_norms

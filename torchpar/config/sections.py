@@ -33,7 +33,8 @@ class Model:
     name: str = opt(
         "llama3",
         "Model family, one of those registered in torchpar/models/__init__.py (MODELS): 'llama3' (RMSNorm, "
-        "RoPE, GQA, SwiGLU), 'gpt2' (learned positions, LayerNorm, GELU MLP, biases), 'moe' (Llama blocks "
+        "RoPE, GQA, SwiGLU), 'qwen3' (Llama with per-head q/k norms), 'gpt2' (learned positions, LayerNorm, "
+        "GELU MLP, biases), 'moe' (Llama blocks "
         "whose feed-forwards are mixtures of experts, shaped like Qwen3-MoE) and 'deepseek_v3' (the same "
         "with latent attention, group-limited sigmoid routing and shared experts: DeepSeek-V3) ship with "
         "torchpar.",

@@ -9,8 +9,9 @@ from torchpar.models.deepseek import ADAPTER as DEEPSEEK_V3
 from torchpar.models.gpt2 import ADAPTER as GPT2
 from torchpar.models.llama import ADAPTER as LLAMA
 from torchpar.models.moe import ADAPTER as MOE
+from torchpar.models.qwen3 import ADAPTER as QWEN3
 
-MODELS: dict[str, ModelAdapter] = {family.name: family for family in (LLAMA, GPT2, MOE, DEEPSEEK_V3)}
+MODELS: dict[str, ModelAdapter] = {family.name: family for family in (LLAMA, GPT2, QWEN3, MOE, DEEPSEEK_V3)}
 DEFAULT_FAMILY = LLAMA.name  # [model] name's default; the worked examples' flavours are this family's
 
 

@@ -424,6 +424,7 @@ class LlamaAdapter(ModelAdapter):
         return {**self.attention_words(args), **self.feed_forward_plan}
 
     hf_architecture = "LlamaForCausalLM"
+    hf_qk_norm = False  # whether the HF class has per-head q/k norms (Llama's has not; Qwen3's have)
 
     def hf_config(self, args: ModelArgs) -> dict:
         # RoPE as both transformers generations spell it: rope_theta and rope_scaling (4.x),
@@ -457,6 +458,9 @@ class LlamaAdapter(ModelAdapter):
                 (f"layers.{i}.attention.wk.weight", f"{a}.k_proj.weight", args.n_kv_heads),
                 (f"layers.{i}.attention.wv.weight", f"{a}.v_proj.weight", None),
                 (f"layers.{i}.attention.wo.weight", f"{a}.o_proj.weight", None),
+                # (a per-head norm's weight: permuted within its one head, as the rows of q and k)
+                *([(f"layers.{i}.attention.q_norm.weight", f"{a}.q_norm.weight", 1),
+                   (f"layers.{i}.attention.k_norm.weight", f"{a}.k_norm.weight", 1)] if args.qk_norm else []),
                 *([(f"layers.{i}.attention.wq.bias", f"{a}.q_proj.bias", args.n_heads),
                    (f"layers.{i}.attention.wk.bias", f"{a}.k_proj.bias", args.n_kv_heads),
                    (f"layers.{i}.attention.wv.bias", f"{a}.v_proj.bias", None),
@@ -518,6 +522,8 @@ class LlamaAdapter(ModelAdapter):
                              "attends fully, N >= 1")
 
     def hf_problem(self, args: ModelArgs) -> str | None:
+        if args.qk_norm and not self.hf_qk_norm:
+            return f"model.qk_norm: {self.hf_architecture} has no per-head query/key norms (Qwen3's have)"
         if args.latent:
             return f"model.kv_lora_rank: {self.hf_architecture} has no latent attention"
         if args.attn_sink:

@@ -413,6 +413,7 @@ class MoEAdapter(LlamaAdapter):
     # -- Hugging Face: transformers' Qwen3-MoE (softmax routing, no shared expert)
 
     hf_architecture = "Qwen3MoeForCausalLM"
+    hf_qk_norm = True
 
     def hf_problem(self, args: MoEArgs) -> str | None:
         unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
@@ -449,10 +450,6 @@ class MoEAdapter(LlamaAdapter):
             if layer in args.moe_layers and ".feed_forward." in name:
                 continue  # the routed block's feed-forward: below
             out.append((name, hf, how))
-            if name.endswith("attention.wo.weight"):
-                a = f"model.layers.{layer}.self_attn"
-                out += [(f"layers.{layer}.attention.q_norm.weight", f"{a}.q_norm.weight", 1),
-                        (f"layers.{layer}.attention.k_norm.weight", f"{a}.k_norm.weight", 1)]
             if layer in args.moe_layers and name.endswith("ffn_norm.weight"):
                 m, f = f"model.layers.{layer}.mlp", f"layers.{layer}.feed_forward"
                 out.append((f"{f}.router.gate.weight", f"{m}.gate.weight", None))
