@@ -511,6 +511,15 @@ class ModelAdapter(ABC):
         """Why these args have no Hugging Face form (None: they have one)."""
         return None if self.hf_architecture else f"the {self.name} family has no Hugging Face mapping"
 
+    def hf_unlike(self, args, checks, what: str) -> str | None:
+        """The one line naming every field whose check (``(field, holds)`` pairs) fails, with what
+        the HF class is (``what``), or None when all hold."""
+        unlike = [f"{field} = {getattr(args, field)!r}" for field, holds in checks if not holds]
+        if not unlike:
+            return None
+        return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
+                f"{self.hf_architecture} {what}")
+
     def hf_tensors(self, args) -> list[tuple[str, str, object]]:
         """(torchpar name, HF name, how) per HF tensor or part of one: ``how`` is None (the same
         tensor), the number of heads whose rows are RoPE-permuted, a :class:`StackRow` (one torchpar

@@ -52,17 +52,12 @@ class DeepSeekV3Adapter(MoEAdapter):
     hf_architecture = "DeepseekV3ForCausalLM"
 
     def hf_problem(self, args: MoEArgs) -> str | None:
-        unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
-                  (("kv_lora_rank", args.latent), ("score", args.score == "sigmoid"),
-                   ("shared_hidden", args.shared_hidden and args.shared_hidden % args.moe_hidden == 0),
-                   ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window))
-                  if not same]
-        if unlike:
-            return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
-                    f"{self.hf_architecture} has latent attention, routes by sigmoid scores, has shared "
-                    "experts as wide as a multiple of a routed one, and no attention sinks or sliding "
-                    "windows")
-        return None
+        return self.hf_unlike(args, (
+            ("kv_lora_rank", args.latent), ("score", args.score == "sigmoid"),
+            ("shared_hidden", args.shared_hidden and args.shared_hidden % args.moe_hidden == 0),
+            ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window)),
+            "has latent attention, routes by sigmoid scores, has shared experts as wide as a multiple of "
+            "a routed one, and no attention sinks or sliding windows")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super(MoEAdapter, self).hf_config(args)  # (Llama's fields: the RoPE spelled both ways)

@@ -416,19 +416,15 @@ class MoEAdapter(LlamaAdapter):
     hf_qk_norm = True
 
     def hf_problem(self, args: MoEArgs) -> str | None:
-        unlike = [f"{f} = {getattr(args, f)!r}" for f, same in
-                  (("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
-                   ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
-                   ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
-                   ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
-                   ("kv_lora_rank", not args.latent))
-                  if not same]
-        if unlike:
-            return (f"this {self.name} flavour ({', '.join(unlike)}) has no Hugging Face form: "
-                    f"{self.hf_architecture} routes by softmax scores without shared experts, a route "
-                    "scale or expert groups, has no attention sinks, sliding windows or latent attention, "
-                    "and has per-head q/k norms and an untied head")
-        return None
+        return self.hf_unlike(args, (
+            ("score", args.score == "softmax"), ("shared_hidden", not args.shared_hidden),
+            ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
+            ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
+            ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
+            ("kv_lora_rank", not args.latent)),
+            "routes by softmax scores without shared experts, a route scale or expert groups, has no "
+            "attention sinks, sliding windows or latent attention, and has per-head q/k norms and an "
+            "untied head")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super().hf_config(args)
