@@ -448,7 +448,8 @@ def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tm
     """Started from a DeepSeek-V3-shaped HF folder, each rank reading its own experts: ep 2 trains
     like one process; the imported routing bias is the run's starting bias (its range after one
     step is the import's, ~0.2, not one step's 0.02). The checkpoint exports back to a folder that
-    transformers reads with the trained weights and bias: its logits are torchpar's."""
+    transformers reads with the trained weights and bias: its logits are torchpar's; and to a
+    torchpar weights file that holds the bias, which a model loaded from it routes with."""
     from torchpar.weights import load_model
 
     args = deepseek_args({})
@@ -472,6 +473,14 @@ def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tm
     with torch.no_grad():
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     assert diff <= 2e-6, diff
+    # A torchpar weights file holds the bias too, and a model loaded from it routes with it.
+    r = run(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "w.pt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    bias = torch.load(tmp_path / "w.pt", weights_only=True)["routing.expert_bias"]
+    assert bias.shape == (3, 8) and bias.abs().max() > 0.05
+    loaded, _ = load_model(tmp_path / "w.pt")
+    assert torch.equal(loaded.layers["1"].feed_forward.router.expert_bias, bias[0])
+    assert torch.equal(ours.layers["3"].feed_forward.router.expert_bias, bias[2])
 
 
 # ---------------------------------------------------------------- Qwen3 (dense)
