@@ -117,8 +117,8 @@ class Trainer:
         self.loss_terms = (Z_LOSS,) * (cfg.loss.z_loss > 0) + pre.model.auxiliary_terms(self.args)
         # The routers' loads, balancing bias and figures (a mixture of experts), or None.
         self.routing = pre.model.routing(self.model.parts, self.args)
-        if self.routing is not None and pre.weights is not None and "routing.expert_bias" in pre.weights:
-            self.routing.load_state_dict({"expert_bias": pre.weights["routing.expert_bias"].read()})
+        if self.routing is not None and pre.weights is not None:
+            self.routing.start_from(pre.weights)
         self.figure_names = tuple(f"loss/{name}" for name in self.loss_terms) + (
             self.routing.names if self.routing is not None else ())
         if self.model.pipeline is not None:

@@ -102,7 +102,7 @@ def open_source(path: str | Path) -> tuple[dict, object]:
     sizes = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
 
     def read(name: str) -> torch.Tensor:
-        # a parameter's name, or the full key of the state beside them (routing.expert_bias)
+        # a parameter's name, or the full key of the state beside them (extra_state)
         part, key = ("model", name) if f"model.{name}" in sizes else name.split(".", 1)
         sd = {part: {key: torch.empty(tuple(sizes[f"{part}.{key}"].size))}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -116,6 +116,13 @@ def open_source(path: str | Path) -> tuple[dict, object]:
 def load_model(path: str | Path):
     """A whole model on the CPU in fp32 from a checkpoint folder or an exported weights file,
     with its metadata (model family, flavour and args, tokenizer path, step)."""
+    model, meta, _ = open_model(path)
+    return model, meta
+
+
+def open_model(path: str | Path):
+    """:func:`load_model`'s model and metadata, and the state beside the parameters the source
+    holds (:func:`extra_state`; the model's routers already follow it), read once."""
     meta, read = open_source(path)
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     with torch.device("meta"):
@@ -126,10 +133,10 @@ def load_model(path: str | Path):
     model.init_weights(0, values=values)
     extra = extra_state(family, model.args, read)
     routing = family.routing([model], model.args)
-    if routing is not None and "routing.expert_bias" in extra:  # it steers the routers at inference too
-        routing.load_state_dict({"expert_bias": extra["routing.expert_bias"]})
+    if routing is not None:
+        routing.start_from(extra)
     model.eval()
-    return model, meta
+    return model, meta, extra
 
 
 def extra_state(family, args, read) -> dict[str, torch.Tensor]:

@@ -12,9 +12,8 @@ from torchpar.checkpoint import (
 from torchpar.console import ArgumentParser, at_least
 from torchpar.errors import ConfigError
 from torchpar.hf import export_hf, is_own_export
-from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.outputs import add_overwrite, claim
-from torchpar.weights import extra_state, load_model, meta_path, open_source, save_weights
+from torchpar.weights import meta_path, open_model, open_source, save_weights
 
 
 def _refuse_checkpoint_target(out: Path) -> None:
@@ -56,11 +55,9 @@ def export_main(argv: list[str]) -> int:
         return 0
     if out.exists() and out.resolve() == Path(a.checkpoint).expanduser().resolve():
         raise ConfigError(f"--out {out} is the --checkpoint being exported; choose another file")
-    model, meta = load_model(a.checkpoint)
+    model, meta, extra = open_model(a.checkpoint)
     state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
-    _, read = open_source(a.checkpoint)  # (and the routers' balancing bias, in fp32: a few numbers)
-    family = adapter(meta.get("model_name", DEFAULT_FAMILY))
-    state.update(extra_state(family, model.args, read))
+    state.update(extra)  # (the routers' balancing bias, in fp32: a few numbers)
     keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")
     out_meta = {"format": "torchpar-weights-v1", "dtype": a.dtype, "source": str(a.checkpoint),
                 **{k: meta[k] for k in keys if k in meta}}

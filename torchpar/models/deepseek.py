@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torchpar.models.common import RowsOf, StackRow
+from torchpar.models.moe import BIAS_STATE, MoEAdapter, MoEArgs
 from torchpar.models.moe import DEBUG as MOE_DEBUG
-from torchpar.models.moe import MoEAdapter, MoEArgs
 
 # The moe debug shape with DeepSeek-V3's parts: latent attention (queries from a latent of 64, keys
 # and values from one of 32, heads of 16 + a rotary 8), sigmoid scores renormalized and scaled by
@@ -105,7 +105,7 @@ class DeepSeekV3Adapter(MoEAdapter):
                 continue
             row = i - args.dense_layers  # the block's row of the routing bias
             out += [(f"{f}.router.gate.weight", f"{m}.gate.weight", None),
-                    ("routing.expert_bias", f"{m}.gate.e_score_correction_bias",
+                    (BIAS_STATE, f"{m}.gate.e_score_correction_bias",
                      StackRow(row, transposed=False))]
             out += [(f"{f}.experts.{w}", f"{m}.experts.{j}.{proj}.weight", StackRow(j))
                     for j in range(args.experts)

@@ -42,6 +42,9 @@ from torchpar.models.common import StackRow, SwiGLU, canonical_name
 from torchpar.models.llama import LlamaAdapter, ModelArgs, Transformer, TransformerBlock
 
 BALANCE_LOSS = "balance"  # the auxiliary term's name in the metrics (loss/balance)
+# Every MoE block's balancing bias [blocks, experts], by its name in checkpoints (Routing's part),
+# weights files and Hugging Face mappings
+BIAS_STATE = "routing.expert_bias"
 
 
 MAX_GROUPS = 1023  # torch's grouped GEMM sets up its groups in one CUDA block of 1024 threads
@@ -383,6 +386,14 @@ class Routing:
         self.bias = sd["expert_bias"].to(self.bias.device)
         self.sync()
 
+    def start_from(self, values) -> None:
+        """Take the bias a weights source holds (a weights file's or Hugging Face folder's
+        ``BIAS_STATE``: a LazyWeight or a tensor), if it holds one; it steers the routers from the
+        first step (and at inference)."""
+        if BIAS_STATE in values:
+            bias = values[BIAS_STATE]
+            self.load_state_dict({"expert_bias": bias.read() if hasattr(bias, "read") else bias})
+
 
 class MoEAdapter(LlamaAdapter):
     name = "moe"
@@ -553,7 +564,7 @@ class MoEAdapter(LlamaAdapter):
         return 3 * (2 * weights + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
 
     def extra_state(self, args: MoEArgs) -> dict[str, tuple[int, ...]]:
-        return {"routing.expert_bias": (len(args.moe_layers), args.experts)}
+        return {BIAS_STATE: (len(args.moe_layers), args.experts)}
 
     def routing(self, parts: list[nn.Module], args: MoEArgs) -> Routing:
         return Routing(parts, args)
