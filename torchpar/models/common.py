@@ -246,11 +246,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = No
     if isinstance(mask, SequenceShard):
         return mask.attend(q, k, v, sinks, window)
     if v.shape[-1] < q.shape[-1]:
-        # Value heads narrower than query heads (latent attention): the fused kernels (flash on CPU
-        # and CUDA, varlen) take one width for q, k and v. Zero columns widen v; the output's own
-        # columns are the first ones (the rest are zero).
-        width = v.shape[-1]
-        return attention(q, k, F.pad(v, (0, q.shape[-1] - width)), mask, sinks, window)[..., :width]
+        return with_values_as_wide(lambda q, k, v: attention(q, k, v, mask, sinks, window), q, k, v)
     if sinks is not None:
         return _with_sinks(q, k, v, mask, sinks, window)
     gqa = q.shape[1] != k.shape[1]
@@ -268,6 +264,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = No
         k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
+def with_values_as_wide(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``attend(q, k, v)`` for value heads narrower than the query's (latent attention): the fused
+    kernels (flash on CPU and CUDA, varlen, the ring's) take one width for q, k and v, so zero
+    columns widen v, and the output's own columns are its first ones (the rest are zero)."""
+    width = v.shape[-1]
+    return attend(q, k, F.pad(v, (0, q.shape[-1] - width)))[..., :width]
 
 
 @functools.cache

@@ -35,7 +35,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
-from torchpar.models.common import SequenceShard, attention, document_layout, repeat_kv
+from torchpar.models.common import SequenceShard, attention, document_layout, repeat_kv, with_values_as_wide
 
 
 @functools.cache
@@ -242,8 +242,7 @@ ring_attention.register_autograd(_ring_backward, setup_context=_ring_context)
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh) -> torch.Tensor:
     """Causal attention of this rank's queries over every rank's keys: q [b, h, s, hd], k [b, h_kv,
     s, hd] and v [b, h_kv, s, vd], each rank's two chunks of the sequence -> [b, h, s, vd]."""
+    if v.shape[-1] < q.shape[-1]:
+        return with_values_as_wide(lambda q, k, v: _ring_attention(q, k, v, mesh), q, k, v)
     group = mesh.get_group().group_name
-    width = v.shape[-1]
-    if width < q.shape[-1]:  # (narrower value heads, latent attention's: the kernels take one width)
-        v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
-    return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0][..., :width]
+    return ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group)[0]
