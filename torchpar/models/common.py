@@ -64,8 +64,15 @@ VARLEN_GROUPS_HEADS = varlen_attn is not None and "enable_gqa" in inspect.signat
 #   latent     replicated, its output feeding column-wise projections (a latent's norm): the
 #              output's gradient, a share from each rank's heads, summed over the tp ranks
 #   shared     latent, its output a plain tensor every rank's heads use (the shared rotary key)
+WHOLE_STYLES = ("replicated", "latent", "shared")  # modules every tp rank runs whole
 TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input", "head_norm", "routed",
-             "rowwise_replicated", "whole_input", "replicated", "latent", "shared")
+             "rowwise_replicated", "whole_input", *WHOLE_STYLES)
+
+
+def planned_under(plan: dict[str, str], word: str) -> tuple[str, ...]:
+    """``"module."`` for every module a TP plan names ``word``: the names of what lies inside them
+    start with one of these (``str.startswith`` of the tuple; none when the plan has no such module)."""
+    return tuple(m + "." for m, w in plan.items() if w == word)
 
 
 def canonical_name(name: str) -> str:

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchpar.errors import ConfigError
+from torchpar.models.common import WHOLE_STYLES
 
 
 def loss_context(enabled: bool):
@@ -92,7 +93,7 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
                                         desired_output_layouts=(between,), use_local_output=True)
     if word == "norm":
         return SequenceParallel() if sequence_parallel else None
-    if word in ("replicated", "latent", "shared"):
+    if word in WHOLE_STYLES:
         return Whole(summed=word != "replicated", local=word == "shared")
     if word in ("input", "whole_input"):
         # One conversion of the residual stream per sub-module (Megatron's f operator): with

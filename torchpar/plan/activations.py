@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from torchpar.loss import cross_entropy_sum
 from torchpar.models import canonical_name
+from torchpar.models.common import WHOLE_STYLES, planned_under
 from torchpar.parallel.recompute import apply_recompute, recomputed
 
 NORM_OUTPUT = "norm output"  # a norm's result: gathered to full length before a column-wise linear
@@ -125,8 +126,8 @@ def _traced_plan(plan: dict[str, str]) -> dict[str, str]:
     """A block's plan as its trace is tagged: what a routed module holds is its own (traced with
     the rank's share of its widths: see ``traced_args``), except its row-wise outputs, which
     selective recomputation keeps twice (below)."""
-    routed = tuple(m + "." for m, w in plan.items() if w == "routed")
-    return {m: w for m, w in plan.items() if w == "rowwise_replicated" or not m.startswith(routed or ("\0",))}
+    routed = planned_under(plan, "routed")
+    return {m: w for m, w in plan.items() if w == "rowwise_replicated" or not m.startswith(routed)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,8 +159,8 @@ def traced(model, one, policy: str, dtype: torch.dtype, batch: int, seq: int) ->
 # Modules every tp rank runs whole (latent attention's latents; a routed module, traced with its
 # rank's share of the experts' hidden width, and its shared experts' reduced outputs): held whole.
 DIVISOR = {"colwise": "tp", "input": "tp", "block": "sp", "norm": "sp", NORM_OUTPUT: "1", "embedding": "sp",
-           "head": "lp", None: "lp", "whole_input": "tp", "replicated": "1", "latent": "1", "shared": "1",
-           "routed": "1", "rowwise_replicated": "1"}
+           "head": "lp", None: "lp", "whole_input": "tp", "routed": "1", "rowwise_replicated": "1",
+           **dict.fromkeys(WHOLE_STYLES, "1")}
 
 
 def divide(held: dict, lay, policy: str) -> float:

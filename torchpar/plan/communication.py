@@ -8,6 +8,7 @@ import functools
 import itertools
 import math
 
+from torchpar.models.common import WHOLE_STYLES, planned_under
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
 from torchpar.parallel.layout import (
@@ -86,9 +87,6 @@ def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[flo
     return latency, rate
 
 
-WHOLE = ("replicated", "latent", "shared")  # the styles of modules every tp rank runs whole
-
-
 @functools.lru_cache(maxsize=4096)
 def _block_terms(model, args, layer: int) -> dict:
     """What block ``layer`` of the adapter's plan sends under TP, by kind (cached: the search prices
@@ -105,7 +103,7 @@ def _block_terms(model, args, layer: int) -> dict:
         parts = name.split(".")
         held.update(".".join(parts[:i]) for i in range(1, len(parts)))
     plan = {m: w for m, w in model.layer_plan(args, layer).items() if m in held}
-    routed = tuple(m + "." for m, w in plan.items() if w == "routed")
+    routed = planned_under(plan, "routed")
     out = {"pairs": sum(w in ("rowwise", "input") for w in plan.values()),
            "gathered": sum(w == "whole_input" for w in plan.values()),
            "routed": len(routed),
@@ -117,10 +115,10 @@ def _block_terms(model, args, layer: int) -> dict:
         word = plan.get(module)
         if word in ("latent", "shared"):
             out["summed"].append(r)
-        if tp_dim is None and word not in WHOLE:
+        if tp_dim is None and word not in WHOLE_STYLES:
             if word == "head_norm":
                 out["head_params"].append(r * c)
-            elif not name.startswith(routed or ("\0",)):  # (a routed module's input is gathered)
+            elif not name.startswith(routed):  # (a routed module's input is gathered)
                 out["sp_params"].append(r * c)
     return out
 
