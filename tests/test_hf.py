@@ -16,36 +16,50 @@ safetensors = pytest.importorskip("safetensors")
 from torchpar.hf import HFWeights, write_hf  # noqa: E402
 from torchpar.models import MODELS  # noqa: E402
 from torchpar.outputs import MARKER  # noqa: E402
+from torchpar.weights import build_from  # noqa: E402
 
 LLAMA = MODELS["llama3"]
 MOE = MODELS["moe"]
 
 
-def make_hf_llama(folder: Path, flavor: str, seed: int = 0, **shape) -> "transformers.LlamaForCausalLM":
-    """A random LlamaForCausalLM of a torchpar flavour's shape (with ``shape``'s fields), saved as
-    transformers saves it."""
-    args = LLAMA.args(flavor, **shape)
-    fields = {k: v for k, v in LLAMA.hf_config(args).items() if k not in ("architectures", "rope_parameters")}
+# config.json fields each family's transformers config class is not given (it spells them its own
+# way, or takes none)
+NOT_GIVEN = {"llama3": ("rope_parameters",), "moe": ("rope_parameters", "model_type", "num_local_experts"),
+             "deepseek_v3": ("model_type", "rope_scaling"),
+             "qwen3": ("model_type", "rope_scaling", "mlp_bias")}
+
+
+def make_hf(folder: Path, family, args, seed: int = 0):
+    """A random model of ``family``'s Hugging Face class with ``args``'s shape, saved as transformers
+    saves it, its norms and (zero-initialized) biases non-trivial, its routers decisive (no near
+    ties) and its routing bias set."""
+    fields = {k: v for k, v in family.hf_config(args).items()
+              if k != "architectures" and k not in NOT_GIVEN[family.name]}
+    config = getattr(transformers, family.hf_architecture.replace("ForCausalLM", "Config"))(**fields)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
-    with torch.no_grad():  # make the norms and the (zero-initialized) biases non-trivial too
+    model = getattr(transformers, family.hf_architecture)(config).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.uniform_(-0.5, 0.5)
+            elif "mlp.gate." in name:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
     model.save_pretrained(folder)
     return model
 
 
+def make_hf_llama(folder: Path, flavor: str, seed: int = 0, **shape) -> "transformers.LlamaForCausalLM":
+    """A random LlamaForCausalLM of a torchpar flavour's shape (with ``shape``'s fields)."""
+    return make_hf(folder, LLAMA, LLAMA.args(flavor, **shape), seed)
+
+
 def torchpar_model(values, flavor: str, **shape):
-    args = LLAMA.args(flavor, **shape)
-    with torch.device("meta"):
-        model = LLAMA.build(args)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.init_weights(0, values=values)
-    return model.eval()
+    return build_from(LLAMA, LLAMA.args(flavor, **shape), values)
 
 
 def run(args):
@@ -257,29 +271,12 @@ def test_training_from_hf_is_the_same_under_tp_and_pp(hf_folder):
 
 def make_hf_qwen3_moe(folder: Path, seed: int = 0) -> "transformers.Qwen3MoeForCausalLM":
     """A random Qwen3MoeForCausalLM of the moe family's debug shape (the first block dense, 8 experts
-    of which each token takes 2, per-head q/k norms), saved as transformers saves it: each expert's
-    linears apart."""
-    fields = {k: v for k, v in MOE.hf_config(MOE.args("debug")).items()
-              if k not in ("architectures", "rope_parameters", "model_type", "num_local_experts")}
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "mlp.gate." in name:
-                p.normal_(0, 0.5)  # routers that prefer some experts clearly (no near ties)
-    model.save_pretrained(folder)
-    return model
+    of which each token takes 2, per-head q/k norms), saved with each expert's linears apart."""
+    return make_hf(folder, MOE, MOE.args("debug"), seed)
 
 
 def moe_model(values):
-    args = MOE.args("debug")
-    with torch.device("meta"):
-        model = MOE.build(args)
-    model.to_empty(device="cpu")
-    model.init_weights(0, values=values)
-    return model.eval()
+    return build_from(MOE, MOE.args("debug"), values)
 
 
 def test_qwen3_moe_import_gives_transformers_logits(tmp_path):
@@ -356,34 +353,6 @@ def deepseek_args(shape: dict):
     return replace(DEEPSEEK.args("debug"), **shape)  # (replace: a 0 field is the flavour's in args())
 
 
-def make_hf_deepseek(folder: Path, args, seed: int = 0) -> "transformers.DeepseekV3ForCausalLM":
-    """A random DeepseekV3ForCausalLM of ``args``'s shape with non-trivial norms, decisive routers
-    and a routing bias, saved as transformers saves it."""
-    fields = {k: v for k, v in DEEPSEEK.hf_config(args).items()
-              if k not in ("architectures", "model_type", "rope_scaling")}
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "mlp.gate." in name:
-                p.normal_(0, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.1, 0.1)
-    model.save_pretrained(folder)
-    return model
-
-
-def deepseek_model(weights, args):
-    """The deepseek_v3 model from ``weights`` (by name), its routers' bias from theirs."""
-    with torch.device("meta"):
-        model = DEEPSEEK.build(args)
-    model.to_empty(device="cpu")
-    model.init_weights(0, values=weights)
-    DEEPSEEK.routing([model], args).load_state_dict({"expert_bias": weights["routing.expert_bias"].read()})
-    return model.eval()
 
 
 @pytest.mark.parametrize("shape", list(DEEPSEEK_SHAPES))
@@ -392,8 +361,8 @@ def test_deepseek_v3_import_gives_transformers_logits(tmp_path, shape):
     routing bias, group-limited sigmoid routing, shared experts, the dense first block, YaRN's
     temperature on the whole score: transformers' logits within 2e-6 (float noise; logits ~1)."""
     args = deepseek_args(DEEPSEEK_SHAPES[shape])
-    hf = make_hf_deepseek(tmp_path, args)
-    model = deepseek_model(HFWeights(tmp_path, DEEPSEEK, args, "debug"), args)
+    hf = make_hf(tmp_path, DEEPSEEK, args)
+    model = build_from(DEEPSEEK, args, HFWeights(tmp_path, DEEPSEEK, args, "debug"))
     tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()
@@ -407,9 +376,9 @@ def test_deepseek_v3_round_trip_is_bitwise(tmp_path):
     from safetensors.torch import load_file
 
     args = deepseek_args({})
-    make_hf_deepseek(tmp_path / "in", args)
+    make_hf(tmp_path / "in", DEEPSEEK, args)
     weights = HFWeights(tmp_path / "in", DEEPSEEK, args, "debug")
-    model = deepseek_model(weights, args)
+    model = build_from(DEEPSEEK, args, weights)
     state = {**{n: p.detach() for n, p in model.named_parameters()},
              "routing.expert_bias": weights["routing.expert_bias"].read()}
     stats = write_hf(tmp_path / "out", DEEPSEEK, args, state.__getitem__, torch.float32,
@@ -433,7 +402,7 @@ def test_deepseek_v3_yarn_in_another_form_is_one_line(tmp_path):
     from torchpar.errors import ConfigError
 
     args = deepseek_args(DEEPSEEK_SHAPES["yarn"])
-    make_hf_deepseek(tmp_path, args)
+    make_hf(tmp_path, DEEPSEEK, args)
     config = json.loads((tmp_path / "config.json").read_text())
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key):
@@ -453,7 +422,7 @@ def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tm
     from torchpar.weights import load_model
 
     args = deepseek_args({})
-    make_hf_deepseek(tmp_path / "hf", args, seed=3)
+    make_hf(tmp_path / "hf", DEEPSEEK, args, seed=3)
     start = ["--model.name", "deepseek_v3", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
              "--parallelism.zero_stage", "3", "--model.bias_rate", "0.01"]
     ref = run_layouts(1, {"ref": start})["ref"]
@@ -488,19 +457,6 @@ def test_deepseek_v3_trains_from_hf_under_expert_parallelism_and_exports_back(tm
 QWEN3 = MODELS["qwen3"]
 
 
-def make_hf_qwen3(folder: Path, args, seed: int = 0) -> "transformers.Qwen3ForCausalLM":
-    fields = {k: v for k, v in QWEN3.hf_config(args).items()
-              if k not in ("architectures", "model_type", "rope_scaling", "mlp_bias")}
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.mark.parametrize("shape", [{}, {"head_size": 32, "tie_embeddings": True}],
                          ids=["debug", "wide-heads-tied"])
 def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path, shape):
@@ -512,14 +468,8 @@ def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path
     from safetensors.torch import load_file
 
     args = replace(QWEN3.args("debug"), **shape)
-    hf = make_hf_qwen3(tmp_path / "in", args)
-    weights = HFWeights(tmp_path / "in", QWEN3, args, "debug")
-    with torch.device("meta"):
-        model = QWEN3.build(args)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.init_weights(0, values=weights)
-    model.eval()
+    hf = make_hf(tmp_path / "in", QWEN3, args)
+    model = build_from(QWEN3, args, HFWeights(tmp_path / "in", QWEN3, args, "debug"))
     tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()

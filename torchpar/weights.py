@@ -125,18 +125,36 @@ def open_model(path: str | Path):
     holds (:func:`extra_state`; the model's routers already follow it), read once."""
     meta, read = open_source(path)
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
+    args = family.args_class(**meta["model_args"])
+    extra = extra_state(family, args, read)
+    return build_from(family, args, _Reading(read, extra)), meta, extra
+
+
+class _Reading(dict):
+    """Values by name for :func:`build_from`: the ones given, and any other read from the source
+    when asked (so a parameter is read as it is filled, not all of them first)."""
+
+    def __init__(self, read, given: dict):
+        super().__init__(given)
+        self.read = read
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+
+def build_from(family, args, values):
+    """``family``'s model with ``args`` on the CPU in fp32 (eval mode), its parameters from
+    ``values`` by name (tensors or LazyWeights: an export, a Hugging Face folder), its routers
+    following the balancing bias ``values`` holds, if it holds one."""
     with torch.device("meta"):
-        model = family.build(family.args_class(**meta["model_args"]))
+        model = family.build(args)
     model.to_empty(device="cpu")
     model.tie_weights()
-    values = {name: read(name) for name, _ in model.named_parameters()}
     model.init_weights(0, values=values)
-    extra = extra_state(family, model.args, read)
-    routing = family.routing([model], model.args)
+    routing = family.routing([model], args)
     if routing is not None:
-        routing.start_from(extra)
-    model.eval()
-    return model, meta, extra
+        routing.start_from(values)
+    return model.eval()
 
 
 def extra_state(family, args, read) -> dict[str, torch.Tensor]:
