@@ -194,6 +194,19 @@ CASES = [
          "model.kv_lora_rank", "expected int"),
     Case("latent attention on GPT-2", CHECK + " --model.name gpt2 --model.kv_lora_rank 32",
          "model.kv_lora_rank does not apply to the gpt2 family"),
+    # multi-token prediction
+    Case("more prediction depths than blocks", CHECK + " --model.mtp_depth 9",
+         "model.mtp_depth = 9: 0 (none) to model.n_layers = 8 prediction depths"),
+    Case("negative prediction depths", CHECK + " --model.mtp_depth -1", "model.mtp_depth must be >= 0"),
+    Case("a prediction weight of infinity", CHECK + " --model.mtp_depth 1 --model.mtp_weight inf",
+         "model.mtp_weight: got 'inf', not a finite number"),
+    Case("an absurd prediction weight", CHECK + " --model.mtp_depth 1 --model.mtp_weight 1e9",
+         "model.mtp_weight must be in [0, 10]"),
+    Case("prediction depths on GPT-2", CHECK + " --model.name gpt2 --model.mtp_depth 1",
+         "model.mtp_depth does not apply to the gpt2 family"),
+    Case("prediction depths under a split backward", CHECK + " --model.mtp_depth 1 --parallelism."
+         "pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble",
+         "model.mtp_depth with ZBVZeroBubble", world=2),
     # --- a mixture of experts
     Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
          "model.top_k = 9 must be between 1 and model.experts = 8"),

@@ -482,3 +482,5 @@ def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path
     assert all(torch.equal(original[k], exported[k]) for k in original)
     llama_with_norms = LLAMA.hf_problem(LLAMA.args("debug", qk_norm=True))
     assert "LlamaForCausalLM has no per-head query/key norms" in llama_with_norms
+    for family in (LLAMA, QWEN3, MOE):  # (their HF classes hold no prediction depths)
+        assert "mtp_depth" in family.hf_problem(family.args("debug", mtp_depth=1))

@@ -38,6 +38,7 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 RING = ["--parallelism.context_parallel_method", "ring"]
 MLA = ["--model.flavor", "debug-mla"]
+MTP = ["--model.mtp_depth", "2"]  # two prediction depths after the blocks, on the last stage
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -100,6 +101,12 @@ WORLD2 = {
     # through the ring.
     "tp2_sp_lp_mla": [*TP2, Z, "3", *MLA],
     "cp2_ring_mla": [*CP2, *RING, Z, "1", *MLA],
+    # Multi-token prediction: its cross-entropies under loss parallelism; its tokens' embeddings
+    # carried through four stages on two ranks; the tokens ahead of each position cut like the
+    # targets under CP, documents' ends masked.
+    "tp2_sp_lp_mtp": [*TP2, Z, "3", *MTP],
+    "pp2_Interleaved1F1B_mtp_docmask": pp(2, "Interleaved1F1B", Z, "1", *MTP, *DOCMASK),
+    "cp2_mtp_docmask": [*CP2, Z, "2", SAC, *MTP, *DOCMASK],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -129,6 +136,7 @@ WORLD4 = {
     "cp2_tp2_docmask": [*CP2, *TP2, Z, "3", *DOCMASK],
     # HSDP: FSDP2 over (dp_replicate, dp_shard_cp); the flat engine shards over cp, all-reduces replicas
     "pp2_cp2_mla": pp(2, "1F1B", *CP2, Z, "0", *MLA),
+    "pp2_tp2_mtp": pp(2, "1F1B", *TP2, Z, "3", *MTP),  # the carried embeddings sequence-sharded
     "hsdp2_cp2_zero3": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, Z, "3"],
     "hsdp2_cp2_ring_zero2": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, *RING,
                              Z, "2"],
@@ -182,6 +190,8 @@ def refs():
         "ref_docmask": [Z, "0", *DOCMASK],
         "ref_docs_unmasked": [Z, "0", *DOCMASK, "--data.document_masking", "false"],
         "ref_mla": [Z, "0", *MLA],
+        "ref_mtp": [Z, "0", *MTP],
+        "ref_mtp_docmask": [Z, "0", *MTP, *DOCMASK],
     }))
 
 
@@ -202,7 +212,7 @@ def param_tols(name: str) -> dict:
 
 def ref_for(name, refs):
     family, layout = name.split("/")
-    for kind in ("docmask", "val", "tied", "5layers", "8layers", "mla"):
+    for kind in ("mtp_docmask", "docmask", "val", "tied", "5layers", "8layers", "mla", "mtp"):
         if kind in layout:
             return refs[f"{family}/ref_{kind}"]
     return refs[f"{family}/ref"]

@@ -12,7 +12,15 @@ import pytest
 import torch
 from harness import TINY, assert_matches, run_layouts, spawn_ranks
 
-from torchpar.loss import AuxiliaryTerms, add_auxiliary_loss, auxiliary_terms, training_loss
+from torchpar.loss import (
+    IGNORE,
+    AuxiliaryTerms,
+    add_auxiliary_loss,
+    auxiliary_terms,
+    cross_entropy_sum,
+    tokens_ahead,
+    training_loss,
+)
 
 Z = "--parallelism.zero_stage"
 ZLOSS = ["--loss.z_loss", "0.05"]  # large enough to change the run (1e-4 is usual)
@@ -131,3 +139,66 @@ def test_an_auxiliary_term_of_the_first_pipeline_stage_trains_as_in_one_process(
     plain = run_layouts(1, {"plain": [Z, "0", "--training.steps", "2", "--validation.enable", "false"]})
     plain = plain["plain"]
     assert (plain["params"]["tok_embeddings.weight"] - one["tok_embeddings.weight"]).abs().max().item() > 1e-4
+
+
+def test_tokens_ahead_are_the_next_tokens_of_each_position_masked_at_the_window_and_documents():
+    """Column j holds token i + 1 + j; beyond the window and, with documents, where token i + j is in
+    another document than token i (column 0, the targets, is never masked)."""
+    rows = torch.arange(10, 18)[None]  # a window of 7 inputs and their next tokens
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    i = IGNORE
+    plain = [[11, 12, 13], [12, 13, 14], [13, 14, 15], [14, 15, 16], [15, 16, 17], [16, 17, i], [17, i, i]]
+    masked = [[11, 12, 13], [12, 13, i], [13, i, i], [14, 15, 16], [15, 16, 17], [16, 17, i], [17, i, i]]
+    assert tokens_ahead(rows, 2).tolist() == [plain]
+    assert tokens_ahead(rows, 2, documents).tolist() == [masked]
+    assert torch.equal(tokens_ahead(rows, 0), rows[:, 1:, None])
+
+
+def _depth_reference(model, x, ahead):
+    """Multi-token prediction written out from the model's modules: each depth's summed
+    cross-entropy (DeepSeek-V3: depth k joins the previous depth's state with the embedding of token
+    i + k, runs its block, and the shared head predicts token i + k + 1)."""
+    n, cos, sin = model.args.n_layers, model.rope_cos, model.rope_sin
+    h = model.tok_embeddings(x)
+    for i in range(n):
+        h = model.layers[str(i)](h, cos, sin)
+    out = []
+    for k in range(1, model.args.mtp_depth + 1):
+        depth = model.layers[str(n + k - 1)]
+        e = model.tok_embeddings(ahead[..., k - 1].clamp(min=0))
+        j = depth.join
+        z = j.eh_proj(torch.cat([j.enorm(e), j.hnorm(h)], -1))
+        z = z + depth.attention(depth.attention_norm(z), cos, sin)
+        h = z + depth.feed_forward(depth.ffn_norm(z))
+        logits = model.output(depth.final_norm(h))
+        out.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ahead[..., k].flatten(),
+                                                     ignore_index=IGNORE, reduction="sum"))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_prediction_depths_add_their_cross_entropies_and_train_the_embedding_through_them(family):
+    """With ``ahead``, each depth's cross-entropy is counted as written out by hand and joins the
+    loss at weight mtp_weight / depths: the gradient of the loss equals that of cross-entropy +
+    weight/depths x the depths' sum; without it (evaluation) the logits are the model's alone."""
+    from torchpar.models import adapter
+
+    torch.manual_seed(0)
+    model = adapter(family).build(adapter(family).args("debug", n_layers=2, mtp_depth=2, mtp_weight=0.5))
+    rows = torch.randint(0, 4096, (2, 17))
+    x, ahead = rows[:, :-1], tokens_ahead(rows, 2, torch.tensor([[0] * 9 + [1] * 7, [0] * 16]))
+    with auxiliary_terms(("mtp1", "mtp2"), scale=1.0) as terms:
+        loss, ce, _ = training_loss(model(x, ahead=ahead), ahead[..., 0])
+        loss.backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    expected = _depth_reference(model, x, ahead)
+    assert all(torch.allclose(terms.sums[f"mtp{k}"], e, rtol=1e-5) for k, e in enumerate(expected, 1))
+    logits = model(x)  # (no ahead: no depth runs, and none adds a term)
+    (torch.nn.functional.cross_entropy(logits.flatten(0, 1), ahead[..., 0].flatten(), reduction="sum")
+     + 0.5 / 2 * sum(expected)).backward()
+    assert torch.allclose(ce, cross_entropy_sum(logits, ahead[..., 0]))
+    for name, p in model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=1e-4), name
+    assert got["layers.3.join.eh_proj.weight"].abs().sum() > 0
+    assert got["tok_embeddings.weight"].abs().sum() > 0

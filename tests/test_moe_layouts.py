@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow  # trains in spawned processes
 Z = "--parallelism.zero_stage"
 LB = "--training.local_batch_size"
 MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
-# latent attention; sigmoid scores, a shared expert, route scale 2.5, group-limited routing
-DEEPSEEK = ["--model.name", "deepseek_v3"]
+# latent attention; sigmoid scores, a shared expert, route scale 2.5, group-limited routing; one
+# multi-token prediction depth (a routed block with its own row of the bias, on the last stage)
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.mtp_depth", "1"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 BIAS_ONLY = ["--model.balance_coeff", "0"]
 BALANCE_ONLY = ["--model.bias_rate", "0"]

@@ -16,6 +16,7 @@ from torchpar.parallel.recompute import OPTIONS, option_overrides
 Z = "--parallelism.zero_stage"
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 MLA_FLAVOR = ["--model.flavor", "debug-mla"]
+MTP = ["--model.mtp_depth", "2"]
 LEDGER_LAYOUTS = {
     "dp2_zero0": [Z, "0", "--training.local_batch_size", "4"],
     "dp2_zero2": [Z, "2", "--training.local_batch_size", "4"],
@@ -52,6 +53,14 @@ LEDGER_LAYOUTS = {
                               "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                               "false", "--parallelism.loss_parallel", "false"],
     "cp2_ring_mla": [Z, "1", *MLA_FLAVOR, *CP2, "--parallelism.context_parallel_method", "ring"],
+    # Multi-token prediction: the depths' blocks on the last stage, their tokens embedded and the
+    # head (and loss parallelism's reductions) run again per depth, their embeddings sent between
+    # stages beside the hidden states.
+    "tp2_mtp": [Z, "0", *MTP, "--parallelism.tensor_parallel_degree", "2"],
+    "tp2_no_sp_lp_mtp": [Z, "0", *MTP, "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
+    "pp2_mtp": [Z, "0", *MTP, "--parallelism.pipeline_parallel_degree", "2"],
+    "cp2_mtp": [Z, "3", *MTP, *CP2],
 }
 
 

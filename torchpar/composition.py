@@ -33,6 +33,7 @@ class Features:
     family: str = "llama3"  # model.name
     experts: bool = False  # the family routes tokens to experts (a mixture of experts)
     tied: bool = False  # the flavour ties its token embedding and output head
+    mtp: bool = False  # multi-token prediction: its depths use the head again, on the last stage
     # model fields (set to non-zero) whose terms are computed over each whole sequence
     sequence_terms: tuple[str, ...] = ()
     # model fields (set) that make attention more than the ring computes (a sink, a sliding window)
@@ -66,7 +67,7 @@ class Features:
 # Each dimension and the features that carry its value: a rule names the dimensions it reads, and
 # reads no feature of another (a test holds every rule to its word).
 DIMENSIONS: dict[str, tuple[str, ...]] = {
-    "family": ("family", "experts", "tied", "custom_attention"),
+    "family": ("family", "experts", "tied", "mtp", "custom_attention"),
     "optimizer": ("optimizer", "whole", "gathers", "plain"),
     "zero": ("zero", "replicas"),
     "tp": ("tp",),
@@ -147,6 +148,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("pp", "family"), lambda f: f.pp > 1 and f.tied,
          "tied embeddings put the same weight on the first and the last pipeline stage; pipeline "
          "parallelism needs an untied flavour"),
+    Rule(("pp", "family"), lambda f: f.mtp and f.split_backward,
+         "model.mtp_depth with {schedule}: torch's split backward groups each weight's gradient by the "
+         "paths from the stage's input, and a weight on two paths (the head, which every prediction "
+         "depth uses again) is traversed twice and fails; use a schedule without the split (1F1B, "
+         "Interleaved1F1B, GPipe, LoopedBFS) or mtp_depth = 0"),
     Rule(("cp", "document_masking"), lambda f: f.cp > 1 and f.cp_method == "ring" and f.document_masking,
          "parallelism.context_parallel_method = 'ring' with data.document_masking = true: ring attention "
          "here keeps one causal mask over the window; use context_parallel_method = 'alltoall' (documents "

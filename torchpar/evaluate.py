@@ -32,7 +32,7 @@ def held_out_loss(trainer) -> float:
     loss_sum = torch.zeros((), device=trainer.device)
     with torch.no_grad(), compute_context(trainer.layout):
         for rows in (r for batch in itertools.islice(loader, steps) for r in batch.split(chunk)):
-            kwargs = trainer.forward_kwargs(rows[:, :-1])  # from the host copy: no device sync
+            kwargs = trainer.forward_kwargs(rows)  # from the host copy: no device sync
             rows = rows.to(trainer.device, non_blocking=True)
             inputs, targets = inputs_and_targets(rows, lay)
             if pipeline is not None:

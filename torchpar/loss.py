@@ -26,6 +26,30 @@ import torch
 import torch.nn.functional as F
 
 Z_LOSS = "z_loss"
+IGNORE = -100  # a target no loss is computed for (cross-entropy's ignore_index)
+
+
+def depth_term(k: int) -> str:
+    """The metrics' name of multi-token prediction depth ``k``'s cross-entropy (loss/mtp1, ...)."""
+    return f"mtp{k}"
+
+
+def tokens_ahead(rows: torch.Tensor, depths: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Windows [b, S + 1] (inputs and their next tokens) -> [b, S, depths + 1]: column j holds, at
+    each input position i, token i + 1 + j (column 0 the targets; column k the target of prediction
+    depth k and the token depth k + 1 reads), or IGNORE where that lies beyond the window or, with
+    ``documents`` [b, S], where token i + j is in another document than token i (the depth would
+    read across documents; the positions after it in that document are ignored too, so none
+    attends to one that did)."""
+    b, n = rows.shape
+    seq = n - 1
+    out = torch.full((b, seq, depths + 1), IGNORE, dtype=rows.dtype, device=rows.device)
+    for j in range(depths + 1):
+        ahead = rows[:, 1 + j:]  # [b, S - j]: token i + 1 + j for the positions that have one
+        if documents is not None and j:
+            ahead = torch.where(documents[:, :seq - j] == documents[:, j:], ahead, IGNORE)
+        out[:, :seq - j, j] = ahead
+    return out
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -121,11 +145,13 @@ class _Attached(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def add_auxiliary_loss(x: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
-    """``x``, with ``value`` (a scalar: the term summed over this forward's tokens, its coefficient
-    applied) joined to the loss through it. Outside a training step (evaluation, generation) the
-    term is dropped and ``x`` returned as it is."""
+def add_auxiliary_loss(x: torch.Tensor, name: str, value: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    """``x``, with ``weight`` x ``value`` (a scalar: the term summed over this forward's tokens)
+    joined to the loss through it; the figures count ``value`` itself. Outside a training step
+    (evaluation, generation) the term is dropped and ``x`` returned as it is."""
     if _active is None or not torch.is_grad_enabled():
         return x
     record_term(name, value)
-    return _Attached.apply(x, value, _active.scale)
+    # (a loss-parallel cross-entropy is a replicated DTensor: its local copy is the value)
+    value = value.to_local() if hasattr(value, "to_local") else value
+    return _Attached.apply(x, value, _active.scale * weight)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -311,7 +312,8 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
                 per_param: dict[str, float] | None = None) -> list[str]:
     """How ``run`` differs from ``ref`` (two results of :func:`run_layouts`) beyond the tolerances,
     one line each, the first difference first (empty: equal): the losses (``tol``, step by step),
-    the final parameters (``param_tol`` per element, or per name from ``per_param``; with
+    the loss's logged terms (``tol``: the z-loss, auxiliary terms, prediction depths), the final
+    parameters (``param_tol`` per element, or per name from ``per_param``; with
     ``matrices_in_norm``, each matrix's difference in norm relative to its norm, vectors left out),
     the held-out losses (``tol``)."""
     out = []
@@ -333,6 +335,12 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
             worst = max(worst, (d if d == d else float("inf"), name))
     if worst[1]:
         out.append(f"final parameters differ, most {worst[1]} by {worst[0]:.1e}")
+    for a, b in zip(run["logged"], ref["logged"]):  # the loss's terms, where logged (loss/z_loss, loss/mtp1)
+        terms = sorted(k for k in a.keys() | b.keys() if k.startswith("loss/"))
+        bad = [k for k in terms if not abs(a.get(k, math.nan) - b.get(k, math.nan)) <= tol]
+        if bad:
+            out.append(f"{bad[0]} differs at step {a.get('step')}: {a.get(bad[0])} vs {b.get(bad[0])}")
+            break
     if [s for s, _ in run["val_losses"]] != [s for s, _ in ref["val_losses"]]:
         out.append("evaluated at other steps than one device")
     for (step, a), (_, b) in zip(run["val_losses"], ref["val_losses"]):

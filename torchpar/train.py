@@ -21,11 +21,11 @@ from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
-from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, training_loss
+from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
-from torchpar.parallel.context import inputs_and_targets
+from torchpar.parallel.context import inputs_and_targets, shard_sequence
 from torchpar.parallel.zero import clip_grad_norm, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
@@ -155,13 +155,19 @@ class Trainer:
             parts["routing"] = self.routing
         return parts
 
-    def forward_kwargs(self, inputs: torch.Tensor) -> dict:
-        """The model's inputs beside the tokens: each token's document, when attention is kept
-        inside documents — from the batch's host copy, so that the model reads where documents
-        start without waiting for the device."""
-        if not self.cfg.data.document_masking:
-            return {}
-        return {"documents": document_ids(inputs, self.tokenizer.bos_id)}
+    def forward_kwargs(self, rows: torch.Tensor, training: bool = False) -> dict:
+        """The model's inputs beside the tokens of windows ``rows`` [b, S + 1] — from the batch's
+        host copy, so that the model reads where documents start without waiting for the device:
+        each token's document, when attention is kept inside documents; in training with
+        multi-token prediction, the tokens ahead of each position (this rank's positions)."""
+        kwargs = {}
+        if self.cfg.data.document_masking:
+            kwargs["documents"] = document_ids(rows[:, :-1], self.tokenizer.bos_id)
+        depths = getattr(self.args, "mtp_depth", 0)
+        if training and depths:
+            ahead = tokens_ahead(rows, depths, kwargs.get("documents"))
+            kwargs["ahead"] = shard_sequence(ahead.to(self.device, non_blocking=True), self.layout)
+        return kwargs
 
     def manifest(self) -> dict:
         """What a checkpoint records beside its tensors, to check a resume or an export against."""
@@ -218,7 +224,7 @@ class Trainer:
                 hosts = [next(batches) for _ in range(self.layout.accum)]
                 # each batch is copied from its pinned buffer: a host-side cat would not be pinned
                 batch = torch.cat([host.to(self.device, non_blocking=True) for host in hosts])
-                kwargs = self.forward_kwargs(torch.cat(hosts)[:, :-1])
+                kwargs = self.forward_kwargs(torch.cat(hosts), training=True)
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
                 inputs, targets = inputs_and_targets(batch, self.layout)
@@ -232,10 +238,10 @@ class Trainer:
                 inputs, targets = inputs_and_targets(batch, self.layout)
                 state.set_sync(micro == self.layout.accum - 1)
                 with phase("forward_backward"), compute_context(self.layout):
-                    kwargs = self.forward_kwargs(host[:, :-1])  # (the logits must not outlive the loss)
+                    kwargs = self.forward_kwargs(host, training=True)
                     logits = self.model.parts[0](inputs, **kwargs)
                     loss, ce, z = training_loss(logits, targets, self.cfg.loss.z_loss)
-                    del logits
+                    del logits  # (the logits must not outlive the loss)
                     if z is not None:
                         record_term(Z_LOSS, z)
                     (loss * scale).backward()

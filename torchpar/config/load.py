@@ -240,6 +240,7 @@ def validate(cfg: JobConfig) -> None:
             ("model.capacity_factor", m.capacity_factor, m.capacity_factor >= 0, ">= 0 (0 = dropless)"),
             ("model.balance_coeff", m.balance_coeff, m.balance_coeff >= 0, ">= 0 (0 = no balance loss)"),
             ("model.bias_rate", m.bias_rate, m.bias_rate >= 0, ">= 0 (0 = no bias balancing)"),
+            ("model.mtp_weight", m.mtp_weight, 0 <= m.mtp_weight <= 10, "in [0, 10] (0 = the flavour's 0.3)"),
             ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")

@@ -97,6 +97,15 @@ class Model:
     v_head_size: int = opt(
         0, "Llama and MoE: with kv_lora_rank, each value head's width, at most a query head's (DeepSeek-V3: "
            "128). 0 = the flavour's (or the head size).")
+    mtp_depth: int = opt(
+        0, "Llama and MoE: multi-token prediction (DeepSeek-V3's): this many depths after the last block, "
+           "each a block over the previous depth's state and the next token's embedding, predicting one "
+           "token further ahead through the shared head; trained only (logged as loss/mtp1, ...: each "
+           "depth's cross-entropy per token). Under pipeline parallelism the depths live on the last stage "
+           "and their tokens' embeddings travel with the activations. 0 = none (DeepSeek-V3: 1).")
+    mtp_weight: float = opt(
+        0.0, "Llama and MoE: with mtp_depth, the depths' cross-entropies join the loss with this weight "
+             "over the depths (DeepSeek-V3: 0.3, later 0.1). 0 = the flavour's (0.3).")
     experts: int = opt(0, "MoE: override the routed experts per block (0 = the flavour's).")
     top_k: int = opt(0, "MoE: override the experts each token is routed to (0 = the flavour's).")
     capacity_factor: float = opt(

@@ -49,6 +49,8 @@ VARLEN_GROUPS_HEADS = varlen_attn is not None and "enable_gqa" in inspect.signat
 #   colwise    linear with its output features sharded (replicated input)
 #   rowwise    linear with its input features sharded; partial sums reduced into the residual stream
 #   norm       a norm over the residual stream: sequence-sharded under sequence parallelism
+#   token_wise a module that works token by token on the residual stream (a prediction depth's join
+#              and final norm): whole on every rank, on its own tokens under sequence parallelism
 #   input      a sub-module whose first input is the residual stream, converted once to replicated
 #              (one collective per sub-module instead of one per column-wise linear inside it)
 #   head_norm  a norm over each attention head (q/k norms) of a rank's heads: its weight replicated,
@@ -65,7 +67,7 @@ VARLEN_GROUPS_HEADS = varlen_attn is not None and "enable_gqa" in inspect.signat
 #              output's gradient, a share from each rank's heads, summed over the tp ranks
 #   shared     latent, its output a plain tensor every rank's heads use (the shared rotary key)
 WHOLE_STYLES = ("replicated", "latent", "shared")  # modules every tp rank runs whole
-TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "input", "head_norm", "routed",
+TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "token_wise", "input", "head_norm", "routed",
              "rowwise_replicated", "whole_input", *WHOLE_STYLES)
 
 
@@ -589,10 +591,10 @@ class ModelAdapter(ABC):
         self, args, first: bool, last: bool, layers: range
     ) -> list[tuple[str, tuple[int, int], int | None]]:
         """(name, 2-D shape, TP-sharded dim or None) of every parameter of one pipeline stage
-        holding blocks ``layers`` (global indices), in model order (first-stage modules, blocks,
-        last-stage modules); vectors are (n, 1), a stack of experts' matrices (experts, rest) (its
-        first dim the one FSDP shards). A tied head is left out when the embedding is on the same
-        stage."""
+        holding blocks ``layers`` (global indices), in model order (first-stage modules, blocks —
+        on the last stage the prediction depths' after them —, last-stage modules); vectors are
+        (n, 1), a stack of experts' matrices (experts, rest) (its first dim the one FSDP shards).
+        A tied head is left out when the embedding is on the same stage."""
 
     def block_params(self, args, layer: int | None = None) -> list[tuple[str, tuple[int, int], int | None]]:
         """Block ``layer``'s entries of :meth:`stage_params`; None = the largest block."""
@@ -611,6 +613,12 @@ class ModelAdapter(ABC):
         mixture of experts' hidden width: its model is traced with the rank's share)."""
         return replace(args, n_layers=1)
 
+    def prediction_depths(self, args) -> int:
+        """Blocks the model holds past its own ``n_layers`` (indices from there on), on the last
+        pipeline stage, each running the head again in training: multi-token prediction's depths.
+        None by default."""
+        return 0
+
     def routing(self, parts: list[nn.Module], args):
         """What the trainer updates and logs after each step for the model's routers (a mixture of
         experts' balancing bias and loads: :class:`torchpar.models.moe.Routing`), or None."""
@@ -626,11 +634,12 @@ class ModelAdapter(ABC):
     def param_counts(self, args) -> dict[str, int]:
         """Parameters per part: at least ``embedding`` (everything of the first stage),
         ``layer`` (one block), ``layers``, ``norm`` and ``output`` (the rest of the last stage;
-        0 for a tied head)."""
+        0 for a tied head); ``depths``, where a model has more than these (multi-token
+        prediction's)."""
 
     def num_params(self, args) -> int:
         c = self.param_counts(args)
-        return c["embedding"] + c["layers"] + c["norm"] + c["output"]
+        return c["embedding"] + c["layers"] + c["norm"] + c["output"] + c.get("depths", 0)
 
     @abstractmethod
     def matmul_params(self, args) -> tuple[int, int]:
@@ -642,9 +651,13 @@ class ModelAdapter(ABC):
         scores and values, 2 x s x (heads x (query width + value width)) per layer over the full
         s x s square (PaLM's 2 x 2 x s x d with heads d wide; causal masking ignored; see
         :meth:`attention_keys`)."""
-        block, head = self.matmul_params(args)
-        return 3 * (2 * (block * args.n_layers + head)
+        return 3 * (2 * self.matmul_weights(args)
                     + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
+
+    def matmul_weights(self, args) -> int:
+        """The matmul weights a token's forward passes through: every block's and the head's."""
+        block, head = self.matmul_params(args)
+        return block * args.n_layers + head
 
     def attention_heads(self, args) -> tuple[int, int, int, int]:
         """(query heads, key/value heads, a query or key head's width, a value head's width)."""

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from torchpar.loss import add_auxiliary_loss, cross_entropy_sum, depth_term
 from torchpar.models.common import (
     Documents,
     Mask,
@@ -58,6 +59,15 @@ class ModelArgs:
     q_lora_rank: int = 0  # the query latent's width (DeepSeek-V3: 1536); 0 = queries projected from x
     qk_rope_dim: int = 0  # the rotary part of each q/k head (DeepSeek-V3: 64); 0 = head_dim / 2
     v_head_size: int = 0  # each value head's width (DeepSeek-V3: 128); 0 = head_dim
+    # Multi-token prediction (DeepSeek-V3): depths after the last block, depth k predicting the token
+    # k further ahead than the model's own prediction; trained beside it with weight mtp_weight / depths.
+    mtp_depth: int = 0  # the prediction depths (DeepSeek-V3: 1); 0 = none
+    mtp_weight: float = 0.3  # the depths' share of the loss (DeepSeek-V3: 0.3, later 0.1)
+
+    @property
+    def mtp_layers(self) -> range:
+        """The indices of the prediction depths' blocks, after the model's own."""
+        return range(self.n_layers, self.n_layers + self.mtp_depth)
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0 = it attends to every earlier key)."""
@@ -310,11 +320,33 @@ class TransformerBlock(nn.Module):
         self.attention = (LatentAttention if args.latent else Attention)(args, args.window(layer))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(args.dim, args.ffn_hidden)
+        # A prediction depth's block has both (Transformer.depth_block); the model's own, neither.
+        self.join: DepthJoin | None = None  # its input: the previous depth's state and a token's embedding
+        self.final_norm: RMSNorm | None = None  # its norm before the shared head
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Mask = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None):
+        """x [b, s, d] -> [b, s, d]; a prediction depth's block: x [b, s, 2d] -> (its state [b, s, d],
+        that state normalized for the head)."""
+        if self.join is not None:
+            x = self.join(x)
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        out = h + self.feed_forward(self.ffn_norm(h))
+        return out if self.final_norm is None else (out, self.final_norm(out))
+
+
+class DepthJoin(nn.Module):
+    """The input of a multi-token prediction depth (DeepSeek-V3): the previous depth's hidden state
+    and the embedding of the token this depth reads, each normalized, projected together to d."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps)  # the token's embedding
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)  # the previous depth's state
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, e = x.chunk(2, dim=-1)  # [b, s, 2d]: the state, then the embedding
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
 
 
 class Transformer(SeededInit):
@@ -324,6 +356,7 @@ class Transformer(SeededInit):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # Keyed by the global layer index, so a pipeline stage keeps its layers' names.
         self.layers = nn.ModuleDict({str(i): self.block(args, i) for i in range(args.n_layers)})
+        self.layers.update({str(i): self.depth_block(args, i) for i in args.mtp_layers})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -334,6 +367,12 @@ class Transformer(SeededInit):
     def block(self, args: ModelArgs, layer: int) -> nn.Module:
         """Block ``layer`` (a family built on this one changes its feed-forward here)."""
         return TransformerBlock(args, layer=layer)
+
+    def depth_block(self, args: ModelArgs, layer: int) -> nn.Module:
+        """A prediction depth's block: a block like the model's last, with a join and a final norm."""
+        block = self.block(args, layer)
+        block.join, block.final_norm = DepthJoin(args), RMSNorm(args.dim, args.norm_eps)
+        return block
 
     def block_args(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What every block takes after the hidden states: the RoPE tables, or for given
@@ -348,18 +387,42 @@ class Transformer(SeededInit):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: torch.Tensor, documents: Documents = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents = None, ahead: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x: token ids [b, s] on the first stage, hidden states [b, s, d] after it. documents:
-        each token's document [b, s] to keep attention inside (positions restart per document)."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # [b, s, d]
+        each token's document [b, s] to keep attention inside (positions restart per document).
+        ahead: in training with prediction depths, each position's next tokens [b, s, depths + 1]
+        (:func:`torchpar.loss.tokens_ahead`); the depths' embeddings then travel with the hidden
+        states between pipeline stages ([b, s, (depths + 1) d]) to the last, which holds the depths."""
+        depths = self.args.mtp_depth if ahead is not None else 0
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)  # [b, s, d]
+            read = [self.tok_embeddings(ahead[..., k].clamp(min=0)) for k in range(depths)]  # each [b, s, d]
+        else:
+            h, *read = x.chunk(depths + 1, dim=-1) if depths else (x,)
         positions, mask = (document_layout(documents, h.dtype, h.device) if documents is not None
                            else (None, None))
         block_args = self.block_args(positions)
-        for layer in self.layers.values():
-            h = layer(h, *block_args, mask)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h  # [b, s, v] logits
+        for key, layer in self.layers.items():
+            if int(key) < self.args.n_layers:
+                h = layer(h, *block_args, mask)
+        if self.output is None:  # (a stage before the last)
+            return torch.cat([h, *read], dim=-1) if depths else h
+        if depths:
+            h = self._predict_ahead(h, read, ahead, block_args, mask)
+        return self.output(self.norm(h))  # [b, s, v] logits
+
+    def _predict_ahead(self, h: torch.Tensor, read: list[torch.Tensor], ahead: torch.Tensor, block_args,
+                       mask: Mask) -> torch.Tensor:
+        """``h`` with each prediction depth's cross-entropy joined to the loss: depth k runs its
+        block over the previous depth's state (the model's own for depth 1) and the embedding of
+        token i + k, and the shared head predicts token i + k + 1 (``ahead[..., k]``)."""
+        state, weight = h, self.args.mtp_weight / self.args.mtp_depth
+        for k, (layer, embedded) in enumerate(zip(self.args.mtp_layers, read), 1):
+            state, normed = self.layers[str(layer)](torch.cat([state, embedded], dim=-1), *block_args, mask)
+            ce = cross_entropy_sum(self.output(normed), ahead[..., k])
+            h = add_auxiliary_loss(h, depth_term(k), ce, weight)
+        return h
 
     # ------------------------------------------------------------ initialization
 
@@ -412,6 +475,10 @@ class LlamaAdapter(ModelAdapter):
     feed_forward_plan = {"ffn_norm": "norm", "feed_forward": "input", "feed_forward.w1": "colwise",
                          "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
     block_plan = {**attention_plan, **feed_forward_plan}
+    # A prediction depth's own modules work token by token: whole on every rank (under sequence
+    # parallelism each on its own tokens).
+    depth_plan = {"join.enorm": "token_wise", "join.hnorm": "token_wise", "join.eh_proj": "token_wise",
+                  "final_norm": "token_wise"}
 
     def attention_words(self, args: ModelArgs) -> dict[str, str]:
         """The plan of a block's attention and its norm. (With a query latent, every module that
@@ -420,8 +487,19 @@ class LlamaAdapter(ModelAdapter):
             return self.attention_plan
         return {**self.latent_plan, "attention": "whole_input"} if args.q_lora_rank else self.latent_plan
 
+    def feed_forward_words(self, args: ModelArgs, layer: int) -> dict[str, str]:
+        """The plan of block ``layer``'s feed-forward and its norm."""
+        return self.feed_forward_plan
+
     def layer_plan(self, args: ModelArgs, layer: int) -> dict[str, str]:
-        return {**self.attention_words(args), **self.feed_forward_plan}
+        depth = self.depth_plan if layer >= args.n_layers else {}
+        return {**self.attention_words(args), **self.feed_forward_words(args, layer), **depth}
+
+    def auxiliary_terms(self, args: ModelArgs) -> tuple[str, ...]:
+        return tuple(depth_term(k) for k in range(1, args.mtp_depth + 1))
+
+    def prediction_depths(self, args: ModelArgs) -> int:
+        return args.mtp_depth
 
     hf_architecture = "LlamaForCausalLM"
     hf_qk_norm = False  # whether the HF class has per-head q/k norms (Llama's has not; Qwen3's have)
@@ -517,6 +595,9 @@ class LlamaAdapter(ModelAdapter):
         if args.yarn_factor > 1 and args.yarn_original_seq_len < 2:
             raise ValueError("model.yarn_factor needs model.yarn_original_seq_len, the context RoPE was "
                              "trained at (gpt-oss: 4096)")
+        if not 0 <= args.mtp_depth <= min(args.n_layers, args.max_seq_len - 1):
+            raise ValueError(f"model.mtp_depth = {args.mtp_depth}: 0 (none) to model.n_layers = "
+                             f"{args.n_layers} prediction depths (each one more block and head pass)")
         if args.sliding_window and args.full_attention_every < 1:
             raise ValueError(f"model.full_attention_every = {args.full_attention_every}: every N-th layer "
                              "attends fully, N >= 1")
@@ -530,12 +611,14 @@ class LlamaAdapter(ModelAdapter):
             return f"model.attn_sink: {self.hf_architecture} has no attention sinks"
         if args.sliding_window:
             return f"model.sliding_window: {self.hf_architecture} has no sliding-window layers"
+        if args.mtp_depth:
+            return f"model.mtp_depth: {self.hf_architecture} has no multi-token prediction layers"
         return super().hf_problem(args)
 
     def attention_keys(self, args: ModelArgs, seq_len: int) -> int:
         # A layer sliding a window of w keys counts min(s, 2w): twice the band's keys, as the full
         # square counts causal attention's half twice.
-        windows = (args.window(i) for i in range(args.n_layers))
+        windows = (args.window(i) for i in range(args.n_layers + args.mtp_depth))
         return sum(min(seq_len, 2 * w) if w else seq_len for w in windows)
 
     def block_kind(self, args: ModelArgs, layer: int) -> int:
@@ -561,7 +644,8 @@ class LlamaAdapter(ModelAdapter):
         d = args.dim
         out = [("tok_embeddings.weight", (args.vocab_size, d), 0)] if first else []
         out += self.blocks_params(args, layers)
-        if last:
+        if last:  # (the prediction depths' blocks live with the head)
+            out += [entry for layer in args.mtp_layers for entry in self.block_params(args, layer)]
             out.append(("norm.weight", (d, 1), None))
             if not (args.tie_embeddings and first):
                 out.append(("output.weight", (args.vocab_size, d), 0))
@@ -570,9 +654,21 @@ class LlamaAdapter(ModelAdapter):
     def blocks_params(self, args: ModelArgs, layers: range):
         """The entries of blocks ``layers``, in order (the planner asks for them often: one list
         repeated, not one built per block)."""
-        return self.block_params(args) * len(layers)
+        return self.body_params(args) * len(layers)
 
     def block_params(self, args: ModelArgs, layer: int | None = None):
+        body = self.body_params(args, layer)
+        return body + self.depth_params(args) if layer is not None and layer >= args.n_layers else body
+
+    def depth_params(self, args: ModelArgs):
+        """A prediction depth's entries after its block's: its join and its final norm (whole on
+        every tp rank)."""
+        d = args.dim
+        return [("join.enorm.weight", (d, 1), None), ("join.hnorm.weight", (d, 1), None),
+                ("join.eh_proj.weight", (d, 2 * d), None), ("final_norm.weight", (d, 1), None)]
+
+    def body_params(self, args: ModelArgs, layer: int | None = None):
+        """Block ``layer``'s entries without a prediction depth's own (None: the largest block)."""
         return self.attention_params(args) + [
             ("ffn_norm.weight", (args.dim, 1), None),
             ("feed_forward.w1.weight", (args.ffn_hidden, args.dim), 0),
@@ -612,7 +708,13 @@ class LlamaAdapter(ModelAdapter):
         layer = attention + ffn + 2 * d  # + attention_norm, ffn_norm
         return {"embedding": args.vocab_size * d, "layer": layer, "layer_attention": attention,
                 "layer_ffn": ffn, "layers": layer * args.n_layers, "norm": d,
-                "output": 0 if args.tie_embeddings else args.vocab_size * d}
+                "output": 0 if args.tie_embeddings else args.vocab_size * d,
+                "depths": (layer + self.join_params(args)) * args.mtp_depth}
+
+    @staticmethod
+    def join_params(args: ModelArgs) -> int:
+        """A prediction depth's parameters beside its block: its join's and its final norm's."""
+        return 2 * args.dim * args.dim + 3 * args.dim
 
     def block_vectors(self, args: ModelArgs) -> int:
         """A block's parameters that multiply no activation: its norms' weights, its heads' sinks,
@@ -624,6 +726,20 @@ class LlamaAdapter(ModelAdapter):
 
     def matmul_params(self, args: ModelArgs) -> tuple[int, int]:
         return self.param_counts(args)["layer"] - self.block_vectors(args), args.vocab_size * args.dim
+
+    def matmul_weights(self, args: ModelArgs) -> int:
+        # (each prediction depth: its block's, its join's projection, the head once more)
+        block, head = self.matmul_params(args)
+        depth = self.depth_block_matmul(args) + 2 * args.dim * args.dim + head
+        return self.blocks_matmul(args) + head + depth * args.mtp_depth
+
+    def blocks_matmul(self, args: ModelArgs) -> int:
+        """The matmul weights a token passes through in the model's own blocks."""
+        return self.matmul_params(args)[0] * args.n_layers
+
+    def depth_block_matmul(self, args: ModelArgs) -> int:
+        """... in a prediction depth's block (one like the last block)."""
+        return self.matmul_params(args)[0]
 
 
 ADAPTER = LlamaAdapter()

@@ -280,7 +280,8 @@ class MoEArgs(ModelArgs):
 
     @property
     def moe_layers(self) -> range:
-        return range(self.dense_layers, self.n_layers)
+        """Every routed block: the model's after its dense ones, then the prediction depths'."""
+        return range(self.dense_layers, self.n_layers + self.mtp_depth)
 
 
 # Tiny but shaped like the big ones: 4 blocks (pp 2 x 2), the first dense; 8 experts of 64 (ep 2, 4
@@ -408,10 +409,8 @@ class MoEAdapter(LlamaAdapter):
     routed_plan = {"ffn_norm": "norm", "feed_forward": "routed", "feed_forward.shared.w1": "colwise",
                    "feed_forward.shared.w3": "colwise", "feed_forward.shared.w2": "rowwise_replicated"}
 
-    def layer_plan(self, args: MoEArgs, layer: int) -> dict[str, str]:
-        if layer < args.dense_layers:
-            return super().layer_plan(args, layer)
-        return {**self.attention_words(args), **self.routed_plan}
+    def feed_forward_words(self, args: MoEArgs, layer: int) -> dict[str, str]:
+        return self.feed_forward_plan if layer < args.dense_layers else self.routed_plan
 
     def experts(self, args: MoEArgs) -> int:
         return args.experts
@@ -432,10 +431,10 @@ class MoEAdapter(LlamaAdapter):
             ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
             ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
             ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
-            ("kv_lora_rank", not args.latent)),
+            ("kv_lora_rank", not args.latent), ("mtp_depth", not args.mtp_depth)),
             "routes by softmax scores without shared experts, a route scale or expert groups, has no "
-            "attention sinks, sliding windows or latent attention, and has per-head q/k norms and an "
-            "untied head")
+            "attention sinks, sliding windows, latent attention or multi-token prediction, and has "
+            "per-head q/k norms and an untied head")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super().hf_config(args)
@@ -477,7 +476,7 @@ class MoEAdapter(LlamaAdapter):
         return args.top_k
 
     def auxiliary_terms(self, args: MoEArgs) -> tuple[str, ...]:
-        return (BALANCE_LOSS,) if args.balance_coeff else ()
+        return (BALANCE_LOSS,) * bool(args.balance_coeff) + super().auxiliary_terms(args)
 
     def check_shape(self, args: MoEArgs) -> None:
         super().check_shape(args)
@@ -506,11 +505,11 @@ class MoEAdapter(LlamaAdapter):
 
     def blocks_params(self, args: MoEArgs, layers: range):
         dense = len(range(layers.start, min(layers.stop, args.dense_layers)))  # they come first
-        return super().block_params(args) * dense + self.block_params(args) * (len(layers) - dense)
+        return super().body_params(args) * dense + self.body_params(args) * (len(layers) - dense)
 
-    def block_params(self, args: MoEArgs, layer: int | None = None):
+    def body_params(self, args: MoEArgs, layer: int | None = None):
         if layer is not None and layer < args.dense_layers:
-            return super().block_params(args, layer)
+            return super().body_params(args, layer)
         d, h, e = args.dim, args.moe_hidden, args.experts
         # (TP splits the shared experts like a dense SwiGLU, the routed ones along h: their columns)
         shared = [(f"feed_forward.shared.{w}.weight", shape, tp_dim) for w, shape, tp_dim in
@@ -541,12 +540,13 @@ class MoEAdapter(LlamaAdapter):
         def size(entries):
             return sum(r * c for _, (r, c), _ in entries)
 
-        moe = size(self.block_params(args))
+        moe = size(self.body_params(args))
         experts = 3 * args.dim * args.moe_hidden
         active = moe - experts * (args.experts - args.top_k)
-        n_moe = len(args.moe_layers)
+        n_moe = args.n_layers - args.dense_layers  # (the model's own; each prediction depth's is routed too)
         return {**counts, "layer": moe, "layers": dense * args.dense_layers + moe * n_moe,
-                "active_layers": dense * args.dense_layers + active * n_moe}
+                "active_layers": dense * args.dense_layers + active * n_moe,
+                "active_layer": active, "depths": (moe + self.join_params(args)) * args.mtp_depth}
 
     def active_matmul_params(self, args: MoEArgs) -> int:
         """The matmul weights a token passes through in all blocks: the router, its k experts and
@@ -557,11 +557,13 @@ class MoEAdapter(LlamaAdapter):
         """(active matmul weights per block, averaged over the blocks; the head's)."""
         return self.active_matmul_params(args) // args.n_layers, args.vocab_size * args.dim
 
-    def flops_per_token(self, args: MoEArgs, seq_len: int) -> int:
-        """Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not
-        every expert's; attention over its heads' widths (:meth:`attention_width`)."""
-        weights = self.active_matmul_params(args) + args.vocab_size * args.dim
-        return 3 * (2 * weights + 2 * self.attention_keys(args, seq_len) * self.attention_width(args))
+    def blocks_matmul(self, args: MoEArgs) -> int:
+        # Active FLOPs: the router and the k chosen experts' (and shared experts') matmuls, not every
+        # expert's (exact: matmul_params' mean per block rounds)
+        return self.active_matmul_params(args)
+
+    def depth_block_matmul(self, args: MoEArgs) -> int:
+        return self.param_counts(args)["active_layer"] - self.block_vectors(args)
 
     def extra_state(self, args: MoEArgs) -> dict[str, tuple[int, ...]]:
         return {BIAS_STATE: (len(args.moe_layers), args.experts)}

@@ -98,7 +98,8 @@ def balanced_split(model, args, num_stages: int) -> list[int]:
 @functools.lru_cache(maxsize=256)  # (the planner's search asks for the same few splits thousands of times)
 def _balanced_split(model, args, num_stages: int) -> tuple[int, ...]:
     block, head_weights = model.matmul_params(args)
-    head = head_weights / block
+    # (the last stage also runs each prediction depth: a block and the head again)
+    head = (head_weights / block + 1) * (1 + model.prediction_depths(args)) - 1
     L = args.n_layers
     INF = float("inf")
     # best[s][n]: minimal max cost of putting the first n layers into the first s stages.
@@ -199,6 +200,8 @@ def split_model(module, model, layout) -> list:
         stage = copy.deepcopy(module)
         first = sum(sizes[:s])
         keep = {str(i) for i in range(first, first + sizes[s])}
+        if s == layout.num_stages - 1:  # (blocks past the model's own, prediction depths': with the head)
+            keep |= {key for key in stage.layers.keys() if int(key) >= sum(sizes)}
         for key in list(stage.layers.keys()):
             if key not in keep:
                 del stage.layers[key]

@@ -93,6 +93,8 @@ def _style(word: str, module, sequence_parallel: bool, loss_parallel: bool):
                                         desired_output_layouts=(between,), use_local_output=True)
     if word == "norm":
         return SequenceParallel() if sequence_parallel else None
+    if word == "token_wise":  # token by token on the residual stream, whole on every rank; out as it came in
+        return SequenceParallel(use_local_output=True) if sequence_parallel else None
     if word in WHOLE_STYLES:
         return Whole(summed=word != "replicated", local=word == "shared")
     if word in ("input", "whole_input"):

@@ -124,7 +124,7 @@ def _block_terms(model, args, layer: int) -> dict:
 
 
 def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: list[int],
-                     first: bool, last: bool) -> None:
+                     first: bool, last: bool, passes: int = 1) -> None:
     """Per block and micro-step, forward and backward, one collective pair for each module the
     plan converts the residual stream for (row-wise outputs, sub-module inputs): with sequence
     parallel an all-gather and a reduce-scatter of the activation, without it an all-reduce (same
@@ -136,7 +136,9 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: li
     (the dropless count) both ways. Modules every rank runs whole (latent attention's latents): where
     each rank's heads use the output, its gradient is summed in backward; their parameters'
     gradients come out whole. Parameters TP replicates that see sequence-sharded activations, or a
-    rank's own heads (per-head norms): their partial gradients all-reduced once per step."""
+    rank's own heads (per-head norms): their partial gradients all-reduced once per step. The
+    embedding and the head run ``passes`` times a forward (multi-token prediction's depths embed
+    their tokens and use the head again)."""
     micro_batch, n_micro = lay.micro_steps
     t, act = lay.tp, lay.param_dtype_bytes
     hidden = micro_batch * seq * args.dim * act  # (seq: this rank's tokens)
@@ -146,7 +148,7 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: li
         return sum(term[key] for term in terms)
 
     embeddings = sum(word == "embedding" for word in model.top_plan.values())
-    pairs = total("pairs") + embeddings * first + last
+    pairs = total("pairs") + (embeddings * first + last) * passes
     routed = total("routed")
     sent.add("tp", "all_reduce", hidden, t, total("inner") * n_micro)
     sent.add("tp", "all_reduce", hidden * model.expert_slots(args), t, 2 * routed * n_micro)
@@ -161,15 +163,24 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: li
         sent.add("tp", "all_reduce", hidden, t, pairs * n_micro)
     params = [n for term in terms for n in term["head_params"] + term["sp_params"] * lay.sequence_parallel]
     if lay.sequence_parallel:  # the stages' own modules (the final norm)
-        own = model.stage_params(args, first, last, range(0))
-        params += [r * c for _, (r, c), tp_dim in own if tp_dim is None]
+        params += [r * c for _, (r, c), tp_dim in _own_params(model, args, first, last) if tp_dim is None]
     if params:
         sent.add("tp", "all_reduce", 4 * sum(params) / len(params), t, len(params))
     if last:
         if lay.loss_parallel:  # cross-entropy on vocab shards: max, sum of exp, target logit
-            sent.add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro)
+            sent.add("tp", "all_reduce", micro_batch * seq * 4, t, 3 * n_micro * passes)
         else:
-            sent.add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro)
+            sent.add("tp", "all_gather", micro_batch * seq * args.vocab_size * 4, t, n_micro * passes)
+
+
+def _own_params(model, args, first: bool, last: bool) -> list:
+    """A stage's entries outside its blocks (the embedding, the final norm, the head): those of a
+    stage of no blocks but the prediction depths' on the last, which come after the first-stage
+    modules."""
+    entries = model.stage_params(args, first, last, range(0))
+    start = len(model.stage_params(args, first, False, range(0)))
+    depths = range(args.n_layers, args.n_layers + model.prediction_depths(args)) if last else ()
+    return entries[:start] + entries[start + sum(len(model.block_params(args, i)) for i in depths):]
 
 
 def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
@@ -363,8 +374,10 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     sent.add("world", "all_reduce", 4, lay.world)
     starts = [0, *itertools.accumulate(split)]
     blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
+    depths = model.prediction_depths(args)  # (their blocks on the last stage; the head runs 1 + depths times)
+    blocks += list(range(args.n_layers, args.n_layers + depths)) if last else []
     if lay.tp > 1:
-        _tensor_parallel(sent, model, args, lay, seq, blocks, first, last)
+        _tensor_parallel(sent, model, args, lay, seq, blocks, first, last, 1 + depths)
     if lay.ep > 1:
         _experts(sent, model, args, lay, micro_batch * seq * n_micro, blocks, n_micro)
     if lay.cp > 1:
@@ -378,8 +391,9 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     _gathered_updates(sent, model, args, lay, pp_rank)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
-        # gradients); a rank sends from each of its stages that has a neighbour.
-        hidden = micro_batch * seq * args.dim * lay.param_dtype_bytes
+        # gradients); a rank sends from each of its stages that has a neighbour. The prediction
+        # depths' token embeddings travel beside the hidden states.
+        hidden = micro_batch * seq * args.dim * (1 + depths) * lay.param_dtype_bytes
         sent.add("pp", "send", hidden, lay.pp, sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro)
     # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.

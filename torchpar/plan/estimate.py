@@ -28,7 +28,8 @@ def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
     if lay.activation_checkpoint != "full":
         return 0.0
 
-    wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(args.n_layers))
+    blocks = args.n_layers + model.prediction_depths(args)
+    wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(blocks))
     block, _head = model.matmul_params(args)
     # A backward split into input- and weight-gradient passes recomputes the block in each.
     passes = 2 if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD else 1
@@ -44,7 +45,8 @@ def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluste
     micro_batch, n_micro = lay.micro_steps
     dropped = max(0.0, held_bytes(model, args, lay, micro_batch, seq, "none")
                   - held_bytes(model, args, lay, micro_batch, seq, "selective"))
-    return 2 * dropped * args.n_layers / lay.pp * n_micro / cluster.memory_bw
+    blocks = args.n_layers + model.prediction_depths(args)
+    return 2 * dropped * blocks / lay.pp * n_micro / cluster.memory_bw
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,16 +115,18 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     mem = dict(state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0}))
     stages = lay.stage_ids(pp_rank)
     has_head = (len(split) - 1) in stages
+    depths = model.prediction_depths(args)  # (their blocks on the head's stage)
     held = sum(stage_activation_bytes(model, args, lay, micro_batch, seq, sum(split[:s]), split[s])
-               for s in stages)
+               for s in stages) + (stage_activation_bytes(model, args, lay, micro_batch, seq, args.n_layers,
+                                                          depths) if has_head and depths else 0)
     held += ends_bytes(model, args, lay, micro_batch, seq, 0 in stages, has_head)
     mem["activation_bytes"] = held * in_flight(lay, n_micro, pp_rank, actions)
     # Transients: on the head's rank, as backward starts, the loss's fp32 log-softmax (held for
     # backward), the gradient reaching it and the one it returns — three logits-sized tensors,
-    # vocab-sharded with loss parallelism; FSDP2's gathered block (and the next one, prefetched)
-    # in the compute dtype.
+    # vocab-sharded with loss parallelism, and each prediction depth's log-softmax; FSDP2's
+    # gathered block (and the next one, prefetched) in the compute dtype.
     logits = 4 * micro_batch * (seq // lay.cp) * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
-    mem["logits_bytes"] = 3 * logits if has_head else 0
+    mem["logits_bytes"] = (3 + depths) * logits if has_head else 0
     block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
     mem["gathered_bytes"] = (
         2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0

@@ -85,8 +85,10 @@ def _model(family: str, loss_terms: bool) -> list[str]:
                              "--model.sliding_window", "8", "--model.yarn_factor", "4",
                              "--model.yarn_original_seq_len", "512"],
            "moe": ["--model.name", "moe"],
-           "moe-deepseek": ["--model.name", "deepseek_v3",
-                            "--model.bias_rate", "0.01"]}[family]
+           # DeepSeek-V3's parts: latent attention, group-limited routing with its bias, and one
+           # multi-token prediction depth
+           "moe-deepseek": ["--model.name", "deepseek_v3", "--model.bias_rate", "0.01",
+                            "--model.mtp_depth", "1"]}[family]
     out += ["--model.n_layers", "4"]  # (enough for 2 x 2 pipeline stages; the flavours' shapes otherwise)
     if loss_terms:  # the z-loss, and a mixture of experts' auxiliary balance term
         out += ["--loss.z_loss", "1e-3"] + (["--model.balance_coeff", "0.01"] if family.startswith("moe")
