@@ -4,6 +4,7 @@ training from an HF model under tensor and pipeline parallelism."""
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -348,8 +349,6 @@ DEEPSEEK_SHAPES = {"debug": {}, "no query latent": {"q_lora_rank": 0},
 
 
 def deepseek_args(shape: dict):
-    from dataclasses import replace
-
     return replace(DEEPSEEK.args("debug"), **shape)  # (replace: a 0 field is the flavour's in args())
 
 
@@ -394,6 +393,43 @@ def test_deepseek_v3_round_trip_is_bitwise(tmp_path):
     assert torch.equal(rope, fused[args.kv_lora_rank + 2:args.kv_lora_rank + 6, :16])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["q_lora_rank"] == 64 and config["n_group"] == 4 and config["num_nextn_predict_layers"] == 0
+
+
+def test_deepseek_v3_prediction_depth_in_hf_layout_imports_and_round_trips(tmp_path):
+    """A DeepSeek-V3 checkpoint with a prediction depth as DeepSeek ships one: a decoder layer after
+    the model's own with enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and
+    head. torchpar reads the depth (and transformers' model, which leaves it out, gives the same
+    logits), and writes every tensor back bit for bit, the copies from the one embedding and head."""
+    from safetensors.torch import load_file, save_file
+
+    args = deepseek_args({"mtp_depth": 1})
+    n, d = args.n_layers, args.dim
+    make_hf(tmp_path / "in", DEEPSEEK, replace(args, n_layers=n + 1, mtp_depth=0))  # (layer n: the depth's)
+    config_path = tmp_path / "in" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_hidden_layers": n, "num_nextn_predict_layers": 1}))
+    tensors = load_file(tmp_path / "in" / "model.safetensors")
+    g = torch.Generator().manual_seed(2)
+    tensors.update({f"model.layers.{n}.{name}": torch.rand(shape, generator=g) + 0.5 for name, shape in
+                    (("enorm.weight", (d,)), ("hnorm.weight", (d,)), ("shared_head.norm.weight", (d,)))})
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(d, 2 * d, generator=g) * 0.05
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, tmp_path / "in" / "model.safetensors", metadata={"format": "pt"})
+    weights = HFWeights(tmp_path / "in", DEEPSEEK, args, "debug")
+    model = build_from(DEEPSEEK, args, weights)
+    assert torch.equal(model.layers[str(n)].join.eh_proj.weight, tensors[f"model.layers.{n}.eh_proj.weight"])
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "in").eval()
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 2e-6
+    state = {**{name: p.detach() for name, p in model.named_parameters()},
+             "routing.expert_bias": weights["routing.expert_bias"].read()}
+    stats = write_hf(tmp_path / "out", DEEPSEEK, args, state.__getitem__, torch.float32)
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert tensors.keys() == exported.keys()
+    assert all(torch.equal(tensors[k], exported[k]) for k in tensors)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
 def test_deepseek_v3_yarn_in_another_form_is_one_line(tmp_path):
@@ -463,8 +499,6 @@ def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path
     """Per-head q/k norms (their weights permuted within the head, as q's and k's rows), heads wider
     than dim / heads, tied or not: transformers' logits within 2e-6; HF -> torchpar -> HF bit for bit.
     A Llama with q/k norms has no LlamaForCausalLM form (it would lose them): one line."""
-    from dataclasses import replace
-
     from safetensors.torch import load_file
 
     args = replace(QWEN3.args("debug"), **shape)

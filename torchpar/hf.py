@@ -22,7 +22,7 @@ import torch
 
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
-from torchpar.models.common import RowsOf, StackRow
+from torchpar.models.common import Copy, RowsOf, StackRow
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import LazyWeight
@@ -270,7 +270,8 @@ class HFWeights:
                               f"{e}); is the download complete?") from None
         self.shapes = full_shapes(model, args)
         self.entries: dict[str, list] = {}  # torchpar name -> [(file, HF name, how)]: several for a stack
-        mapping = model.hf_tensors(args)
+        # (a copy is read from the tensor it repeats, whether or not the checkpoint holds it)
+        mapping = [entry for entry in model.hf_tensors(args) if not isinstance(entry[2], Copy)]
         for tp_name, hf_name, how in mapping:
             if hf_name not in weight_map:
                 raise ConfigError(f"{self.path}: no tensor {hf_name} in the checkpoint; it holds another "

@@ -428,6 +428,12 @@ class StackRow:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """How an HF tensor repeats a torchpar one that another HF tensor already holds (DeepSeek-V3's
+    prediction layers keep copies of the embedding and the head): written on export, not read."""
+
+
+@dataclass(frozen=True)
 class RowsOf:
     """How an HF tensor holds a torchpar one: as its rows from ``start`` on, beside other torchpar
     tensors' rows (HF fuses projections torchpar keeps apart)."""

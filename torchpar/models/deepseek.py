@@ -10,14 +10,18 @@ latent's rows, then the rotary key's), which torchpar keeps apart so that tensor
 hand each rank the rotary key as its own (:class:`~torchpar.models.common.RowsOf`); HF's rotary
 dims are interleaved pairs (``rope_interleave``), as torchpar's are, so no row is permuted. The
 routing bias (``e_score_correction_bias`` per MoE block) is the trainer's :class:`Routing` state,
-read and written as ``routing.expert_bias``.
+read and written as ``routing.expert_bias``. Multi-token prediction's depths are HF's layers after
+``num_hidden_layers`` (``num_nextn_predict_layers`` of them, as DeepSeek-V3's checkpoints hold its
+one): a block with ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``, and copies of the
+embedding and the head (:class:`~torchpar.models.common.Copy`: written, never read); transformers
+leaves them out of its model.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from torchpar.models.common import RowsOf, StackRow
+from torchpar.models.common import Copy, RowsOf, StackRow
 from torchpar.models.moe import BIAS_STATE, MoEAdapter, MoEArgs
 from torchpar.models.moe import DEBUG as MOE_DEBUG
 
@@ -55,10 +59,9 @@ class DeepSeekV3Adapter(MoEAdapter):
         return self.hf_unlike(args, (
             ("kv_lora_rank", args.latent), ("score", args.score == "sigmoid"),
             ("shared_hidden", args.shared_hidden and args.shared_hidden % args.moe_hidden == 0),
-            ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window),
-            ("mtp_depth", not args.mtp_depth)),
+            ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window)),
             "has latent attention, routes by sigmoid scores, has shared experts as wide as a multiple of "
-            "a routed one, and no attention sinks, sliding windows or prediction depths here")
+            "a routed one, and no attention sinks or sliding windows")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super(MoEAdapter, self).hf_config(args)  # (Llama's fields: the RoPE spelled both ways)
@@ -75,7 +78,7 @@ class DeepSeekV3Adapter(MoEAdapter):
                 "moe_intermediate_size": args.moe_hidden, "num_experts_per_tok": args.top_k,
                 "first_k_dense_replace": args.dense_layers, "n_group": args.route_groups,
                 "topk_group": args.route_top_groups, "norm_topk_prob": args.normalize_top_k,
-                "routed_scaling_factor": args.route_scale, "num_nextn_predict_layers": 0}
+                "routed_scaling_factor": args.route_scale, "num_nextn_predict_layers": args.mtp_depth}
 
     @staticmethod
     def _hf_rope(args: MoEArgs) -> dict:
@@ -85,7 +88,7 @@ class DeepSeekV3Adapter(MoEAdapter):
 
     def hf_tensors(self, args: MoEArgs) -> list[tuple[str, str, object]]:
         out = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
-        for i in range(args.n_layers):
+        for i in range(args.n_layers + args.mtp_depth):
             a, m, t = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
             queries = ([(f"{t}.attention.wq_a.weight", f"{a}.q_a_proj.weight", None),
                         (f"{t}.attention.q_a_norm.weight", f"{a}.q_a_layernorm.weight", None),
@@ -113,6 +116,14 @@ class DeepSeekV3Adapter(MoEAdapter):
                     for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
             out += [(f"{f}.shared.{w}.weight", f"{m}.shared_experts.{proj}.weight", None)
                     for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+            if i >= args.n_layers:  # a prediction depth: a block after the model's own, with its join
+                h = f"model.layers.{i}"
+                out += [(f"{t}.join.enorm.weight", f"{h}.enorm.weight", None),
+                        (f"{t}.join.hnorm.weight", f"{h}.hnorm.weight", None),
+                        (f"{t}.join.eh_proj.weight", f"{h}.eh_proj.weight", None),
+                        (f"{t}.final_norm.weight", f"{h}.shared_head.norm.weight", None),
+                        ("tok_embeddings.weight", f"{h}.embed_tokens.weight", Copy()),
+                        ("output.weight", f"{h}.shared_head.head.weight", Copy())]
         out.append(("norm.weight", "model.norm.weight", None))
         if not args.tie_embeddings:
             out.append(("output.weight", "lm_head.weight", None))
