@@ -89,3 +89,25 @@ def test_a_rank_killed_by_a_native_crash_fails_with_what_each_thread_ran():
     report = str(failed.value)
     assert "SIGSEGV" in report and "Current thread" in report, report
     assert "in _dereference_null" in report and "in _crashing_worker" in report, report
+
+
+def _side_thread_crash_worker(rank, world, out):
+    import threading
+
+    for step in range(60):  # a rank that logged a while: the report is no longer its last lines
+        print(f"step {step}", flush=True)
+    crash = threading.Thread(target=_dereference_null)
+    crash.start()
+    crash.join()
+
+
+def test_the_native_stack_of_the_thread_that_crashed_comes_first_however_long_the_log():
+    """torch's handler prints every thread's native frames; the one that took the signal (its frames
+    through fatalSignalHandler) is shown whole and first, though the log's last lines are past it."""
+    with pytest.raises(RuntimeError) as failed:
+        spawn_ranks(_side_thread_crash_worker, 1)
+    lines = str(failed.value).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("SIGSEGV(11), PID"))
+    crashed = lines[header:header + 30]
+    assert any("fatalSignalHandler" in line for line in crashed[1:4]), crashed
+    assert any("_ctypes" in line for line in crashed), crashed

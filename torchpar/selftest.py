@@ -271,7 +271,8 @@ def run_group(world: int, layouts: dict[str, list[str]], base: str | Path = BASE
 
 def _log_tails(out: str, world: int, failed: int) -> str:
     """The failed rank's first 10 native error lines (a C++ abort prints them before the
-    stacks) and its last 40 lines, and every other rank's last 3 lines; warnings left out."""
+    stacks), its threads' native stacks after a fatal signal, its Python stacks and its last 40
+    lines, and every other rank's last 3 lines; warnings left out."""
     parts = []
     if not Path(f"{out}/rank{failed}.log").exists():
         return (f"--- rank {failed} left no log: it died before its function started (its error is on this "
@@ -285,12 +286,37 @@ def _log_tails(out: str, world: int, failed: int) -> str:
                 lines.append(line)
             skip = "Warning: " in line  # a warning's second line is the source line
         if rank == failed:
-            native = [line for line in lines[:-40] if NATIVE_ERROR.search(line)][:10]
+            stacks = _native_stacks(lines)
+            shown = set(stacks)
+            native = [line for line in lines[:-40] if NATIVE_ERROR.search(line) and line not in shown][:10]
             python = _python_stacks(lines[:-40])
-            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + python + lines[-40:]))
+            tail = [line for line in lines[-40:] if line not in shown]
+            parts.append(f"--- rank {rank} ---\n" + "\n".join(native + stacks + python + tail))
         else:
             parts.append(f"--- rank {rank} ---\n" + "\n".join(lines[-3:]))
     return "\n".join(parts)
+
+
+_THREAD_HEADER = re.compile(r"^SIG\w+\(\d+\), PID: \d+, Thread \d+:")
+
+
+def _native_stacks(lines: list[str]) -> list[str]:
+    """torch's report of a fatal signal in a rank's log: each thread's native frames. The thread
+    that took the signal (its frames pass through ``fatalSignalHandler``; a native thread, such as
+    a process group's worker, has no Python stack to show) comes first and whole (at most 30
+    lines), then every other thread's first frames (6 lines each)."""
+    blocks, block = [], None
+    for line in lines:
+        if _THREAD_HEADER.match(line):
+            block = [line]
+            blocks.append(block)
+        elif block is not None and line.lstrip().startswith(("frame #", "<omitting")):
+            block.append(line)
+        else:
+            block = None
+    crashed = [b for b in blocks if any("fatalSignalHandler" in line for line in b)]
+    rest = [line for b in blocks if b not in crashed for line in b[:6]]
+    return [line for b in crashed for line in b[:30]] + rest
 
 
 def _python_stacks(lines: list[str]) -> list[str]:
