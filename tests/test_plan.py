@@ -370,9 +370,12 @@ def _peak_worker(rank, world, out, shapes):
 def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
     """A real training step whose activations dominate (batch 16 x 256 tokens): the most bytes
     alive at once, plus parameters and Adam state, falls in the order none > selective >
-    every-2 > full, and the planner's device peak is within 10% of each, in the same order."""
+    every-2 > full, and the planner's device peak is within 10% of each, in the same order; with
+    multi-token prediction too."""
     shapes = {f"{family} debug": ["--model.name", family, "--training.local_batch_size", "16",
                                   "--training.seq_len", "256"] for family in ("llama3", "gpt2")}
+    # (two prediction depths: two more blocks, each depth's logits and log-softmax)
+    shapes["llama3 debug mtp2"] = [*shapes["llama3 debug"], *MTP]
     with open(f"{spawn_ranks(_peak_worker, 1, shapes)}/peaks.json") as f:
         peaks = json.load(f)
     for shape in shapes:
