@@ -361,11 +361,15 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
             worst = max(worst, (d if d == d else float("inf"), name))
     if worst[1]:
         out.append(f"final parameters differ, most {worst[1]} by {worst[0]:.1e}")
-    for a, b in zip(run["logged"], ref["logged"]):  # the loss's terms, where logged (loss/z_loss, loss/mtp1)
-        terms = sorted(k for k in a.keys() | b.keys() if k.startswith("loss/"))
+    # The loss's terms (loss/z_loss, loss/mtp1, ...) at the steps both logged (a resumed run logs
+    # from where it resumed).
+    logged = {r["step"]: r for r in ref.get("logged", ()) if "loss" in r and "step" in r}
+    for a in run.get("logged", ()):
+        b = logged.get(a.get("step")) if "loss" in a else None
+        terms = sorted(k for k in a.keys() | b.keys() if k.startswith("loss/")) if b else []
         bad = [k for k in terms if not abs(a.get(k, math.nan) - b.get(k, math.nan)) <= tol]
         if bad:
-            out.append(f"{bad[0]} differs at step {a.get('step')}: {a.get(bad[0])} vs {b.get(bad[0])}")
+            out.append(f"{bad[0]} differs at step {a['step']}: {a.get(bad[0])} vs {b.get(bad[0])}")
             break
     if [s for s, _ in run["val_losses"]] != [s for s, _ in ref["val_losses"]]:
         out.append("evaluated at other steps than one device")
