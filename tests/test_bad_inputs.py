@@ -208,6 +208,12 @@ CASES = [
          "pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble",
          "model.mtp_depth with ZBVZeroBubble", world=2),
     # --- a mixture of experts
+    Case("an absurd clamp of the experts' SwiGLU", CHECK + " --model.name gpt_oss --model.swiglu_limit 1e9",
+         "model.swiglu_limit must be in [0, 1e4]"),
+    Case("a clamp of NaN", CHECK + " --model.name gpt_oss --model.swiglu_limit nan",
+         "model.swiglu_limit: got 'nan', not a finite number"),
+    Case("experts' biases on a dense family", CHECK + " --model.expert_biases true",
+         "model.expert_biases does not apply to the llama3 family"),
     Case("top-k above the experts", CHECK + " --model.name moe --model.top_k 9",
          "model.top_k = 9 must be between 1 and model.experts = 8"),
     Case("experts on a dense family", CHECK + " --model.experts 4", "model.experts does not apply to the "

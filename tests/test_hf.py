@@ -2,6 +2,7 @@
 LlamaForCausalLM into torchpar, exporting torchpar checkpoints to HF folders, and starting
 training from an HF model under tensor and pipeline parallelism."""
 
+import copy
 import json
 import os
 from dataclasses import replace
@@ -27,7 +28,7 @@ MOE = MODELS["moe"]
 # way, or takes none)
 NOT_GIVEN = {"llama3": ("rope_parameters",), "moe": ("rope_parameters", "model_type", "num_local_experts"),
              "deepseek_v3": ("model_type", "rope_scaling"),
-             "qwen3": ("model_type", "rope_scaling", "mlp_bias")}
+             "qwen3": ("model_type", "rope_scaling", "mlp_bias"), "gpt_oss": ("model_type", "rope_scaling")}
 
 
 def make_hf(folder: Path, family, args, seed: int = 0):
@@ -430,6 +431,48 @@ def test_deepseek_v3_prediction_depth_in_hf_layout_imports_and_round_trips(tmp_p
     assert tensors.keys() == exported.keys()
     assert all(torch.equal(tensors[k], exported[k]) for k in tensors)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+GPT_OSS = MODELS["gpt_oss"]
+
+
+def test_gpt_oss_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path):
+    """Biased routers and experts with the clamped SwiGLU (HF's gate and up interleaved in one stack,
+    read as two), attention sinks and biases, a sliding window in every other layer, YaRN without
+    the ramp's rounding, the experts' pre-activations past the clamp: transformers' logits within
+    three times the float32 noise (torchpar's float32 logits against its float64 ones: ~2e-5 on
+    logits ~1 at these magnitudes); HF -> torchpar -> HF bit for bit; a slice
+    of the up projection's hidden units reads only its columns."""
+    from safetensors.torch import load_file
+
+    args = GPT_OSS.args("debug")
+    hf = make_hf(tmp_path / "in", GPT_OSS, args)
+    with torch.no_grad():  # (pre-activations past the clamp's limit of 7 in places)
+        for layer in hf.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(300)
+    hf.save_pretrained(tmp_path / "in")
+    weights = HFWeights(tmp_path / "in", GPT_OSS, args, "debug")
+    model = build_from(GPT_OSS, args, weights)
+    tokens = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(1))  # (past the window)
+    exact = copy.deepcopy(model).double()  # (the float32 noise at these magnitudes: against float64)
+    exact.reset_buffers(None)
+    with torch.no_grad():
+        got = model(tokens)
+        diff, noise = ((got - other).abs().max().item() for other in (hf(tokens).logits, exact(tokens)))
+    assert diff <= 3 * noise, (diff, noise)
+    params = dict(model.named_parameters())
+    stats = write_hf(tmp_path / "out", GPT_OSS, args, lambda name: params[name].detach(), torch.float32)
+    original = load_file(tmp_path / "in" / "model.safetensors")
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert original.keys() == exported.keys() and "model.layers.1.mlp.experts.gate_up_proj" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    up = weights["layers.1.feed_forward.experts.w3"].read((slice(2, 4), slice(0, 8), slice(5, 9)))
+    assert torch.equal(up, original["model.layers.1.mlp.experts.gate_up_proj"][2:4, :8, 11:19:2])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["truncate"] is False
 
 
 def test_deepseek_v3_yarn_in_another_form_is_one_line(tmp_path):

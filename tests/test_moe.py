@@ -23,34 +23,62 @@ def layer(seed=0, **kw):
     return MoE(**{**args, **kw})
 
 
+def expert_reference(ex, x: torch.Tensor, j: int) -> torch.Tensor:
+    """Expert ``j`` on one token: SwiGLU, or with biases and a limit gpt-oss's form (the gate
+    clamped above, the up projection both ways, gate x sigmoid(1.702 gate) x (up + 1))."""
+    gate, up = x @ ex.w1[j], x @ ex.w3[j]
+    if ex.w1_bias is not None:
+        gate, up = gate + ex.w1_bias[j], up + ex.w3_bias[j]
+    if ex.limit:
+        gate, up = gate.clamp(max=ex.limit), up.clamp(min=-ex.limit, max=ex.limit)
+        hidden = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    else:
+        hidden = F.silu(gate) * up
+    return hidden @ ex.w2[j] + (ex.w2_bias[j] if ex.w2_bias is not None else 0)
+
+
 def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: the weighted sum of its chosen experts (and the shared ones)."""
     x2 = x.reshape(-1, x.shape[-1])
     weights, chosen, _ = moe.router(x2)
-    ex = moe.experts
     out = []
     for i in range(x2.shape[0]):
         y = torch.zeros(x2.shape[1])
         for w, j in zip(weights[i], chosen[i].tolist()):
-            y = y + w * ((F.silu(x2[i] @ ex.w1[j]) * (x2[i] @ ex.w3[j])) @ ex.w2[j])
+            y = y + w * expert_reference(moe.experts, x2[i], j)
         out.append(y + (moe.shared(x2[i]) if moe.shared is not None else 0))
     return torch.stack(out).view(x.shape)
 
 
+def with_biases(moe: MoE) -> MoE:
+    """Non-zero biases on the router and the experts (they start at zero), the clamp reached."""
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "experts.w" in name:
+                p.mul_(200)  # (pre-activations beyond the limit of 7 in places)
+    return moe
+
+
+GPT_OSS = {"biases": True, "limit": 7.0}
+
+
 @pytest.mark.parametrize("kw", [{}, {"shared_hidden": 24}, {"score": "sigmoid", "normalize": False,
-                                                              "route_scale": 2.5}])
+                                                              "route_scale": 2.5}, GPT_OSS])
 def test_dropless_layer_equals_the_token_by_token_reference(kw):
-    moe = layer(**kw)
+    moe = with_biases(layer(**kw)) if kw.get("biases") else layer(**kw)
     x = torch.randn(3, 5, 16)
-    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe(x), reference(moe, x), rtol=1e-4, atol=1e-5)
     assert moe.loads.sum() == 0  # outside a training step (evaluation, generation): nothing counted
     with loss.auxiliary_terms((), scale=1.0):
         moe(x)
     assert moe.loads.sum() == 3 * 5 * 2 and moe.dropped == 0
 
 
-def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
-    moe = layer()
+@pytest.mark.parametrize("kw", [{}, GPT_OSS])
+def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward(kw):
+    moe = with_biases(layer(**kw)) if kw else layer()
     x = torch.randn(40, 16)
     counts = torch.tensor([0, 17, 3, 20])  # an expert without rows, uneven others
     outs, grads = [], []
@@ -194,15 +222,15 @@ def test_top_k_above_the_experts_is_refused():
 def test_stage_params_match_the_built_model_for_dense_and_routed_blocks():
     """The planner's table (expert stacks as (experts, rest)) names every parameter of every
     block, the first dense one included, with its element count; the counts add up."""
-    for family in (MOE_FAMILY, DEEPSEEK):
-        args = family.args("debug")
+    for family, flavor in ((MOE_FAMILY, "debug"), (DEEPSEEK, "debug"), (MODELS["gpt_oss"], "debug")):
+        args = family.args(flavor)
         model = family.build(args)
         real = [(n, p.numel()) for n, p in model.named_parameters()]
         table = family.stage_params(args, True, True, range(args.n_layers))
         assert [(n.split(".", 2)[-1] if n.startswith("layers.") else n, c) for n, c in real] == \
             [(n, r * c) for n, (r, c), _ in table]
         assert family.num_params(args) == sum(c for _, c in real)
-        assert isinstance(model.layers["0"].feed_forward, SwiGLU)  # dense_layers = 1
+        assert isinstance(model.layers["0"].feed_forward, SwiGLU) == (args.dense_layers == 1)
         assert all(isinstance(model.layers[str(i)].feed_forward, MoE) for i in range(1, args.n_layers))
 
 

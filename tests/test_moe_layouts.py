@@ -21,6 +21,9 @@ MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coef
 # latent attention; sigmoid scores, a shared expert, route scale 2.5, group-limited routing; one
 # multi-token prediction depth (a routed block with its own row of the bias, on the last stage)
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.mtp_depth", "1"]
+# gpt-oss's experts (biases, the clamped SwiGLU) and router bias, with its attention (sinks, biases, a
+# window in every other layer, YaRN)
+GPTOSS = ["--model.name", "gpt_oss"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 BIAS_ONLY = ["--model.balance_coeff", "0"]
 BALANCE_ONLY = ["--model.bias_rate", "0"]
@@ -61,6 +64,11 @@ WORLD2 = {
     "ep2_capacity": [LB, "4", Z, "3", EP, "2", "--model.capacity_factor", "1.0"],
     # Tensor parallelism of the experts' and shared experts' hidden width, without EP.
     "tp2_deepseek": [Z, "3", *TP2, *DEEPSEEK],
+    # the experts' biases split over ep (by expert) and tp (the hidden width's; the output bias whole,
+    # added once after the partial sums)
+    "ep2_gptoss": [LB, "4", Z, "3", EP, "2", *GPTOSS],
+    "tp2_gptoss": [Z, "3", *TP2, *GPTOSS],
+    "cp2_alltoall_gptoss_bias_only": [*CP2, Z, "1", *GPTOSS, *BIAS_ONLY],
 }
 WORLD4 = {
     "ep2_dp_shard4": [LB, "2", Z, "3", EP, "2"],  # each expert sharded by ZeRO-3 over 2 ranks
@@ -68,6 +76,7 @@ WORLD4 = {
     "ep2_hsdp": [LB, "2", Z, "3", EP, "2", "--parallelism.data_parallel_replicate_degree", "2"],
     "ep2_tp2": [LB, "4", Z, "3", EP, "2", *TP2],
     "ep2_tp2_deepseek": [LB, "4", Z, "3", EP, "2", *TP2, *DEEPSEEK],
+    "ep2_tp2_gptoss": [LB, "4", Z, "3", EP, "2", *TP2, *GPTOSS],
     "tp2_dp_shard2_deepseek": [LB, "4", Z, "3", *TP2, *DEEPSEEK],
     "pp2_cp2_deepseek_bias_only": pp("1F1B", Z, "1", *CP2, *DEEPSEEK, *BIAS_ONLY),
     "pp2_ep2_bias_only": pp("1F1B", LB, "4", Z, "3", EP, "2", *BIAS_ONLY),
@@ -80,7 +89,8 @@ def layouts(table: dict) -> dict:
 
 
 def ref_name(name: str) -> str:
-    kinds = [k for k in ("deepseek", "docmask", "capacity", "bias_only", "balance_only") if k in name]
+    kinds = [k for k in ("deepseek", "gptoss", "docmask", "capacity", "bias_only", "balance_only")
+             if k in name]
     return "_".join(["ref", *kinds])
 
 
@@ -92,7 +102,9 @@ def refs():
                                    "ref_bias_only": [Z, "0", *BIAS_ONLY],
                                    "ref_deepseek_bias_only": [Z, "0", *DEEPSEEK, *BIAS_ONLY],
                                    "ref_deepseek_docmask_bias_only": [Z, "0", *DEEPSEEK, *BIAS_ONLY, *DOCS],
-                                   "ref_balance_only": [Z, "0", *BALANCE_ONLY]}))
+                                   "ref_balance_only": [Z, "0", *BALANCE_ONLY],
+                                   "ref_gptoss": [Z, "0", *GPTOSS],
+                                   "ref_gptoss_bias_only": [Z, "0", *GPTOSS, *BIAS_ONLY]}))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import torch
 
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
-from torchpar.models.common import Copy, RowsOf, StackRow
+from torchpar.models.common import Copy, Interleaved, RowsOf, StackRow
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
 from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
 from torchpar.weights import LazyWeight
@@ -119,7 +119,10 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
                 last.clear()
                 last[tp_name] = read(tp_name)
             parts.append(model.to_hf(last[tp_name], how).to(dtype))
-        converted = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if isinstance(source[hf_name][0][1], Interleaved):  # (their last dims' entries in turn)
+            converted = torch.stack(parts, dim=-1).flatten(-2)
+        else:
+            converted = parts[0] if len(parts) == 1 else torch.cat(parts)
         acct.hold(*last.values(), converted)
         return converted
 
@@ -211,6 +214,11 @@ def _check_rope(path: Path, config: dict, expected: dict, flavor: str) -> object
         if not (isinstance(have, (int, float)) and math.isclose(have, want[key], rel_tol=1e-9)):
             raise ConfigError(f"{path}/config.json: RoPE {key} = {have!r}, but the model has {want[key]!r}; "
                               "set model.yarn_factor and model.yarn_original_seq_len to the checkpoint's")
+    truncate = params.get("truncate", True) if kind == "yarn" else True
+    if truncate != want.get("truncate", True):
+        raise ConfigError(f"{path}/config.json: RoPE truncate = {truncate!r}, but the model's YaRN has "
+                          f"{want.get('truncate', True)!r}; set model.yarn_truncate = "
+                          f"{str(truncate).lower()}")
     for key in _YARN_TEMPERATURE if kind == "yarn" else ():
         have, model_value = params.get(key), want.get(key)
         if have != model_value and not (None not in (have, model_value)
@@ -319,6 +327,9 @@ class HFWeights:
             if isinstance(heads, RowsOf):  # this tensor's rows of the HF one
                 rows, *cols = index
                 return part[(slice(rows.start + heads.start, rows.stop + heads.start), *cols)]
+            if isinstance(heads, Interleaved):  # every other entry of the HF one's last dimension
+                *lead, last = index
+                return part[(*lead, slice(2 * last.start, 2 * last.stop))][..., heads.part::2]
             if heads is None:
                 return part[index]
             if len(index) == 1:  # a vector over one head (a q/k norm's weight): small, read whole

@@ -50,7 +50,7 @@ def param_role(name: str, ndim: int, model) -> str:
     top = name.split(".")[0]
     if top in model.first_stage:
         return "embedding"
-    if ndim < 2:
+    if ndim < 2 or name.endswith("_bias"):  # (a stack of experts' biases is a vector each)
         return "vector"
     return "head" if top in model.last_stage else "matrix"
 

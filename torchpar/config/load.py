@@ -241,6 +241,7 @@ def validate(cfg: JobConfig) -> None:
             ("model.balance_coeff", m.balance_coeff, m.balance_coeff >= 0, ">= 0 (0 = no balance loss)"),
             ("model.bias_rate", m.bias_rate, m.bias_rate >= 0, ">= 0 (0 = no bias balancing)"),
             ("model.mtp_weight", m.mtp_weight, 0 <= m.mtp_weight <= 10, "in [0, 10] (0 = the flavour's 0.3)"),
+            ("model.swiglu_limit", m.swiglu_limit, 0 <= m.swiglu_limit <= 1e4, "in [0, 1e4] (gpt-oss: 7)"),
             ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")

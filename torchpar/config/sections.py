@@ -36,8 +36,9 @@ class Model:
         "RoPE, GQA, SwiGLU), 'qwen3' (Llama with per-head q/k norms), 'gpt2' (learned positions, LayerNorm, "
         "GELU MLP, biases), 'moe' (Llama blocks "
         "whose feed-forwards are mixtures of experts, shaped like Qwen3-MoE) and 'deepseek_v3' (the same "
-        "with latent attention, group-limited sigmoid routing and shared experts: DeepSeek-V3) ship with "
-        "torchpar.",
+        "with latent attention, group-limited sigmoid routing and shared experts: DeepSeek-V3) and "
+        "'gpt_oss' (the same with biased experts and routers, clamped SwiGLU, attention sinks and sliding "
+        "windows) ship with torchpar.",
     )
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
@@ -81,6 +82,10 @@ class Model:
     yarn_original_seq_len: int = opt(
         0, "Llama and MoE: the context RoPE was trained at, which yarn_factor stretches (needed with it). "
            "0 = the flavour's.")
+    yarn_truncate: bool | None = opt(
+        None, "Llama and MoE: YaRN's ramp between kept and interpolated frequencies starts and ends at whole "
+              "pairs (transformers' default); false keeps the ends where they fall (gpt-oss's). Unset = the "
+              "flavour's (true; gpt_oss: false).")
     kv_lora_rank: int = opt(
         0, "Llama and MoE: multi-head latent attention (DeepSeek-V2/V3's) with keys and values projected up "
            "from a normalized latent this wide per token (DeepSeek-V3: 512); each q/k head is its head size "
@@ -124,6 +129,13 @@ class Model:
     route_top_groups: int = opt(
         0, "MoE: the groups each token's experts come from, with route_groups (DeepSeek-V3: 4 of 8). 0 = the "
            "flavour's.")
+    expert_biases: bool | None = opt(
+        None, "MoE: learned biases on the router's logits and on every expert's projections (gpt-oss's). "
+              "Unset = the flavour's (none).")
+    swiglu_limit: float = opt(
+        0.0, "MoE: gpt-oss's clamped SwiGLU in the experts: the gate clamped to at most this, the up "
+             "projection to within +-this, and gate x sigmoid(1.702 gate) x (up + 1) (gpt-oss: 7). 0 = the "
+             "flavour's (plain SwiGLU).")
     bias_rate: float = opt(
         0.0, "MoE: the auxiliary-loss-free balancing: after every step each expert's routing bias moves by "
              "this much toward the mean load (down when it got more slots than the mean, summed over all "

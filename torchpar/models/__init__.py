@@ -7,11 +7,13 @@ from torchpar.errors import ConfigError, did_you_mean
 from torchpar.models.common import ModelAdapter, canonical_name
 from torchpar.models.deepseek import ADAPTER as DEEPSEEK_V3
 from torchpar.models.gpt2 import ADAPTER as GPT2
+from torchpar.models.gpt_oss import ADAPTER as GPT_OSS
 from torchpar.models.llama import ADAPTER as LLAMA
 from torchpar.models.moe import ADAPTER as MOE
 from torchpar.models.qwen3 import ADAPTER as QWEN3
 
-MODELS: dict[str, ModelAdapter] = {family.name: family for family in (LLAMA, GPT2, QWEN3, MOE, DEEPSEEK_V3)}
+MODELS: dict[str, ModelAdapter] = {family.name: family for family in (LLAMA, GPT2, QWEN3, MOE, DEEPSEEK_V3,
+                                                                     GPT_OSS)}
 DEFAULT_FAMILY = LLAMA.name  # [model] name's default; the worked examples' flavours are this family's
 
 

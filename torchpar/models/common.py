@@ -434,6 +434,14 @@ class Copy:
 
 
 @dataclass(frozen=True)
+class Interleaved:
+    """How an HF tensor holds a torchpar one: as every other entry of its last dimension, from
+    ``part`` (0 or 1), another torchpar tensor's between (gpt-oss's gate_up_proj: gate, up, gate,
+    up, ...)."""
+    part: int
+
+
+@dataclass(frozen=True)
 class RowsOf:
     """How an HF tensor holds a torchpar one: as its rows from ``start`` on, beside other torchpar
     tensors' rows (HF fuses projections torchpar keeps apart)."""
@@ -507,15 +515,16 @@ class ModelAdapter(ABC):
 
     def check_shape(self, args) -> None:
         """ValueError naming the field when ``args`` cannot build a model."""
-        if args.dim % args.n_heads:
+        own = getattr(args, "head_size", 0)  # (a head size set apart from dim / heads)
+        if args.dim % args.n_heads and not own:
             raise ValueError(f"model.dim = {args.dim} is not a multiple of model.n_heads = {args.n_heads}")
         if args.n_heads % args.n_kv_heads:
             raise ValueError(f"model.n_heads = {args.n_heads} is not a multiple of model.n_kv_heads = "
                              f"{args.n_kv_heads}")
-        if (args.dim // args.n_heads) % 2 and hasattr(args, "rope_theta"):
-            raise ValueError(
-                f"RoPE needs an even head size; model.dim / model.n_heads = {args.dim // args.n_heads}"
-            )
+        head = own or args.dim // args.n_heads
+        if head % 2 and hasattr(args, "rope_theta"):
+            raise ValueError(f"RoPE needs an even head size; the flavour's head size (or model.dim / "
+                             f"model.n_heads) is {head}")
 
     def build(self, args) -> nn.Module:
         return self.model_class(args)
@@ -570,6 +579,8 @@ class ModelAdapter(ABC):
         ``shape`` gives (see :meth:`hf_tensors`)."""
         if isinstance(how, StackRow):
             return (shape[2], shape[1]) if how.transposed else shape[1:]
+        if isinstance(how, Interleaved):
+            return (*shape[:-1], 2 * shape[-1])
         return shape
 
     # -- tensor parallelism

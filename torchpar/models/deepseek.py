@@ -59,9 +59,10 @@ class DeepSeekV3Adapter(MoEAdapter):
         return self.hf_unlike(args, (
             ("kv_lora_rank", args.latent), ("score", args.score == "sigmoid"),
             ("shared_hidden", args.shared_hidden and args.shared_hidden % args.moe_hidden == 0),
-            ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window)),
+            ("attn_sink", not args.attn_sink), ("sliding_window", not args.sliding_window),
+            ("expert_biases", not args.expert_biases), ("swiglu_limit", not args.swiglu_limit)),
             "has latent attention, routes by sigmoid scores, has shared experts as wide as a multiple of "
-            "a routed one, and no attention sinks or sliding windows")
+            "a routed one, plain SwiGLU experts without biases, and no attention sinks or sliding windows")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super(MoEAdapter, self).hf_config(args)  # (Llama's fields: the RoPE spelled both ways)

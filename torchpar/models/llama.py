@@ -52,6 +52,7 @@ class ModelArgs:
     yarn_original_seq_len: int = 0  # the context RoPE was trained at, which YaRN stretches
     yarn_beta_fast: float = 32.0  # YaRN's ramp: rotations above this are kept (extrapolated) ...
     yarn_beta_slow: float = 1.0  # ... below this interpolated by the factor; between, blended
+    yarn_truncate: bool = True  # the ramp's ends rounded to whole pairs (transformers' default; gpt-oss: not)
     # Multi-head latent attention (DeepSeek-V2/V3), on with kv_lora_rank > 0: keys and values come
     # from a per-token latent, queries from another (or from x); each q/k head is head_dim wide
     # without RoPE and qk_rope_dim wide with it, the rotary key one per token, shared by the heads.
@@ -197,8 +198,10 @@ def yarn(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
         turning = math.log(args.yarn_original_seq_len / (turns * 2 * math.pi))
         return hd * turning / (2 * math.log(args.rope_theta))
 
-    low = max(math.floor(pair_turning(args.yarn_beta_fast)), 0)
-    high = min(math.ceil(pair_turning(args.yarn_beta_slow)), hd - 1)
+    low, high = pair_turning(args.yarn_beta_fast), pair_turning(args.yarn_beta_slow)
+    if args.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
     ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     kept = 1 - ramp  # 1: the pair keeps its frequency, 0: it is interpolated
     return freqs / factor * (1 - kept) + freqs * kept
@@ -524,7 +527,8 @@ class LlamaAdapter(ModelAdapter):
             return {"rope_type": "default"}
         return {"rope_type": "yarn", "factor": args.yarn_factor, "beta_fast": args.yarn_beta_fast,
                 "beta_slow": args.yarn_beta_slow,
-                "original_max_position_embeddings": args.yarn_original_seq_len}
+                "original_max_position_embeddings": args.yarn_original_seq_len,
+                **({} if args.yarn_truncate else {"truncate": False})}
 
     def hf_tensors(self, args: ModelArgs) -> list[tuple[str, str, int | None]]:
         out = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
@@ -678,28 +682,29 @@ class LlamaAdapter(ModelAdapter):
     def attention_params(self, args: ModelArgs):
         """A block's entries up to its feed-forward: the attention and its norms."""
         d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+        # (the attention's own parameter, the sinks, comes before its modules' in model order)
         sinks = [("attention.sinks", (args.n_heads, 1), 0)] if args.attn_sink else []
         if args.latent:
             ql, kvl, h = args.q_lora_rank, args.kv_lora_rank, args.n_heads
             queries = ([("attention.wq_a.weight", (ql, d), None),
                         ("attention.q_a_norm.weight", (ql, 1), None), ("attention.wq_b.weight", (q, ql), 0)]
                        if ql else [("attention.wq.weight", (q, d), 0)])
-            return [("attention_norm.weight", (d, 1), None), *queries,
+            return [("attention_norm.weight", (d, 1), None), *sinks, *queries,
                     ("attention.wkv_a.weight", (kvl, d), None),
                     ("attention.kv_a_norm.weight", (kvl, 1), None),
                     ("attention.wkv_b.weight", (h * (args.head_dim + args.v_head_dim), kvl), 0),
                     ("attention.wk_rope.weight", (args.rope_dim, d), None),
-                    ("attention.wo.weight", (d, args.o_dim), 1), *sinks]
+                    ("attention.wo.weight", (d, args.o_dim), 1)]
         norms = [("attention.q_norm.weight", (args.head_dim, 1), None),
                  ("attention.k_norm.weight", (args.head_dim, 1), None)] if args.qk_norm else []
         q_bias, k_bias, v_bias, o_bias = ([(f"attention.w{n}.bias", (rows, 1), split)]
                                           if args.attn_bias else []
                                           for n, rows, split in (("q", q, 0), ("k", kv, 0), ("v", kv, 0),
                                                                  ("o", d, None)))
-        return [("attention_norm.weight", (d, 1), None),
+        return [("attention_norm.weight", (d, 1), None), *sinks,
                 ("attention.wq.weight", (q, d), 0), *q_bias, ("attention.wk.weight", (kv, d), 0), *k_bias,
                 ("attention.wv.weight", (kv, d), 0), *v_bias, ("attention.wo.weight", (d, q), 1), *o_bias,
-                *norms, *sinks]
+                *norms]
 
     def param_counts(self, args: ModelArgs) -> dict[str, int]:
         d = args.dim

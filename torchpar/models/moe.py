@@ -82,7 +82,7 @@ def how_experts_run(dtype: torch.dtype, device: torch.device, dim: int, hidden: 
 
 class Router(nn.Module):
     def __init__(self, dim: int, experts: int, top_k: int, score: str = "softmax", normalize: bool = True,
-                 route_scale: float = 1.0, groups: int = 1, top_groups: int = 1):
+                 route_scale: float = 1.0, groups: int = 1, top_groups: int = 1, logit_bias: bool = False):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k = {top_k} must be between 1 and the {experts} experts")
@@ -90,7 +90,7 @@ class Router(nn.Module):
             raise ValueError(f"router score {score!r} is not 'softmax' or 'sigmoid'")
         self.top_k, self.score, self.normalize, self.route_scale = top_k, score, normalize, route_scale
         self.groups, self.top_groups = groups, top_groups
-        self.gate = nn.Linear(dim, experts, bias=False)
+        self.gate = nn.Linear(dim, experts, bias=logit_bias)  # (a learned bias on the logits: gpt-oss's)
         # Not in the model's state: the trainer saves every block's bias in one place (Routing).
         self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32), persistent=False)
 
@@ -118,31 +118,51 @@ class Router(nn.Module):
         return choice.masked_fill(~inside.repeat_interleave(e // self.groups, dim=1), float("-inf"))
 
 
-class Experts(nn.Module):
-    """``experts`` SwiGLU MLPs with their weights stacked: w1, w3 [e, d, h], w2 [e, h, d]. Parallel
-    code may split the stacks (experts over ranks, the hidden width h over tensor-parallel ranks)
-    and call :meth:`run` with its pieces."""
+GPT_OSS_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: gate x sigmoid(alpha x gate), as GELU's sigmoid form
 
-    def __init__(self, dim: int, hidden: int, experts: int):
+
+class Experts(nn.Module):
+    """``experts`` SwiGLU MLPs with their weights stacked: w1, w3 [e, d, h], w2 [e, h, d]; with
+    ``biases`` (gpt-oss's) a bias per expert on each, w1_bias, w3_bias [e, h] and w2_bias [e, d].
+    ``limit`` > 0 is gpt-oss's clamped form: gate <= limit, -limit <= up <= limit, and
+    gate x sigmoid(1.702 gate) x (up + 1). Parallel code may split the stacks (experts over ranks,
+    the hidden width h over tensor-parallel ranks) and call :meth:`run` with its pieces, whose
+    outputs are partial sums over h, then :meth:`finish` once on their sum."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, biases: bool = False, limit: float = 0.0):
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
         for w in (self.w1, self.w3, self.w2):
             nn.init.trunc_normal_(w, std=0.02)
+        self.w1_bias, self.w3_bias, self.w2_bias = (
+            (nn.Parameter(torch.zeros(experts, hidden)), nn.Parameter(torch.zeros(experts, hidden)),
+             nn.Parameter(torch.zeros(experts, dim))) if biases else (None, None, None))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
         """x [n, d], rows sorted by expert, ``counts`` [e] rows each -> [n, d]."""
-        return self.run(x, counts, self.w1, self.w3, self.w2, grouped=grouped)
+        out = self.run(x, counts, self.w1, self.w3, self.w2, self.w1_bias, self.w3_bias, grouped=grouped)
+        return self.finish(out, counts, self.w2_bias)
 
-    @staticmethod
-    def run(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-            w2: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-        """The experts of the stacks given (any number of them, any hidden width) on their rows:
-        grouped GEMM where it can run (see :func:`grouped_mm_problem`; ``grouped`` = False asks for
-        the loop), else a per-expert loop."""
+    def run(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+            w2: torch.Tensor, b1: torch.Tensor | None = None, b3: torch.Tensor | None = None,
+            grouped: bool | None = None) -> torch.Tensor:
+        """The experts of the stacks given (any number of them, any hidden width) on their rows, up
+        to the output bias: grouped GEMM where it can run (see :func:`grouped_mm_problem`;
+        ``grouped`` = False asks for the loop), else a per-expert loop."""
+        def act(gate, up):
+            if not self.limit:
+                return F.silu(gate) * up
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * (up + 1)
+
         def expert(rows, i):
-            return (F.silu(rows @ w1[i]) * (rows @ w3[i])) @ w2[i]
+            gate, up = rows @ w1[i], rows @ w3[i]
+            if b1 is not None:
+                gate, up = gate + b1[i], up + b3[i]
+            return act(gate, up) @ w2[i]
 
         if x.device.type == "meta":
             # The planner's trace: one expert's matmuls make the same shapes (grouped GEMM's meta
@@ -153,23 +173,36 @@ class Experts(nn.Module):
                                          tensors=(x, w1, w3, w2)) is None
         if grouped:
             ends = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
-            return torch._grouped_mm(h, w2, offs=ends)
+            gate, up = torch._grouped_mm(x, w1, offs=ends), torch._grouped_mm(x, w3, offs=ends)
+            if b1 is not None:
+                gate, up = gate + per_row(b1, counts, x.shape[0]), up + per_row(b3, counts, x.shape[0])
+            return torch._grouped_mm(act(gate, up), w2, offs=ends)
         out, start = [], 0
         for i, n in enumerate(counts.tolist()):  # the per-expert loop: one sync for the counts
             out.append(expert(x[start:start + n], i))
             start += n
         return torch.cat(out)
 
+    @staticmethod
+    def finish(out: torch.Tensor, counts: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+        """The experts' output [n, d] with each row's output bias: added once, after the partial
+        sums of the hidden width's pieces are added."""
+        return out if b2 is None else out + per_row(b2, counts, out.shape[0])
+
+
+def per_row(stack: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each expert's row of ``stack`` [e, n] repeated for its ``counts`` rows: [rows, n]."""
+    return stack.repeat_interleave(counts, dim=0, output_size=rows)
+
 
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, shared_hidden: int = 0,
                  score: str = "softmax", normalize: bool = True, route_scale: float = 1.0,
                  capacity_factor: float = 0.0, balance_coeff: float = 0.0, groups: int = 1,
-                 top_groups: int = 1):
+                 top_groups: int = 1, biases: bool = False, limit: float = 0.0):
         super().__init__()
-        self.router = Router(dim, experts, top_k, score, normalize, route_scale, groups, top_groups)
-        self.experts = Experts(dim, hidden, experts)
+        self.router = Router(dim, experts, top_k, score, normalize, route_scale, groups, top_groups, biases)
+        self.experts = Experts(dim, hidden, experts, biases, limit)
         self.shared = SwiGLU(dim, shared_hidden) if shared_hidden else None  # every token's experts, as one
         self.capacity_factor, self.balance_coeff = capacity_factor, balance_coeff
         self.hidden = hidden
@@ -277,6 +310,8 @@ class MoEArgs(ModelArgs):
     bias_rate: float = 0.0  # the auxiliary-loss-free bias's step per optimizer step (0 = none)
     route_groups: int = 1  # groups of consecutive experts for group-limited routing (1 = none)
     route_top_groups: int = 1  # the groups each token's experts are chosen from (with route_groups > 1)
+    expert_biases: bool = False  # biases on the router's logits and every expert's projections (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU in the experts (gpt-oss: 7)
 
     @property
     def moe_layers(self) -> range:
@@ -309,12 +344,15 @@ class MoETransformer(Transformer):
         return TransformerBlock(args, MoE(args.dim, args.moe_hidden, args.experts, args.top_k,
                                           args.shared_hidden, args.score, args.normalize_top_k,
                                           args.route_scale, args.capacity_factor, args.balance_coeff,
-                                          args.route_groups, args.route_top_groups),
+                                          args.route_groups, args.route_top_groups, args.expert_biases,
+                                          args.swiglu_limit),
                                 layer)
 
     def init_std(self, name: str) -> float | str:
         if name.endswith("experts.w2"):  # a residual projection, like the dense w2
             return 0.02 / math.sqrt(2 * self.args.n_layers)
+        if name.endswith("_bias"):  # (the experts' biases: start as none, as the projections' do)
+            return "zeros"
         return super().init_std(name)
 
     def reset_buffers(self, device: torch.device | None) -> None:
@@ -402,7 +440,9 @@ class MoEAdapter(LlamaAdapter):
     args_class = MoEArgs
     flavors = FLAVORS
 
-    expert_plan = {"feed_forward.experts": {"w1": 2, "w3": 2, "w2": 1}}
+    # (the output bias is whole on every tp rank, added after the hidden width's partial sums)
+    expert_plan = {"feed_forward.experts": {"w1": 2, "w3": 2, "w2": 1, "w1_bias": 1, "w3_bias": 1,
+                                            "w2_bias": None}}
     # A routed block under TP: attention as Llama's; the MoE layer runs on every tp rank's copy of
     # all tokens (routing needs them; the ranks choose alike), its experts' and shared experts'
     # hidden width split over the tp ranks and their partial sums all-reduced.
@@ -431,10 +471,11 @@ class MoEAdapter(LlamaAdapter):
             ("route_scale", args.route_scale == 1.0), ("qk_norm", args.qk_norm),
             ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
             ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
-            ("kv_lora_rank", not args.latent), ("mtp_depth", not args.mtp_depth)),
+            ("kv_lora_rank", not args.latent), ("mtp_depth", not args.mtp_depth),
+            ("expert_biases", not args.expert_biases), ("swiglu_limit", not args.swiglu_limit)),
             "routes by softmax scores without shared experts, a route scale or expert groups, has no "
-            "attention sinks, sliding windows, latent attention or multi-token prediction, and has "
-            "per-head q/k norms and an untied head")
+            "attention sinks, sliding windows, latent attention, multi-token prediction or experts' "
+            "biases, runs plain SwiGLU experts, and has per-head q/k norms and an untied head")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super().hf_config(args)
@@ -515,11 +556,14 @@ class MoEAdapter(LlamaAdapter):
         shared = [(f"feed_forward.shared.{w}.weight", shape, tp_dim) for w, shape, tp_dim in
                   (("w1", (args.shared_hidden, d), 0), ("w2", (d, args.shared_hidden), 1),
                    ("w3", (args.shared_hidden, d), 0))] if args.shared_hidden else []
+        biases = [("feed_forward.experts.w1_bias", (e, h), 1), ("feed_forward.experts.w3_bias", (e, h), 1),
+                  ("feed_forward.experts.w2_bias", (e, d), None)] if args.expert_biases else []
         return self.attention_params(args) + [
             ("ffn_norm.weight", (d, 1), None),
             ("feed_forward.router.gate.weight", (e, d), None),
+            *([("feed_forward.router.gate.bias", (e, 1), None)] if args.expert_biases else []),
             ("feed_forward.experts.w1", (e, d * h), 1), ("feed_forward.experts.w3", (e, d * h), 1),
-            ("feed_forward.experts.w2", (e, h * d), 1), *shared]
+            ("feed_forward.experts.w2", (e, h * d), 1), *biases, *shared]
 
     def block_kind(self, args: MoEArgs, layer: int) -> tuple[bool, int]:
         return layer < args.dense_layers, super().block_kind(args, layer)
@@ -548,10 +592,18 @@ class MoEAdapter(LlamaAdapter):
                 "active_layers": dense * args.dense_layers + active * n_moe,
                 "active_layer": active, "depths": (moe + self.join_params(args)) * args.mtp_depth}
 
+    @staticmethod
+    def routed_vectors(args: MoEArgs) -> int:
+        """A routed block's biases beyond a dense block's vectors: the router's, and every expert's
+        (its active count holds them all)."""
+        return args.experts * (1 + 2 * args.moe_hidden + args.dim) if args.expert_biases else 0
+
     def active_matmul_params(self, args: MoEArgs) -> int:
         """The matmul weights a token passes through in all blocks: the router, its k experts and
-        the shared experts of each routed block, every weight of a dense one (norms apart)."""
-        return self.param_counts(args)["active_layers"] - self.block_vectors(args) * args.n_layers
+        the shared experts of each routed block, every weight of a dense one (norms and biases apart)."""
+        routed = args.n_layers - args.dense_layers
+        return (self.param_counts(args)["active_layers"] - self.block_vectors(args) * args.n_layers
+                - self.routed_vectors(args) * routed)
 
     def matmul_params(self, args: MoEArgs) -> tuple[int, int]:
         """(active matmul weights per block, averaged over the blocks; the head's)."""
@@ -563,7 +615,7 @@ class MoEAdapter(LlamaAdapter):
         return self.active_matmul_params(args)
 
     def depth_block_matmul(self, args: MoEArgs) -> int:
-        return self.param_counts(args)["active_layer"] - self.block_vectors(args)
+        return self.param_counts(args)["active_layer"] - self.block_vectors(args) - self.routed_vectors(args)
 
     def extra_state(self, args: MoEArgs) -> dict[str, tuple[int, ...]]:
         return {BIAS_STATE: (len(args.moe_layers), args.experts)}

@@ -2,8 +2,10 @@
 
 A mixture-of-experts layer hands its expert module the rows of its (token, expert) slots sorted by
 expert, with the count per expert; the module's ``run(x, counts, *weights)`` computes them with the
-stacked weights it is given ([experts, ...] each). The adapter's ``expert_plan`` names such modules
-inside a block and, per weight, the dimension TP splits (the hidden width). Here their weights
+stacked weights it is given ([experts, ...] each), and ``finish(out, counts, *whole)`` adds what
+each row takes once (an output bias) with the weights TP leaves whole. The adapter's
+``expert_plan`` names such modules inside a block and, per weight, the dimension TP splits (the
+hidden width), or None for one TP leaves whole (a weight the module may lack). Here their weights
 become DTensors: split along the experts over ``ep`` (each rank keeps experts / ep of them) and
 along the hidden width over ``tp``; and their forward becomes:
 
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchpar.parallel.tensor import submodule
 from torchpar.parallel.zero import local
@@ -79,12 +81,16 @@ def regroup(sizes: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def expert_parallel_forward(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, names: tuple[str, ...],
-                            ep_group, tp_group) -> torch.Tensor:
+                            whole: tuple[str, ...], ep_group, tp_group) -> torch.Tensor:
     """``module``'s forward under EP (``ep_group``, or None) and TP of its hidden width
-    (``tp_group``, or None): x [n, d] sorted by expert, ``counts`` [experts] -> [n, d]."""
-    weights = [local(getattr(module, w)) for w in names]  # this rank's experts (and hidden units)
+    (``tp_group``, or None): x [n, d] sorted by expert, ``counts`` [experts] -> [n, d]. ``names``:
+    the weights TP splits, ``whole`` those it leaves whole (for ``finish``)."""
+    # this rank's experts (and hidden units); None for a weight the module lacks
+    weights, rest = ([None if getattr(module, w) is None else local(getattr(module, w)) for w in group]
+                     for group in (names, whole))
     if ep_group is None:
-        return _reduce_from_tp(module.run(_copy_to_tp(x, tp_group), counts, *weights), tp_group)
+        out = _reduce_from_tp(module.run(_copy_to_tp(x, tp_group), counts, *weights), tp_group)
+        return module.finish(out, counts, *rest)
     ep = dist.get_world_size(ep_group)
     mine = weights[0].shape[0]  # experts held here
     received = torch.empty_like(counts)
@@ -93,7 +99,9 @@ def expert_parallel_forward(module: nn.Module, x: torch.Tensor, counts: torch.Te
     send, recv = torch.stack([counts.view(ep, mine).sum(1), sizes.sum(1)]).tolist()  # one host sync
     order = regroup(sizes, sum(recv))
     rows = all_to_all_single_autograd(x, recv, send, ep_group)[order]
-    out = _reduce_from_tp(module.run(_copy_to_tp(rows, tp_group), sizes.sum(0), *weights), tp_group)
+    mine_counts = sizes.sum(0)
+    out = _reduce_from_tp(module.run(_copy_to_tp(rows, tp_group), mine_counts, *weights), tp_group)
+    out = module.finish(out, mine_counts, *rest)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return all_to_all_single_autograd(out[back], send, recv, ep_group)
@@ -125,16 +133,21 @@ def apply_experts(part: nn.Module, model, layout) -> list[nn.Module]:
                 continue
             for weight, tp_dim in tp_dims.items():
                 p = getattr(module, weight)
+                if p is None:
+                    continue
                 shape = list(p.shape)
                 shape[0] //= ep
-                shape[tp_dim] //= tp
-                places = ([Shard(0)] if ep > 1 else []) + ([Shard(tp_dim)] if tp > 1 else [])
+                if tp_dim is not None:
+                    shape[tp_dim] //= tp
+                places = ([Shard(0)] if ep > 1 else []) + (
+                    [Shard(tp_dim) if tp_dim is not None else Replicate()] if tp > 1 else [])
                 piece = torch.empty(shape, dtype=p.dtype, device=p.device)
                 dt = DTensor.from_local(piece, mesh, places, run_check=False, shape=p.shape,
                                         stride=p.stride())
                 setattr(module, weight, nn.Parameter(dt, requires_grad=p.requires_grad))
-            module.forward = functools.partial(expert_parallel_forward, module, names=tuple(tp_dims),
-                                               **groups)
+            module.forward = functools.partial(
+                expert_parallel_forward, module, names=tuple(w for w, d in tp_dims.items() if d is not None),
+                whole=tuple(w for w, d in tp_dims.items() if d is None), **groups)
             done.append(module)
     return done
 

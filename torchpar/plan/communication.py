@@ -255,7 +255,7 @@ def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[
     for s in lay.stage_ids(pp_rank):
         for name, (r, c), tp_dim in stage_entries(model, args, split, s):
             shape = (r, c)
-            if name in stacks:
+            if name in stacks and model.stack_shape(args, name) is not None:  # (not a stack of biases)
                 experts, m, n = model.stack_shape(args, name)
                 held = experts // lay.ep
                 if lay.zero_stage == 3:  # (FSDP2 pads the expert dimension to a multiple of the ranks)

@@ -35,7 +35,7 @@ from torchpar.selftest import BASE
 # Every dimension's values; the first is the plain job's (what a cell leaves a dimension at when
 # nothing else is asked of it).
 VALUES: dict[str, tuple] = {
-    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "llama3-gptoss"),
+    "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "moe-gptoss"),
     "optimizer": ("adamw", "muon", "adafactor", "torch.optim.SGD", "torch.optim.Rprop"),
     "zero": (0, 1, 2, 3, "hsdp"),
     "tp": (1, 2),
@@ -80,11 +80,10 @@ def _world(cell: Cell) -> int:
 
 def _model(family: str, loss_terms: bool) -> list[str]:
     out = {"llama3": [], "llama3-tied": ["--model.flavor", "debug-tied"], "gpt2": ["--model.name", "gpt2"],
-           # gpt-oss's attention: sinks, biases, YaRN, and a window of 8 keys in every other layer
-           "llama3-gptoss": ["--model.attn_sink", "true", "--model.attn_bias", "true",
-                             "--model.sliding_window", "8", "--model.yarn_factor", "4",
-                             "--model.yarn_original_seq_len", "512"],
            "moe": ["--model.name", "moe"],
+           # gpt-oss: biased routers and experts with the clamped SwiGLU; attention sinks and biases,
+           # YaRN, and a window of 16 keys in every other layer
+           "moe-gptoss": ["--model.name", "gpt_oss"],
            # DeepSeek-V3's parts: latent attention, group-limited routing with its bias, and one
            # multi-token prediction depth
            "moe-deepseek": ["--model.name", "deepseek_v3", "--model.bias_rate", "0.01",
