@@ -43,8 +43,9 @@ def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | N
                    per_param: dict[str, float] | None = None, matrices_in_norm: bool = False) -> None:
     """Losses and held-out losses within ``tol``; final parameters within ``param_tol`` (default
     ``tol``), or the tolerance ``per_param`` gives a parameter by name; with ``matrices_in_norm``,
-    each matrix's difference in norm relative to its norm, and vectors not compared (see the bf16
-    tolerance in test_composition.py). The self-test's comparison (``torchpar.selftest.differences``)."""
+    each matrix's difference in norm relative to its norm, and vectors (and stacks of experts'
+    biases) not compared (see the bf16 tolerance in test_composition.py). The self-test's
+    comparison (``torchpar.selftest.differences``)."""
     found = differences(run, ref, tol, tol if param_tol is None else param_tol, matrices_in_norm, per_param)
     assert not found, "; ".join(found)
 

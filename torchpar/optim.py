@@ -45,12 +45,17 @@ PARAM_GROUPS = {
 }
 
 
+def holds_vectors(name: str, ndim: int) -> bool:
+    """Whether a parameter is a vector, or a stack of one per expert (an expert's bias)."""
+    return ndim < 2 or name.endswith("_bias")
+
+
 def param_role(name: str, ndim: int, model) -> str:
     """``name``'s row of :data:`PARAM_GROUPS` (``model``: the family's adapter)."""
     top = name.split(".")[0]
     if top in model.first_stage:
         return "embedding"
-    if ndim < 2 or name.endswith("_bias"):  # (a stack of experts' biases is a vector each)
+    if holds_vectors(name, ndim):
         return "vector"
     return "head" if top in model.last_stage else "matrix"
 

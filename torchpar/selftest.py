@@ -44,7 +44,7 @@ from torchpar.config import load_config, parse_overrides
 from torchpar.data.loader import PackedWindows
 from torchpar.errors import ConfigError
 from torchpar.models import canonical_name
-from torchpar.optim import kind_of
+from torchpar.optim import holds_vectors, kind_of
 from torchpar.parallel.zero import full_value
 from torchpar.plan import predict_for_trainer
 from torchpar.preflight import preflight
@@ -340,7 +340,8 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
     one line each, the first difference first (empty: equal): the losses (``tol``, step by step),
     the loss's logged terms (``tol``: the z-loss, auxiliary terms, prediction depths), the final
     parameters (``param_tol`` per element, or per name from ``per_param``; with
-    ``matrices_in_norm``, each matrix's difference in norm relative to its norm, vectors left out),
+    ``matrices_in_norm``, each matrix's difference in norm relative to its norm, vectors and stacks
+    of them left out),
     the held-out losses (``tol``)."""
     out = []
     if len(run["losses"]) != len(ref["losses"]):
@@ -353,7 +354,7 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
         out.append(f"other parameters: {sorted(set(run['params']) ^ set(ref['params']))[:3]}")
     worst = (0.0, "")
     for name, want in ref["params"].items():
-        if name not in run["params"] or (matrices_in_norm and want.dim() < 2):
+        if name not in run["params"] or (matrices_in_norm and holds_vectors(name, want.dim())):
             continue
         diff = run["params"][name] - want
         d = (diff.norm() / want.norm()).item() if matrices_in_norm else diff.abs().max().item()
