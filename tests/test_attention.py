@@ -239,6 +239,23 @@ def test_compiled_block_on_a_gpu_equals_eager():
             assert torch.allclose(a, e, rtol=2e-2, atol=2e-2 * e.abs().max()), cut
 
 
+@CUDA
+@pytest.mark.parametrize("documented", [False, True])
+def test_varlen_attn_with_a_window_equals_attention_written_out(documented):
+    """The real kernel's window in bf16 (every row one sequence without documents; each document
+    one with them) against the definition in fp32 on the same inputs: a window of 128 keys, as
+    gpt-oss's sliding layers have, over rows of 1,024."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    documents = (torch.tensor([[0] * 300 + [1] * 724, [2] * 1024]) if documented
+                 else torch.zeros(2, 1024, dtype=torch.long))
+    mask = common.document_layout(documents, torch.bfloat16, device)[1] if documented else None
+    assert not documented or isinstance(mask, common.PackedDocuments)
+    q, k, v = qkv(2, 1024, 8, 2, hd=64, dtype=torch.bfloat16, device=device)
+    got = common.attention(q, k, v, mask, None, 128).float()
+    want = reference_attention(*(t.detach().float().cpu() for t in (q, k, v)), documents, 128)
+    assert torch.allclose(got.cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
 def test_selective_recomputation_keeps_the_varlen_kernels_output():
     """The varlen op is among the ops whose outputs selective recomputation keeps, like SDPA's
     kernels: backward must not run attention again."""
