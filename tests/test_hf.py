@@ -55,6 +55,21 @@ def make_hf(folder: Path, family, args, seed: int = 0):
     return model
 
 
+def exports_as_read(tmp_path: Path, family, args, read, original: dict | None = None, **write) -> tuple:
+    """Write ``family``'s HF folder at tmp_path/out from ``read`` (torchpar name -> tensor) in fp32 and
+    assert it holds every tensor of ``original`` (default: tmp_path/in's) bit for bit, and no other.
+    Returns (the original tensors, the write's figures)."""
+    from safetensors.torch import load_file
+
+    stats = write_hf(tmp_path / "out", family, args, read, torch.float32, **write)
+    if original is None:
+        original = load_file(tmp_path / "in" / "model.safetensors")
+    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
+    assert original.keys() == exported.keys(), sorted(original.keys() ^ exported.keys())[:4]
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    return original, stats
+
+
 def make_hf_llama(folder: Path, flavor: str, seed: int = 0, **shape) -> "transformers.LlamaForCausalLM":
     """A random LlamaForCausalLM of a torchpar flavour's shape (with ``shape``'s fields)."""
     return make_hf(folder, LLAMA, LLAMA.args(flavor, **shape), seed)
@@ -90,20 +105,15 @@ def test_import_gives_transformers_logits(tmp_path, flavor, shape):
 def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
     """HF -> torchpar -> HF in fp32 gives the same tensors bit for bit; the export holds at most
     two copies of the largest tensor at a time, however many files it writes."""
-    from safetensors.torch import load_file
 
     make_hf_llama(tmp_path / "in", flavor)
     args = LLAMA.args(flavor)
     model = torchpar_model(HFWeights(tmp_path / "in", LLAMA, args, flavor), flavor)
     params = dict(model.named_parameters())
-    stats = write_hf(tmp_path / "out", LLAMA, args, lambda name: params[name].detach(), torch.float32,
-                     max_shard_bytes=1 << 20)
+    _, stats = exports_as_read(tmp_path, LLAMA, args, lambda name: params[name].detach(),
+                               max_shard_bytes=1 << 20)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(stats["files"]) > 4 and set(index["weight_map"].values()) == set(stats["files"])
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
     largest = max(p.numel() * 4 for p in params.values())
     total = sum(p.numel() * 4 for p in params.values())
     assert stats["peak_bytes"] <= 2 * largest < total / 2, (stats["peak_bytes"], largest, total)
@@ -122,7 +132,6 @@ def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
 def test_biases_and_yarn_round_trip_and_another_rope_is_one_line(tmp_path):
     """Attention biases and YaRN: HF -> torchpar -> HF bit for bit, YaRN's fields in config.json;
     a checkpoint whose RoPE is not the model's is one line naming the field."""
-    from safetensors.torch import load_file
 
     from torchpar.errors import ConfigError
 
@@ -131,10 +140,7 @@ def test_biases_and_yarn_round_trip_and_another_rope_is_one_line(tmp_path):
     params = dict(torchpar_model(HFWeights(tmp_path / "in", LLAMA, args, "debug"), "debug",
                                  **BIAS_YARN).named_parameters())
     assert "layers.0.attention.wq.bias" in params
-    stats = write_hf(tmp_path / "out", LLAMA, args, lambda name: params[name].detach(), torch.float32)
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+    exports_as_read(tmp_path, LLAMA, args, lambda name: params[name].detach())
     rope = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 512)
     with pytest.raises(ConfigError, match="RoPE type 'yarn', but model.flavor = 'debug' has 'default'"):
@@ -295,20 +301,15 @@ def test_qwen3_moe_import_gives_transformers_logits(tmp_path):
 def test_qwen3_moe_round_trip_is_bitwise(tmp_path):
     """HF -> torchpar -> HF in fp32: every tensor the same bit for bit, each expert's linears
     written apart again; reading back a slice of a stack reads only the experts asked for."""
-    from safetensors.torch import load_file
 
     make_hf_qwen3_moe(tmp_path / "in")
     args = MOE.args("debug")
     weights = HFWeights(tmp_path / "in", MOE, args, "debug")
     model = moe_model(weights)
     params = dict(model.named_parameters())
-    stats = write_hf(tmp_path / "out", MOE, args, lambda name: params[name].detach(), torch.float32,
-                     max_shard_bytes=1 << 20)
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys()
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    original, _ = exports_as_read(tmp_path, MOE, args, lambda name: params[name].detach(),
+                                  max_shard_bytes=1 << 20)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in original
     w2 = weights["layers.2.feed_forward.experts.w2"]
     part = w2.read((slice(2, 4), slice(8, 40), slice(0, 16)))
     expected = params["layers.2.feed_forward.experts.w2"][2:4, 8:40, :16]
@@ -373,7 +374,6 @@ def test_deepseek_v3_round_trip_is_bitwise(tmp_path):
     """HF -> torchpar -> HF in fp32: every tensor bit for bit, the fused projection written whole
     from its two parts, the routing bias from the trainer's state; a slice of the rotary key's rows
     reads only them."""
-    from safetensors.torch import load_file
 
     args = deepseek_args({})
     make_hf(tmp_path / "in", DEEPSEEK, args)
@@ -381,14 +381,9 @@ def test_deepseek_v3_round_trip_is_bitwise(tmp_path):
     model = build_from(DEEPSEEK, args, weights)
     state = {**{n: p.detach() for n, p in model.named_parameters()},
              "routing.expert_bias": weights["routing.expert_bias"].read()}
-    stats = write_hf(tmp_path / "out", DEEPSEEK, args, state.__getitem__, torch.float32,
-                     max_shard_bytes=1 << 20)
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys()
-    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in exported
-    assert "model.layers.3.mlp.gate.e_score_correction_bias" in exported
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    original, _ = exports_as_read(tmp_path, DEEPSEEK, args, state.__getitem__, max_shard_bytes=1 << 20)
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in original
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in original
     rope = weights["layers.2.attention.wk_rope.weight"].read((slice(2, 6), slice(0, 16)))
     fused = original["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"]
     assert torch.equal(rope, fused[args.kv_lora_rank + 2:args.kv_lora_rank + 6, :16])
@@ -426,10 +421,7 @@ def test_deepseek_v3_prediction_depth_in_hf_layout_imports_and_round_trips(tmp_p
         assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 2e-6
     state = {**{name: p.detach() for name, p in model.named_parameters()},
              "routing.expert_bias": weights["routing.expert_bias"].read()}
-    stats = write_hf(tmp_path / "out", DEEPSEEK, args, state.__getitem__, torch.float32)
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert tensors.keys() == exported.keys()
-    assert all(torch.equal(tensors[k], exported[k]) for k in tensors)
+    exports_as_read(tmp_path, DEEPSEEK, args, state.__getitem__, tensors)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
@@ -445,7 +437,6 @@ def test_gpt_oss_import_gives_transformers_logits_and_round_trips_bitwise(tmp_pa
     three times the float32 noise (torchpar's float32 logits against its float64 ones: ~2e-5 on
     logits ~1 at these magnitudes); HF -> torchpar -> HF bit for bit; a slice
     of the up projection's hidden units reads only its columns."""
-    from safetensors.torch import load_file
 
     args = GPT_OSS.args("debug")
     hf = make_hf(tmp_path / "in", GPT_OSS, args)
@@ -463,11 +454,7 @@ def test_gpt_oss_import_gives_transformers_logits_and_round_trips_bitwise(tmp_pa
         diff, noise = ((got - other).abs().max().item() for other in (hf(tokens).logits, exact(tokens)))
     assert diff <= 3 * noise, (diff, noise)
     params = dict(model.named_parameters())
-    stats = write_hf(tmp_path / "out", GPT_OSS, args, lambda name: params[name].detach(), torch.float32)
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys() and "model.layers.1.mlp.experts.gate_up_proj" in exported
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    original, _ = exports_as_read(tmp_path, GPT_OSS, args, lambda name: params[name].detach())
     up = weights["layers.1.feed_forward.experts.w3"].read((slice(2, 4), slice(0, 8), slice(5, 9)))
     assert torch.equal(up, original["model.layers.1.mlp.experts.gate_up_proj"][2:4, :8, 11:19:2])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -542,7 +529,6 @@ def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path
     """Per-head q/k norms (their weights permuted within the head, as q's and k's rows), heads wider
     than dim / heads, tied or not: transformers' logits within 2e-6; HF -> torchpar -> HF bit for bit.
     A Llama with q/k norms has no LlamaForCausalLM form (it would lose them): one line."""
-    from safetensors.torch import load_file
 
     args = replace(QWEN3.args("debug"), **shape)
     hf = make_hf(tmp_path / "in", QWEN3, args)
@@ -552,11 +538,8 @@ def test_qwen3_import_gives_transformers_logits_and_round_trips_bitwise(tmp_path
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()
     assert diff <= 2e-6, diff
     params = dict(model.named_parameters())
-    stats = write_hf(tmp_path / "out", QWEN3, args, lambda name: params[name].detach(), torch.float32)
-    original = load_file(tmp_path / "in" / "model.safetensors")
-    exported = {k: v for f in stats["files"] for k, v in load_file(tmp_path / "out" / f).items()}
-    assert original.keys() == exported.keys() and "model.layers.0.self_attn.q_norm.weight" in exported
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    original, _ = exports_as_read(tmp_path, QWEN3, args, lambda name: params[name].detach())
+    assert "model.layers.0.self_attn.q_norm.weight" in original
     llama_with_norms = LLAMA.hf_problem(LLAMA.args("debug", qk_norm=True))
     assert "LlamaForCausalLM has no per-head query/key norms" in llama_with_norms
     for family in (LLAMA, QWEN3, MOE):  # (their HF classes hold no prediction depths)
