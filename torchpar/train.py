@@ -163,7 +163,7 @@ class Trainer:
         kwargs = {}
         if self.cfg.data.document_masking:
             kwargs["documents"] = document_ids(rows[:, :-1], self.tokenizer.bos_id)
-        depths = getattr(self.args, "mtp_depth", 0)
+        depths = self.model_family.prediction_depths(self.args)
         if training and depths:
             ahead = tokens_ahead(rows, depths, kwargs.get("documents"))
             kwargs["ahead"] = shard_sequence(ahead.to(self.device, non_blocking=True), self.layout)

@@ -426,7 +426,7 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
     schedule = lay.schedule if lay.pp > 1 else ""
     return Features(
         family=model.name, experts=model.experts(args) > 0, tied=bool(args.tie_embeddings),
-        mtp=bool(getattr(args, "mtp_depth", 0)),
+        mtp=model.prediction_depths(args) > 0,
         sequence_terms=model.sequence_terms(args), custom_attention=model.custom_attention(args),
         optimizer=lay.optimizer.name if lay.optimizer is not None else "adamw",
         whole=kind.whole is not None, gathers=kind.gathers_shards, plain=kind.plain_tensors,
