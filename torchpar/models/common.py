@@ -630,6 +630,11 @@ class ModelAdapter(ABC):
         mixture of experts' hidden width: its model is traced with the rank's share)."""
         return replace(args, n_layers=1)
 
+    def blocks_alone(self, args, blocks: int):
+        """``args`` cut to ``blocks`` of the model's own blocks and nothing past them (no prediction
+        depths): the model the planner's probe times, whose forward runs every block it builds."""
+        return replace(args, n_layers=blocks)
+
     def prediction_depths(self, args) -> int:
         """Blocks the model holds past its own ``n_layers`` (indices from there on), on the last
         pipeline stage, each running the head again in training: multi-token prediction's depths.

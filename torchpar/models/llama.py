@@ -504,6 +504,9 @@ class LlamaAdapter(ModelAdapter):
     def prediction_depths(self, args: ModelArgs) -> int:
         return args.mtp_depth
 
+    def blocks_alone(self, args: ModelArgs, blocks: int) -> ModelArgs:
+        return replace(args, n_layers=blocks, mtp_depth=0)
+
     hf_architecture = "LlamaForCausalLM"
     hf_qk_norm = False  # whether the HF class has per-head q/k norms (Llama's has not; Qwen3's have)
 

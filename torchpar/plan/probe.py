@@ -26,7 +26,6 @@ presets (``PRESETS``) stay for clusters one is not on.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import json
@@ -106,7 +105,7 @@ def _run_bytes(model, args, blocks: int, batch: int, seq: int, dtype: torch.dtyp
     """Device bytes of one model-probe run: the model cut to ``blocks`` blocks, its weights and
     gradients in ``dtype``, the activations the planner counts for ``batch`` sequences of ``seq``
     tokens, and the loss's three fp32 logits-sized tensors."""
-    cut = dataclasses.replace(args, n_layers=blocks)
+    cut = model.blocks_alone(args, blocks)
     params = model.num_params(cut)
     lay = Layout(param_dtype=str(dtype).removeprefix("torch."), local_batch_size=batch)
     held = stage_activation_bytes(model, cut, lay, batch, seq, 0, blocks) + ends_bytes(
@@ -149,7 +148,7 @@ def _model_costs(model, args, seq: int, dtype: torch.dtype, device: torch.device
     before the job's model)."""
     runs = {}
     for blocks, batch in _probe_runs(seq):
-        cut = dataclasses.replace(args, n_layers=blocks)
+        cut = model.blocks_alone(args, blocks)
         with torch.device("meta"):
             module = model.build(cut).to(dtype)
         module.to_empty(device=device)
