@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
-from torchpar.parallel.layout import Layout, split_of
+from torchpar.parallel.layout import Layout, expert_names, split_of
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
 from torchpar.plan.activations import ends_bytes, held_bytes, stage_activation_bytes
@@ -127,7 +127,10 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     # gathered block (and the next one, prefetched) in the compute dtype.
     logits = 4 * micro_batch * (seq // lay.cp) * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
     mem["logits_bytes"] = (3 + depths) * logits if has_head else 0
-    block = sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
+    # (under expert parallelism a block gathers only its rank's experts)
+    experts = expert_names(model)
+    block = sum(r * c / (lay.ep if name in experts else 1)
+                for name, (r, c), _ in model.block_params(args)) / lay.tp
     mem["gathered_bytes"] = (
         2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0
     )

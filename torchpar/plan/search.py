@@ -47,9 +47,10 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
              left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda"):
     """Every layout of these degrees that the composition table lets run (on ``device``): ZeRO
-    stage, its shard group (HSDP) and (``offload_too``) offload, recomputation, micro-batch and,
-    with a pipeline, the schedule. Pipeline layouts of more than MAX_MICROBATCHES microbatches are
-    left out (their schedules take too long to build) and counted in ``left_out``."""
+    stage, its shard group (HSDP) and (``offload_too``) offload, expert parallelism (a mixture of
+    experts), recomputation, micro-batch and, with a pipeline, the schedule. Pipeline layouts of more
+    than MAX_MICROBATCHES microbatches are left out (their schedules take too long to build) and
+    counted in ``left_out``."""
     for lay in _every_layout(model, args, tp, pp, cp, method, dp, per_dp, param_dtype, left_out, offload_too,
                              optimizer):
         if not refusals(layout_features(lay, model, args, device=device)):
@@ -65,12 +66,17 @@ def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, 
     # and shards over something (dp_shard 1 shards over cp alone).
     shardings = [(zero, offload, dp // shard, shard) for zero, offload in stages
                  for shard in (_divisors(dp) if zero else (dp,)) if shard == dp or shard * cp > 1]
+    experts = model.experts(args)
     for zero, offload, replicas, shard in shardings:
         if zero in (1, 2, 3) and shard * cp == 1 and not offload:
             continue  # nothing to shard: the same as zero 0
-        searched = ((ac, mbs) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0)
-        for (ac, every), mbs in searched:
-            common = dict(dp_replicate=replicas, dp_shard=shard, tp=tp, cp=cp, cp_method=method,
+        # Expert parallelism splits the experts over some of the ZeRO-3 shard ranks (dp_shard), each
+        # expert then sharded over the rest (the composition table asks ZeRO-3 of it).
+        eps = [ep for ep in _divisors(shard) if experts and experts % ep == 0 and (ep == 1 or zero == 3)]
+        searched = ((ac, mbs, ep) for ac in OPTIONS.values() for mbs in (1, 2, 4) if per_dp % mbs == 0
+                    for ep in eps or [1])
+        for (ac, every), mbs, ep in searched:
+            common = dict(dp_replicate=replicas, dp_shard=shard, tp=tp, cp=cp, cp_method=method, ep=ep,
                           zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
                           param_dtype=param_dtype, optimizer=optimizer)
@@ -142,6 +148,7 @@ def describe_layout(lay: dict) -> str:
     return (
         f"pp {lay['pp']} x dp {dp}{hsdp} x {cp}tp {lay['tp']}, zero "
         f"{lay['zero_stage']}"
+        + (f", ep {lay['ep']}" if lay.get("ep", 1) > 1 else "")
         + (" +offload" if lay["cpu_offload"] else "")
         + f", recompute {recompute_name(lay)}, micro-batch {micro}"
         + (f", {lay['schedule']}" if lay["pp"] > 1 else f", accumulation {lay['accum']}")
