@@ -198,6 +198,8 @@ CASES = [
     Case("more prediction depths than blocks", CHECK + " --model.mtp_depth 9",
          "model.mtp_depth = 9: 0 (none) to model.n_layers = 8 prediction depths"),
     Case("negative prediction depths", CHECK + " --model.mtp_depth -1", "model.mtp_depth must be >= 0"),
+    Case("prediction depths past the window", CHECK + " --model.mtp_depth 8 --training.seq_len 8",
+         "model.mtp_depth = 8 needs training.seq_len > 8"),
     Case("a prediction weight of infinity", CHECK + " --model.mtp_depth 1 --model.mtp_weight inf",
          "model.mtp_weight: got 'inf', not a finite number"),
     Case("an absurd prediction weight", CHECK + " --model.mtp_depth 1 --model.mtp_weight 1e9",

@@ -15,6 +15,7 @@ from harness import TINY, assert_matches, cli, run_layouts
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
+from torchpar.errors import ConfigError  # noqa: E402
 from torchpar.hf import HFWeights, write_hf  # noqa: E402
 from torchpar.models import MODELS  # noqa: E402
 from torchpar.outputs import MARKER  # noqa: E402
@@ -132,8 +133,6 @@ def test_round_trip_is_bitwise_and_streams(tmp_path, flavor):
 def test_biases_and_yarn_round_trip_and_another_rope_is_one_line(tmp_path):
     """Attention biases and YaRN: HF -> torchpar -> HF bit for bit, YaRN's fields in config.json;
     a checkpoint whose RoPE is not the model's is one line naming the field."""
-
-    from torchpar.errors import ConfigError
 
     make_hf_llama(tmp_path / "in", "debug", **BIAS_YARN)
     args = LLAMA.args("debug", **BIAS_YARN)
@@ -422,6 +421,10 @@ def test_deepseek_v3_prediction_depth_in_hf_layout_imports_and_round_trips(tmp_p
     state = {**{name: p.detach() for name, p in model.named_parameters()},
              "routing.expert_bias": weights["routing.expert_bias"].read()}
     exports_as_read(tmp_path, DEEPSEEK, args, state.__getitem__, tensors)
+    # A model of no depths reads the same folder (its depth left unread); one of two is refused.
+    HFWeights(tmp_path / "in", DEEPSEEK, deepseek_args({}), "debug")
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers = 1: the checkpoint holds fewer"):
+        HFWeights(tmp_path / "in", DEEPSEEK, deepseek_args({"mtp_depth": 2}), "debug")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
@@ -460,13 +463,16 @@ def test_gpt_oss_import_gives_transformers_logits_and_round_trips_bitwise(tmp_pa
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
     assert config["rope_parameters"]["truncate"] is False
+    # gpt-oss's released folders hold MXFP4 experts: one line, before any tensor is looked for
+    (tmp_path / "out" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "mxfp4"}}))
+    with pytest.raises(ConfigError, match=r"quantized \(mxfp4\); torchpar reads full precision only"):
+        HFWeights(tmp_path / "out", GPT_OSS, args, "debug")
 
 
 def test_deepseek_v3_yarn_in_another_form_is_one_line(tmp_path):
     """A checkpoint whose YaRN puts its temperature on cos and sin (no mscale fields) computes other
     scores than DeepSeek's: one line naming the field."""
-    from torchpar.errors import ConfigError
-
     args = deepseek_args(DEEPSEEK_SHAPES["yarn"])
     make_hf(tmp_path, DEEPSEEK, args)
     config = json.loads((tmp_path / "config.json").read_text())

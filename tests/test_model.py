@@ -269,3 +269,25 @@ def test_a_field_newer_than_the_checkpoint_counts_as_its_default():
     check_model_matches("checkpoint x", saved, "llama3", "debug", args)
     with pytest.raises(ConfigError, match="attn_sink: saved False vs config True"):
         check_model_matches("checkpoint x", saved, "llama3", "debug", ADAPTER.args("debug", attn_sink=True))
+
+
+def test_a_checkpoint_loads_under_other_training_weights_but_not_another_shape():
+    """What only weighs the loss or steers routing (the prediction depths' weight, a balance
+    coefficient, the bias rate, a capacity) may change between a checkpoint and the run resuming it
+    (DeepSeek-V3 lowered its prediction weight mid-run); a shape may not, in one line."""
+    from dataclasses import replace
+
+    from torchpar.checkpoint.files import check_model_matches
+    from torchpar.errors import ConfigError
+    from torchpar.models import MODELS
+
+    family = MODELS["deepseek_v3"]
+    saved_args = family.args("debug", mtp_depth=1, bias_rate=0.01)
+    saved = {"model_name": "deepseek_v3", "model_flavor": "debug", "model_args": saved_args.to_dict()}
+    later = replace(saved_args, mtp_weight=0.1, bias_rate=0.0, balance_coeff=0.01, capacity_factor=1.0)
+    check_model_matches("ckpt", saved, "deepseek_v3", "debug", later)
+    try:
+        check_model_matches("ckpt", saved, "deepseek_v3", "debug", replace(saved_args, mtp_depth=2))
+        raise AssertionError("a checkpoint of another shape loaded")
+    except ConfigError as e:
+        assert "mtp_depth: saved 1 vs config 2" in str(e), e

@@ -299,3 +299,27 @@ def test_the_search_leaves_out_what_the_family_refuses():
     assert plans and all(p.layout["cp"] == 1 for p in plans) and any(p.layout["tp"] > 1 for p in plans)
     free = search(MOE_FAMILY, MOE_FAMILY.args("debug"), cluster, 64, 256)
     assert any(p.layout["cp"] > 1 for p in free)
+
+
+@pytest.mark.slow
+def test_the_search_offers_expert_parallelism_and_it_wins_where_gathering_every_expert_is_exposed():
+    """Qwen3-30B-A3B on one node of 8 H200s, 16 sequences of 4k: the search tries ep 2, 4 and 8 with
+    ZeRO-3 (each rank gathers its experts only, over fewer ranks, and sends its rows by all-to-all);
+    the same layout at ep 1 gathers all 128 experts of a block over 8 ranks, which the step cannot
+    hide, and is predicted at half the throughput; the best layout is expert-parallel. A dense
+    model is offered no ep."""
+    from torchpar.plan.layout import PRESETS
+    from torchpar.plan.search import describe_layout, search
+
+    cluster = PRESETS["H200-141GB"]
+    plans = search(MOE_FAMILY, MOE_FAMILY.args("qwen3-30B-A3B"), cluster, 16, 4096)
+    best = next(p for p in plans if p.fits)
+    assert best.layout["ep"] > 1 and f"ep {best.layout['ep']}" in describe_layout(best.layout)
+    twins = {p.layout["ep"]: p for p in plans
+             if all(p.layout[k] == best.layout[k] for k in best.layout if k != "ep")}
+    assert sorted(twins) == [1, 2, 4, 8], sorted(twins)
+    assert twins[1].tokens_per_sec < 0.6 * best.tokens_per_sec
+    assert "ep" not in twins[1].communication and twins[8].communication["ep"]["bytes"] > 0
+    assert twins[8].memory["gathered_bytes"] < twins[1].memory["gathered_bytes"]
+    dense = search(MODELS["llama3"], MODELS["llama3"].args("1B"), cluster, 16, 4096)
+    assert all(p.layout["ep"] == 1 for p in dense)

@@ -119,8 +119,9 @@ def write_hf(out: Path, model, args, read, dtype: torch.dtype, max_shard_bytes: 
                 last.clear()
                 last[tp_name] = read(tp_name)
             parts.append(model.to_hf(last[tp_name], how).to(dtype))
-        if isinstance(source[hf_name][0][1], Interleaved):  # (their last dims' entries in turn)
-            converted = torch.stack(parts, dim=-1).flatten(-2)
+        if isinstance(source[hf_name][0][1], Interleaved):  # (their last dims' entries in turn, by part)
+            order = [how.part for _, how in source[hf_name]]
+            converted = torch.stack([parts[order.index(i)] for i in range(len(parts))], dim=-1).flatten(-2)
         else:
             converted = parts[0] if len(parts) == 1 else torch.cat(parts)
         acct.hold(*last.values(), converted)
@@ -236,6 +237,10 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
             f"{path}/config.json: architectures = {config.get('architectures')}, but model.name = "
             f"{model.name!r} reads {model.hf_architecture}"
         )
+    if config.get("quantization_config"):  # (gpt-oss ships its experts in MXFP4, as blocks and scales)
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConfigError(f"{path}/config.json: the weights are quantized ({method}); torchpar reads full "
+                          "precision only: dequantize them first (transformers loads and saves them in bf16)")
     expected = model.hf_config(args)
     theta = _check_rope(path, config, expected, flavor)
     have_all = {**config, "rope_theta": theta}
@@ -246,6 +251,12 @@ def check_config(path: Path, config: dict, model, args, flavor: str) -> None:
                    "rope_scaling"):
             continue  # the position limit changes no math below it; RoPE is checked above
         have = have_all.get(key, want if key in optional else None)
+        if key == "num_nextn_predict_layers":  # (a checkpoint's depths past the model's are left unread)
+            if not (isinstance(have, int) and have >= want):
+                raise ConfigError(f"{path}/config.json: {key} = {have!r}: the checkpoint holds fewer "
+                                  f"prediction depths than model.mtp_depth = {want}; set model.mtp_depth to "
+                                  "at most that")
+            continue
         close = (
             isinstance(want, float)
             and isinstance(have, (int, float))

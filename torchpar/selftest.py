@@ -304,7 +304,7 @@ def _native_stacks(lines: list[str]) -> list[str]:
     """torch's report of a fatal signal in a rank's log: each thread's native frames. The thread
     that took the signal (its frames pass through ``fatalSignalHandler``; a native thread, such as
     a process group's worker, has no Python stack to show) comes first and whole (at most 30
-    lines), then every other thread's first frames (6 lines each)."""
+    lines), then every other thread's first frames (6 lines each, 60 in all)."""
     blocks, block = [], None
     for line in lines:
         if _THREAD_HEADER.match(line):
@@ -315,7 +315,7 @@ def _native_stacks(lines: list[str]) -> list[str]:
         else:
             block = None
     crashed = [b for b in blocks if any("fatalSignalHandler" in line for line in b)]
-    rest = [line for b in blocks if b not in crashed for line in b[:6]]
+    rest = [line for b in blocks if b not in crashed for line in b[:6]][:60]  # (a process may run dozens)
     return [line for b in crashed for line in b[:30]] + rest
 
 

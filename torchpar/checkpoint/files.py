@@ -13,6 +13,7 @@ from pathlib import Path
 from torchpar.console import warn
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
+from torchpar.models.common import TRAINING_FIELDS
 from torchpar.outputs import write_text
 
 MANIFEST = "torchpar.json"
@@ -173,7 +174,7 @@ def verify_files(path: Path, manifest: dict, checksums: bool, names: list[str] |
 
 def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -> None:
     """A checkpoint or weights file (``saved``: its manifest) only loads into the model family and
-    shape it was saved from."""
+    shape it was saved from (fields that change only how it trains, TRAINING_FIELDS, may differ)."""
     saved_name, saved_flavor, saved_args = (saved.get("model_name", DEFAULT_FAMILY), saved["model_flavor"],
                                             saved["model_args"])
     if saved_name != name:
@@ -184,7 +185,8 @@ def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -
             f"{where} holds model flavor {saved_flavor!r} but model.flavor = {flavor!r}; set model.flavor = "
             f"{saved_flavor!r}, or start from a new job.dump_folder / checkpoint.folder"
         )
-    mine = args.to_dict()
+    mine = {k: v for k, v in args.to_dict().items() if k not in TRAINING_FIELDS}
+    saved_args = {k: v for k, v in saved_args.items() if k not in TRAINING_FIELDS}
     diff = {k: (v, mine[k]) for k, v in saved_args.items() if mine.get(k) != v}
     # A field newer than the checkpoint: it was saved with the field's default (e.g. no attention sinks).
     defaults = {f.name: f.default for f in dataclasses.fields(args)}

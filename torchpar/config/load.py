@@ -254,6 +254,9 @@ def validate(cfg: JobConfig) -> None:
     if not cfg.metrics.prediction_margin >= 0:
         raise ConfigError(f"metrics.prediction_margin must be >= 0 (0 = never warn), got "
                           f"{cfg.metrics.prediction_margin}")
+    if m.mtp_depth >= t.seq_len:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} needs training.seq_len > {m.mtp_depth} (got "
+                          f"{t.seq_len}): depth k predicts the token k + 1 ahead inside the window")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
         raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)

@@ -71,6 +71,11 @@ TP_STYLES = ("embedding", "head", "colwise", "rowwise", "norm", "token_wise", "i
              "rowwise_replicated", "whole_input", *WHOLE_STYLES)
 
 
+# Model fields that change how the weights train, not what they are: a checkpoint resumes, and a
+# weights file loads, under other values (DeepSeek-V3 lowered its prediction weight mid-run).
+TRAINING_FIELDS = ("mtp_weight", "balance_coeff", "bias_rate", "capacity_factor")
+
+
 def planned_under(plan: dict[str, str], word: str) -> tuple[str, ...]:
     """``"module."`` for every module a TP plan names ``word``: the names of what lies inside them
     start with one of these (``str.startswith`` of the tuple; none when the plan has no such module)."""
@@ -629,6 +634,11 @@ class ModelAdapter(ABC):
         parallelism of degree ``tp`` where a module splits itself rather than by its plan word (a
         mixture of experts' hidden width: its model is traced with the rank's share)."""
         return replace(args, n_layers=1)
+
+    def depth_blocks(self, args) -> range:
+        """The indices of the prediction depths' blocks (:meth:`prediction_depths`), after the
+        model's own."""
+        return range(args.n_layers, args.n_layers + self.prediction_depths(args))
 
     def blocks_alone(self, args, blocks: int):
         """``args`` cut to ``blocks`` of the model's own blocks and nothing past them (no prediction

@@ -52,12 +52,12 @@ class GptOssAdapter(MoEAdapter):
             ("dense_layers", not args.dense_layers), ("shared_hidden", not args.shared_hidden),
             ("route_groups", args.route_groups == 1), ("qk_norm", not args.qk_norm),
             ("kv_lora_rank", not args.latent), ("tie_embeddings", not args.tie_embeddings),
-            ("mtp_depth", not args.mtp_depth),
+            ("mtp_depth", not args.mtp_depth), ("bias_rate", not args.bias_rate),
             ("full_attention_every", not args.sliding_window or args.full_attention_every == 2)),
             "has biased routers and experts with SwiGLU clamped at 7, softmax routing over the top k, "
             "attention sinks and biases, sliding windows in every other layer or none, and no dense "
-            "block, shared expert, expert groups, q/k norms, latent attention, prediction depths or tied "
-            "head")
+            "block, shared expert, expert groups, q/k norms, latent attention, prediction depths, tied "
+            "head or balancing bias (its routers would choose other experts)")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super(MoEAdapter, self).hf_config(args)  # (Llama's fields: the RoPE spelled both ways)

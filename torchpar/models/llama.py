@@ -632,7 +632,7 @@ class LlamaAdapter(ModelAdapter):
         return args.window(layer)  # (a sliding layer holds its mask, a full one none)
 
     def traced_args(self, args: ModelArgs, kind: int | None = None, tp: int = 1) -> ModelArgs:
-        one = replace(args, n_layers=1)  # (its block 0 slides where the model has windows)
+        one = self.blocks_alone(args, 1)  # (its block 0 slides where the model has windows)
         if kind is None or kind == one.window(0):
             return one
         return replace(one, sliding_window=kind, full_attention_every=2)  # (layer 0 slides, with a window)

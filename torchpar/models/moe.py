@@ -472,10 +472,12 @@ class MoEAdapter(LlamaAdapter):
             ("tie_embeddings", not args.tie_embeddings), ("attn_sink", not args.attn_sink),
             ("sliding_window", not args.sliding_window), ("route_groups", args.route_groups == 1),
             ("kv_lora_rank", not args.latent), ("mtp_depth", not args.mtp_depth),
-            ("expert_biases", not args.expert_biases), ("swiglu_limit", not args.swiglu_limit)),
-            "routes by softmax scores without shared experts, a route scale or expert groups, has no "
-            "attention sinks, sliding windows, latent attention, multi-token prediction or experts' "
-            "biases, runs plain SwiGLU experts, and has per-head q/k norms and an untied head")
+            ("expert_biases", not args.expert_biases), ("swiglu_limit", not args.swiglu_limit),
+            ("bias_rate", not args.bias_rate)),
+            "routes by softmax scores without shared experts, a route scale, expert groups or a balancing "
+            "bias (its routers would choose other experts), has no attention sinks, sliding windows, "
+            "latent attention, multi-token prediction or experts' biases, runs plain SwiGLU experts, and "
+            "has per-head q/k norms and an untied head")
 
     def hf_config(self, args: MoEArgs) -> dict:
         dense = super().hf_config(args)

@@ -179,7 +179,7 @@ def _own_params(model, args, first: bool, last: bool) -> list:
     modules."""
     entries = model.stage_params(args, first, last, range(0))
     start = len(model.stage_params(args, first, False, range(0)))
-    depths = range(args.n_layers, args.n_layers + model.prediction_depths(args)) if last else ()
+    depths = model.depth_blocks(args) if last else ()
     return entries[:start] + entries[start + sum(len(model.block_params(args, i)) for i in depths):]
 
 
@@ -375,7 +375,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     starts = [0, *itertools.accumulate(split)]
     blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
     depths = model.prediction_depths(args)  # (their blocks on the last stage; the head runs 1 + depths times)
-    blocks += list(range(args.n_layers, args.n_layers + depths)) if last else []
+    blocks += list(model.depth_blocks(args)) if last else []
     if lay.tp > 1:
         _tensor_parallel(sent, model, args, lay, seq, blocks, first, last, 1 + depths)
     if lay.ep > 1:
