@@ -24,18 +24,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(name: str, steps: int, lr: float, muon_lr: float, folder: str) -> dict:
-    """One run's figures, read back from its metrics.jsonl."""
+def debug_job(steps: int, overrides: list[str], folder: str) -> tuple[list[dict], float]:
+    """The debug model trained ``steps`` steps on one process (one thread, ZeRO 0, evaluated at the
+    end) with ``overrides``: its metrics.jsonl records and the CPU seconds it took."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [sys.executable, "-m", "torchpar", "train", "--config", "train_configs/debug_model.toml",
-           "--training.steps", str(steps), "--optimizer.name", name, "--optimizer.lr", str(lr),
-           "--optimizer.muon_lr", str(muon_lr), "--job.dump_folder", folder, "--metrics.log_freq", "1",
+           "--training.steps", str(steps), *overrides, "--job.dump_folder", folder, "--metrics.log_freq", "1",
            "--validation.enable", "true", "--validation.freq", str(steps), "--validation.steps", "8",
            "--checkpoint.enable", "false", "--parallelism.zero_stage", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     records = [json.loads(line) for line in Path(folder, "metrics.jsonl").read_text().splitlines()]
+    return records, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def train(name: str, steps: int, lr: float, muon_lr: float, folder: str) -> dict:
+    """One run's figures, read back from its metrics.jsonl."""
+    records, cpu_s = debug_job(steps, ["--optimizer.name", name, "--optimizer.lr", str(lr),
+                                       "--optimizer.muon_lr", str(muon_lr)], folder)
     steps_ = [r for r in records if "loss" in r]
     last = steps_[-10:]
     timed = [r for r in steps_[1:] if "time_optimizer_s" in r]
@@ -46,7 +53,7 @@ def train(name: str, steps: int, lr: float, muon_lr: float, folder: str) -> dict
         "val_loss": next(r["val_loss"] for r in reversed(records) if "val_loss" in r),
         "optimizer_share": sum(r["time_optimizer_s"] for r in timed) / step_s,
         "tokens_per_s": sum(r["tokens_per_sec"] for r in steps_[1:]) / (len(steps_) - 1),
-        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+        "cpu_s": cpu_s,
     }
 
 

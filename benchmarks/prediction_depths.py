@@ -14,29 +14,15 @@ pass more per token).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from optimizers import debug_job  # (this folder: the scripts run from it)
 
 
 def train(depths: int, steps: int, weight: float, folder: str) -> dict:
     """One run's figures, read back from its metrics.jsonl."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [sys.executable, "-m", "torchpar", "train", "--config", "train_configs/debug_model.toml",
-           "--training.steps", str(steps), "--model.mtp_depth", str(depths),
-           "--model.mtp_weight", str(weight), "--job.dump_folder", folder, "--metrics.log_freq", "1",
-           "--validation.enable", "true", "--validation.freq", str(steps), "--validation.steps", "8",
-           "--checkpoint.enable", "false", "--parallelism.zero_stage", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    records = [json.loads(line) for line in Path(folder, "metrics.jsonl").read_text().splitlines()]
+    records, cpu_s = debug_job(steps, ["--model.mtp_depth", str(depths), "--model.mtp_weight", str(weight)],
+                               folder)
     logged = [r for r in records if "loss" in r]
     last = logged[-10:]
     return {
@@ -44,7 +30,7 @@ def train(depths: int, steps: int, weight: float, folder: str) -> dict:
         "val_loss": next(r["val_loss"] for r in reversed(records) if "val_loss" in r),
         "depths": [sum(r[f"loss/mtp{k}"] for r in last) / len(last) for k in range(1, depths + 1)],
         "tokens_per_s": sum(r["tokens_per_sec"] for r in logged[1:]) / (len(logged) - 1),
-        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+        "cpu_s": cpu_s,
     }
 
 
