@@ -719,10 +719,10 @@ class LlamaAdapter(ModelAdapter):
                 "output": 0 if args.tie_embeddings else args.vocab_size * d,
                 "depths": (layer + self.join_params(args)) * args.mtp_depth}
 
-    @staticmethod
-    def join_params(args: ModelArgs) -> int:
-        """A prediction depth's parameters beside its block: its join's and its final norm's."""
-        return 2 * args.dim * args.dim + 3 * args.dim
+    def join_params(self, args: ModelArgs, matrices: bool = False) -> int:
+        """A prediction depth's parameters beside its block (:meth:`depth_params`: its join's and its
+        final norm's); ``matrices``: only those that multiply an activation (the join's projection)."""
+        return sum(r * c for _, (r, c), _ in self.depth_params(args) if c > 1 or not matrices)
 
     def block_vectors(self, args: ModelArgs) -> int:
         """A block's parameters that multiply no activation: its norms' weights, its heads' sinks,
@@ -737,8 +737,8 @@ class LlamaAdapter(ModelAdapter):
 
     def matmul_weights(self, args: ModelArgs) -> int:
         # (each prediction depth: its block's, its join's projection, the head once more)
-        block, head = self.matmul_params(args)
-        depth = self.depth_block_matmul(args) + 2 * args.dim * args.dim + head
+        head = self.matmul_params(args)[1]
+        depth = self.depth_block_matmul(args) + self.join_params(args, matrices=True) + head
         return self.blocks_matmul(args) + head + depth * args.mtp_depth
 
     def blocks_matmul(self, args: ModelArgs) -> int:

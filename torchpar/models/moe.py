@@ -314,6 +314,11 @@ class MoEArgs(ModelArgs):
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU in the experts (gpt-oss: 7)
 
     @property
+    def routed_blocks(self) -> int:
+        """The model's own routed blocks (each prediction depth's is routed too)."""
+        return self.n_layers - self.dense_layers
+
+    @property
     def moe_layers(self) -> range:
         """Every routed block: the model's after its dense ones, then the prediction depths'."""
         return range(self.dense_layers, self.n_layers + self.mtp_depth)
@@ -589,7 +594,7 @@ class MoEAdapter(LlamaAdapter):
         moe = size(self.body_params(args))
         experts = 3 * args.dim * args.moe_hidden
         active = moe - experts * (args.experts - args.top_k)
-        n_moe = args.n_layers - args.dense_layers  # (the model's own; each prediction depth's is routed too)
+        n_moe = args.routed_blocks
         return {**counts, "layer": moe, "layers": dense * args.dense_layers + moe * n_moe,
                 "active_layers": dense * args.dense_layers + active * n_moe,
                 "active_layer": active, "depths": (moe + self.join_params(args)) * args.mtp_depth}
@@ -603,9 +608,8 @@ class MoEAdapter(LlamaAdapter):
     def active_matmul_params(self, args: MoEArgs) -> int:
         """The matmul weights a token passes through in all blocks: the router, its k experts and
         the shared experts of each routed block, every weight of a dense one (norms and biases apart)."""
-        routed = args.n_layers - args.dense_layers
         return (self.param_counts(args)["active_layers"] - self.block_vectors(args) * args.n_layers
-                - self.routed_vectors(args) * routed)
+                - self.routed_vectors(args) * args.routed_blocks)
 
     def matmul_params(self, args: MoEArgs) -> tuple[int, int]:
         """(active matmul weights per block, averaged over the blocks; the head's)."""

@@ -88,9 +88,13 @@ def expert_parallel_forward(module: nn.Module, x: torch.Tensor, counts: torch.Te
     # this rank's experts (and hidden units); None for a weight the module lacks
     weights, rest = ([None if getattr(module, w) is None else local(getattr(module, w)) for w in group]
                      for group in (names, whole))
-    if ep_group is None:
-        out = _reduce_from_tp(module.run(_copy_to_tp(x, tp_group), counts, *weights), tp_group)
+
+    def compute(rows, counts):  # (the tp ranks' partial sums added, then what each row takes once)
+        out = _reduce_from_tp(module.run(_copy_to_tp(rows, tp_group), counts, *weights), tp_group)
         return module.finish(out, counts, *rest)
+
+    if ep_group is None:
+        return compute(x, counts)
     ep = dist.get_world_size(ep_group)
     mine = weights[0].shape[0]  # experts held here
     received = torch.empty_like(counts)
@@ -99,9 +103,7 @@ def expert_parallel_forward(module: nn.Module, x: torch.Tensor, counts: torch.Te
     send, recv = torch.stack([counts.view(ep, mine).sum(1), sizes.sum(1)]).tolist()  # one host sync
     order = regroup(sizes, sum(recv))
     rows = all_to_all_single_autograd(x, recv, send, ep_group)[order]
-    mine_counts = sizes.sum(0)
-    out = _reduce_from_tp(module.run(_copy_to_tp(rows, tp_group), mine_counts, *weights), tp_group)
-    out = module.finish(out, mine_counts, *rest)
+    out = compute(rows, sizes.sum(0))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return all_to_all_single_autograd(out[back], send, recv, ep_group)
