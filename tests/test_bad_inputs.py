@@ -162,6 +162,10 @@ CASES = [
     Case("a whole-matrix optimizer under ZeRO-3", CHECK + " --optimizer.name adafactor "
          "--parallelism.zero_stage 3", "'adafactor' updates whole matrices, which zero_stage = 3 keeps as "
          "DTensor shards"),
+    Case("a misspelt state dtype", CHECK + " --optimizer.state_dtype bf16", "optimizer.state_dtype"),
+    Case("bf16 moments of an optimizer that keeps fp32 state", CHECK + " --optimizer.name adafactor "
+         "--optimizer.state_dtype bfloat16",
+         "optimizer.state_dtype = 'bfloat16': optimizer.name = 'adafactor' keeps its state in float32"),
     Case("a z-loss of NaN", CHECK + " --loss.z_loss nan", "loss.z_loss: got 'nan', not a finite number"),
     # --- the model
     Case("a model path to no module", CHECK + " --model.name no_such_module:ADAPTER",

@@ -1,10 +1,11 @@
 """What composes: the one table of feature values that cannot run together, and why.
 
 Every feature of a job is a value on a dimension (:data:`DIMENSIONS`): the model family, the
-optimizer, the ZeRO stage, tensor, pipeline, context and expert parallelism, recomputation,
-compile, document masking, precision, CPU offload, the loss terms, accumulation, evaluation. Any
-values run together and train what one process trains, except where a rule of :data:`RULES` says
-otherwise, in the one line a user reads (naming the fields and the way out).
+optimizer and the dtype of its state, the ZeRO stage, tensor, pipeline, context and expert
+parallelism, recomputation, compile, document masking, precision, CPU offload, the loss terms,
+accumulation, evaluation. Any values run together and train what one process trains, except
+where a rule of :data:`RULES` says otherwise, in the one line a user reads (naming the fields and
+the way out).
 
 The trainer's check before launch (``resolve_layout``), the planner's search and
 ``parallelism.layout = "auto"``, and ``docs/compatibility.md`` all read this table; nothing
@@ -44,6 +45,8 @@ class Features:
     # its step takes plain tensors only, no DTensor shard (torch's Rprop; expert parallelism needs
     # ZeRO-3, so the ZeRO rule covers its shards)
     plain: bool = False
+    compact_state: bool = False  # it can keep its moments in another dtype (adamw, muon)
+    state_dtype: str = "float32"  # optimizer.state_dtype
     zero: int = 0  # the effective ZeRO stage
     replicas: int = 1  # dp_replicate (HSDP when the stage shards)
     tp: int = 1
@@ -68,7 +71,8 @@ class Features:
 # reads no feature of another (a test holds every rule to its word).
 DIMENSIONS: dict[str, tuple[str, ...]] = {
     "family": ("family", "experts", "tied", "mtp", "custom_attention"),
-    "optimizer": ("optimizer", "whole", "gathers", "plain"),
+    "optimizer": ("optimizer", "whole", "gathers", "plain", "compact_state"),
+    "optimizer_state": ("state_dtype",),
     "zero": ("zero", "replicas"),
     "tp": ("tp",),
     "pp": ("pp", "schedule", "split_backward"),
@@ -101,6 +105,9 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(("optimizer", "optimizer_state"), lambda f: f.state_dtype != "float32" and not f.compact_state,
+         "optimizer.state_dtype = {state_dtype!r}: optimizer.name = {optimizer!r} keeps its state in float32 "
+         "(the moments of adamw and muon can be kept in bfloat16); set state_dtype = 'float32'"),
     Rule(("offload", "zero"), lambda f: f.offload and f.zero != 3,
          "parallelism.cpu_offload needs parallelism.zero_stage = 3 (FSDP2's CPUOffloadPolicy keeps "
          "the sharded state on the host; zero_stage is {zero}); set zero_stage = 3 or cpu_offload = false"),

@@ -18,6 +18,7 @@ import importlib.util
 import inspect
 import math
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Callable
 
@@ -76,6 +77,137 @@ def _group(role: str, tensors: list[torch.Tensor], cfg, lr: float) -> dict:
     return {"params": tensors, "lr": lr * mult, "weight_decay": decay, "role": role}
 
 
+# ---------------------------------------------------------------------------- moments in bf16
+
+
+def state_dtype(cfg) -> torch.dtype:
+    """The dtype [optimizer] ``cfg`` keeps the moments in (None: float32)."""
+    return getattr(torch, getattr(cfg, "state_dtype", "float32"))
+
+
+def rounding_drift(cfg, steps: int, shapes) -> float:
+    """How far two runs' weights may part after ``steps`` steps, per element, when [optimizer] ``cfg``
+    stores its moments rounded (state_dtype bfloat16) and the runs' gradients differ in the last bits
+    (two layouts reduce in other orders): a moment whose rounding flips moves by one unit of the
+    stored dtype, at most its epsilon (2^-7) of itself, and so does the element's step, which
+    Adam's normalization bounds by the learning rate (Muon's: the matrix's adjusted rate, its
+    orthogonalized update having entries of at most 1); ``shapes``: the parameters'. 0 in float32,
+    where last-bit differences stay in the last bits."""
+    dtype = state_dtype(cfg)
+    if dtype == torch.float32 or not kind_of(cfg).compact_state:
+        return 0.0
+    lr = cfg.lr * max(1.0, cfg.head_lr_mult, cfg.embedding_lr_mult)
+    if cfg.name.lower() == "muon":
+        adjust = _kwargs(cfg).get("adjust_lr_fn")
+        lr = max([lr] + [adjusted_lr(cfg.muon_lr, adjust, s) for s in shapes if len(s) >= 2])
+    return steps * torch.finfo(dtype).eps * lr
+
+
+class KeepsStateDtype:
+    """Loads a state dict without the fp32 copy torch's ``Optimizer.load_state_dict`` makes of every
+    floating-point state value (it casts each to its parameter's dtype): the moments are set aside,
+    the rest loaded by torch, and the moments put back in ``state_dtype`` (no copy when the
+    checkpoint's were already in it; a float32 checkpoint is cast value by value)."""
+
+    state_dtype: torch.dtype = torch.float32
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.state_dtype == torch.float32:
+            return super().load_state_dict(state_dict)
+        rest, moments = {}, {}
+        for pid, s in state_dict["state"].items():
+            rest[pid] = {k: v for k, v in s.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+            moments[pid] = {k: v for k, v in s.items() if k not in rest[pid]}
+        super().load_state_dict({**state_dict, "state": rest})
+        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(ids, params):
+            for key, v in moments.get(pid, {}).items():
+                self.state[p][key] = v.to(device=p.device, dtype=self.state_dtype)
+
+
+def _chunks(params: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:
+    """``params`` in runs of at most ``elements`` local elements (a larger parameter: alone)."""
+    out, size = [[]], 0
+    for p in params:
+        n = (p.to_local() if isinstance(p, DTensor) else p).numel()
+        if out[-1] and size + n > elements:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return [c for c in out if c]
+
+
+class CompactAdamW(KeepsStateDtype, torch.optim.Optimizer):
+    """AdamW whose moments are stored in ``state_dtype`` (bfloat16: 4 bytes per parameter instead of
+    8; 6 instead of 12 with amsgrad) while the weights it updates stay fp32. A step reads the
+    moments of a bounded run of parameters into fp32 (:attr:`CHUNK` elements: the step's transient),
+    runs torch's foreach AdamW on them op for op, and stores them back rounded to nearest. With
+    ``state_dtype = torch.float32`` it is ``torch.optim.AdamW(foreach=True)`` bit for bit (a test
+    pins it).
+
+    Rounding to nearest loses a second-moment update smaller than half a bf16 unit (2^-9 of the
+    value): with beta2 above ~0.996 the moment then lags a gradient that grows slowly; the config
+    check warns."""
+
+    CHUNK = 1 << 25  # fp32 elements read at once (128 MiB per moment)
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
+                 state_dtype: torch.dtype = torch.bfloat16):
+        # torch's checks of the arguments, on a stand-in parameter
+        torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.state_dtype = state_dtype
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": amsgrad})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for run in _chunks([p for p in group["params"] if p.grad is not None], self.CHUNK):
+                self._update(group, run)
+        return loss
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                for key in keys:
+                    state[key] = torch.zeros_like(p, dtype=self.state_dtype)
+        grads = [p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype) for p in params]
+        stored = {key: [self.state[p][key] for p in params] for key in keys}
+        wide = {key: [m.to(p.dtype) for m, p in zip(ms, params)] for key, ms in stored.items()}
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1)
+        if decay != 0:
+            torch._foreach_mul_(params, 1 - lr * decay)
+        torch._foreach_lerp_(wide["exp_avg"], grads, 1 - beta1)
+        torch._foreach_mul_(wide["exp_avg_sq"], beta2)
+        torch._foreach_addcmul_(wide["exp_avg_sq"], grads, grads, 1 - beta2)
+        counts = [s.item() for s in steps]
+        step_sizes = [(lr / (1 - beta1 ** n)) * -1 for n in counts]
+        root_corrections = [(1 - beta2 ** n) ** 0.5 for n in counts]
+        if group["amsgrad"]:
+            torch._foreach_maximum_(wide["max_exp_avg_sq"], wide["exp_avg_sq"])
+        denom = torch._foreach_sqrt(wide["max_exp_avg_sq" if group["amsgrad"] else "exp_avg_sq"])
+        torch._foreach_div_(denom, root_corrections)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, wide["exp_avg"], denom, step_sizes)
+        for key, ms in stored.items():
+            for m, w in zip(ms, wide[key]):
+                if m is not w:
+                    m.copy_(w)
+
+
 # ---------------------------------------------------------------------------- Muon
 
 
@@ -111,7 +243,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr * math.sqrt(max(1.0, rows / cols)) if adjust_lr_fn in (None, "original") else lr
 
 
-class Muon(torch.optim.Muon):
+class Muon(KeepsStateDtype, torch.optim.Muon):
     """torch's Muon, whose matrices may also be sharded (DTensors, under TP or ZeRO-3) or stacked
     (a mixture of experts' [experts, rows, cols] weights, each expert's matrix orthogonalized on its
     own, as if it were a parameter of its own). A sharded update is gathered in the Newton-Schulz
@@ -121,14 +253,17 @@ class Muon(torch.optim.Muon):
     iteration's dtype — torch's bfloat16 on GPUs; by default float32 on the CPU, where bf16 matmuls
     are slow, and where a last-bit difference of a gradient between two layouts would flip bf16
     roundings that the iteration amplifies. With ``ns_dtype = "bfloat16"`` it steps exactly like
-    ``torch.optim.Muon`` on 2-D parameters (a test pins it)."""
+    ``torch.optim.Muon`` on 2-D parameters (a test pins it). ``state_dtype``: the momentum's
+    (bfloat16: half the bytes), updated in fp32 and stored rounded to nearest."""
 
-    def __init__(self, params, ns_dtype: str | None = None, **kwargs):
+    def __init__(self, params, ns_dtype: str | None = None, state_dtype: torch.dtype = torch.float32,
+                 **kwargs):
         if ns_dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"ns_dtype must be 'bfloat16' or 'float32' (or unset), got {ns_dtype!r}")
         # torch's checks of the arguments and its defaults, on a stand-in matrix: its own check of
         # the parameters refuses stacks, which this class orthogonalizes matrix by matrix.
         defaults = torch.optim.Muon([torch.zeros(1, 1)], **kwargs).defaults
+        self.state_dtype = state_dtype
         torch.optim.Optimizer.__init__(self, params, {**defaults, "ns_dtype": ns_dtype})
         for group in self.param_groups:
             for p in group["params"]:
@@ -144,12 +279,18 @@ class Muon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             params, grads, bufs = [], [], []
+            for p in group["params"]:  # (before torch makes it in the gradient's dtype)
+                if p.grad is not None and "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, dtype=self.state_dtype)
             self._init_group(group, params, grads, bufs)
             momentum = group["momentum"]
             updates = []
             for grad, buf in zip(grads, bufs):
-                buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+                wide = buf.to(grad.dtype)
+                wide.lerp_(grad, 1 - momentum)
+                if wide is not buf:
+                    buf.copy_(wide)
+                updates.append(grad.lerp(wide, momentum) if group["nesterov"] else wide)
             done = _owner_orthogonalized(params, updates, group)
             for p, update in zip(params, updates):
                 update = done[id(p)] if id(p) in done else self._orthogonalized(update, p, group)
@@ -241,17 +382,20 @@ def _owner_orthogonalized(params: list, updates: list, group: dict) -> dict[int,
     return out
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
+class MuonWithAdamW(KeepsStateDtype, torch.optim.Optimizer):
     """Muon for the hidden matrices, AdamW for every other parameter: one optimizer (one state,
-    one list of groups, one state dict) over the two torch optimizers, which share them."""
+    one list of groups, one state dict) over the two optimizers, which share them; both keep their
+    moments in ``state_dtype``."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], muon_kwargs: dict,
-                 adamw_kwargs: dict):
-        self.parts = []
+                 adamw_kwargs: dict, state_dtype: torch.dtype = torch.float32):
+        self.parts, self.state_dtype = [], state_dtype
         if muon_groups:
-            self.parts.append(Muon(muon_groups, **muon_kwargs))
+            self.parts.append(Muon(muon_groups, state_dtype=state_dtype, **muon_kwargs))
         if adamw_groups:
-            self.parts.append(torch.optim.AdamW(adamw_groups, **adamw_kwargs))
+            cls = _adamw_class(state_dtype)
+            extra = {} if cls is torch.optim.AdamW else {"state_dtype": state_dtype}
+            self.parts.append(cls(adamw_groups, **adamw_kwargs, **extra))
         super().__init__([g for o in self.parts for g in o.param_groups], {})
         self._link()
 
@@ -305,11 +449,24 @@ def _build_single(cls):
     return build
 
 
+def _adamw_class(dtype: torch.dtype) -> type:
+    """torch's AdamW, or for moments in another dtype :class:`CompactAdamW`."""
+    return torch.optim.AdamW if dtype == torch.float32 else CompactAdamW
+
+
+def _build_adamw(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
+    cls = _adamw_class(state_dtype(cfg))
+    extra = {} if cls is torch.optim.AdamW else {"state_dtype": state_dtype(cfg)}
+    kwargs = _adam_arguments(cls, cfg) | _kwargs(cfg) | extra
+    return cls(_present([_group(r, t, cfg, cfg.lr) for r, t in groups.items()]), **kwargs)
+
+
 def _build_muon(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
     muon = [_group(r, t, cfg, cfg.muon_lr) for r, t in groups.items() if t and PARAM_GROUPS[r]["muon"]]
     rest = [_group(r, t, cfg, cfg.lr) for r, t in groups.items() if not PARAM_GROUPS[r]["muon"]]
     rest = [g for g in rest if g["params"]] or ([] if muon else rest[:1])
-    return MuonWithAdamW(muon, rest, _kwargs(cfg), _adam_arguments(torch.optim.AdamW, cfg))
+    adamw_kwargs = _adam_arguments(_adamw_class(state_dtype(cfg)), cfg)
+    return MuonWithAdamW(muon, rest, _kwargs(cfg), adamw_kwargs, state_dtype(cfg))
 
 
 def _present(groups: list[dict]) -> list[dict]:
@@ -367,11 +524,14 @@ class Kind:
     # Its step takes plain tensors only: DTensor parameters (ZeRO-3's and TP's shards) are refused
     # by the composition table (ZeRO 0-2 hands it plain slices of its buckets).
     plain_tensors: bool = False
+    # Its build keeps the moments in [optimizer] state_dtype (state_bytes declares them in fp32).
+    compact_state: bool = False
 
 
 OPTIMIZERS = {
-    "adamw": Kind(_build_single(torch.optim.AdamW), None, False, _adam_state),
-    "muon": Kind(_build_muon, lambda role, ndim: PARAM_GROUPS[role]["muon"], True, _muon_state, _muon_flops),
+    "adamw": Kind(_build_adamw, None, False, _adam_state, compact_state=True),
+    "muon": Kind(_build_muon, lambda role, ndim: PARAM_GROUPS[role]["muon"], True, _muon_state, _muon_flops,
+                 compact_state=True),
     # (every parameter whole: its update is clipped by the parameter's own RMS, vectors included)
     "adafactor": Kind(_build_single(torch.optim.Adafactor), lambda role, ndim: True, False, _adafactor_state),
 }
@@ -466,7 +626,8 @@ def state_bytes(cfg, shape: tuple[int, ...], role: str) -> int:
     state is what such classes keep)."""
     kind = kind_of(cfg)
     if kind.state_bytes is not None:
-        return kind.state_bytes(tuple(shape), role, _kwargs(cfg) if cfg is not None else {})
+        fp32 = kind.state_bytes(tuple(shape), role, _kwargs(cfg) if cfg is not None else {})
+        return fp32 * state_dtype(cfg).itemsize // 4 if kind.compact_state else fp32
     return round(_measured_per_element(cfg, len(shape) >= 2) * math.prod(shape))
 
 

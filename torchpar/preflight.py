@@ -79,6 +79,12 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
     check_optimizer(cfg.optimizer, param_kinds(model, args))
+    o = cfg.optimizer
+    if o.state_dtype == "bfloat16" and 1 - o.beta2 < 2 ** -7:
+        warn(f"optimizer.beta2 = {o.beta2:g} with state_dtype = 'bfloat16': a step moves AdamW's second "
+             "moment v by (1 - beta2)(g^2 - v), which rounds back to v (half a bf16 unit is 2^-9 v) unless "
+             f"g^2 is over {2 ** -9 / (1 - o.beta2):.0%} away from v, so v lags the gradients; use "
+             "beta2 <= 0.99 or state_dtype = 'float32'")
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
                             cfg.data.document_masking, overridden=cfg.overridden)

@@ -44,7 +44,7 @@ from torchpar.config import load_config, parse_overrides
 from torchpar.data.loader import PackedWindows
 from torchpar.errors import ConfigError
 from torchpar.models import canonical_name
-from torchpar.optim import holds_vectors, kind_of
+from torchpar.optim import holds_vectors, kind_of, rounding_drift
 from torchpar.parallel.zero import full_value
 from torchpar.plan import predict_for_trainer
 from torchpar.preflight import preflight
@@ -68,13 +68,19 @@ TOLERANCE = {("cpu", "float32"): (1e-5, 2e-5), ("cuda", "float32"): (1e-4, 1e-4)
 SIGN_PARAM_TOL = 1e-2
 
 
-def bounds(device: str, dtype: str, continuous: bool = True) -> dict:
-    """How close a layout's run must stay to one device's, as :func:`differences`' keywords: losses
-    within ``tol``; parameters per element within ``param_tol``, or, in bf16 or under an optimizer
-    that is not continuous (``optim.Kind.continuous``), each matrix in norm (vectors left out)."""
+def bounds(device: str, dtype: str, optimizer=None, ref: dict | None = None) -> dict:
+    """How close a layout's run must stay to one device's (``ref``, a result of :func:`run_layouts`)
+    under [optimizer] ``optimizer``, as :func:`differences`' keywords: losses within ``tol``;
+    parameters per element within ``param_tol`` (wider by the drift of moments stored rounded:
+    ``optim.rounding_drift``), or, in bf16 or under an optimizer that is not continuous
+    (``optim.Kind.continuous``), each matrix in norm (vectors left out)."""
     tol, param_tol = TOLERANCE[device, dtype]
+    continuous = kind_of(optimizer).continuous
     if not continuous:
         param_tol = max(param_tol, SIGN_PARAM_TOL)
+    if ref is not None:
+        shapes = [tuple(p.shape) for p in ref["params"].values()]
+        param_tol = max(param_tol, rounding_drift(optimizer, len(ref["losses"]), shapes))
     return {"tol": tol, "param_tol": param_tol, "matrices_in_norm": dtype == "bfloat16" or not continuous}
 
 Z = "--parallelism.zero_stage"
@@ -381,8 +387,8 @@ def differences(run: dict, ref: dict, tol: float, param_tol: float, matrices_in_
     return out
 
 
-def _row(name: str, world: int, dtype: str, run: dict, ref: dict, continuous: bool = True) -> dict:
-    bound = bounds(dev.device_type(), dtype, continuous)
+def _row(name: str, world: int, dtype: str, run: dict, ref: dict, optimizer=None) -> dict:
+    bound = bounds(dev.device_type(), dtype, optimizer, ref)
     last = [r for r in run["logged"] if "loss" in r][-1]
     delta = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
     memory = last.get("mem_max_allocated_gib", last.get("mem_peak_rss_gib"))
@@ -421,7 +427,6 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
     device's included."""
     job = load_config(base, list(overrides))
     batch = job.training.global_batch_size or job.training.local_batch_size
-    continuous = kind_of(job.optimizer).continuous
     table = [(w, n, o) for w, n, o in LAYOUTS if w <= nproc and (only is None or n in only)]
     table += [(nproc, n, o) for n, o in extra.items()]
     rows = []
@@ -432,7 +437,7 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
             rows += [_error_row(n, w, dtype, f"no one-device run: {ref}")
                      for w, n, _ in [(1, "one_device", None), *table]]
             continue
-        rows.append(_row("one_device", 1, dtype, ref, ref, continuous))
+        rows.append(_row("one_device", 1, dtype, ref, ref, job.optimizer))
         for world in sorted({w for w, _, _ in table}):
             layouts = {n: [*common, *batch_overrides(w, n, o, batch), *o] for w, n, o in table if w == world}
             refused = {n: refusal(base, o, world) for n, o in layouts.items()}
@@ -441,7 +446,7 @@ def selftest(nproc: int, dtypes: list[str], extra: dict[str, list[str]],
             layouts = {n: o for n, o in layouts.items() if not refused[n]}
             for name, result in run_each(world, layouts, base).items() if layouts else ():
                 rows.append(_error_row(name, world, dtype, result) if isinstance(result, str)
-                            else _row(name, world, dtype, result, ref, continuous))
+                            else _row(name, world, dtype, result, ref, job.optimizer))
     return rows
 
 

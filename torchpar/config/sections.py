@@ -266,6 +266,11 @@ class Optimizer:
         "optimizer without a fused kernel (Muon) the host reads every step's loss before its update.",
         ("auto", "fused", "foreach", "for-loop")
     )
+    state_dtype: str = opt(
+        "float32", "dtype of the optimizer's moments — AdamW's two (also Muon's AdamW part) and Muon's "
+        "momentum: 'bfloat16' halves them (AdamW: 4 bytes per parameter instead of 8), updated in fp32 "
+        "and rounded to nearest when stored; the weights stay fp32 (the master copy is kept). Other "
+        "optimizers keep float32. Checkpoints load across the two (each value cast).", DTYPES)
 
 
 @dataclass

@@ -430,6 +430,7 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         sequence_terms=model.sequence_terms(args), custom_attention=model.custom_attention(args),
         optimizer=lay.optimizer.name if lay.optimizer is not None else "adamw",
         whole=kind.whole is not None, gathers=kind.gathers_shards, plain=kind.plain_tensors,
+        compact_state=kind.compact_state, state_dtype=getattr(lay.optimizer, "state_dtype", "float32"),
         zero=lay.zero_stage,
         replicas=lay.dp_replicate, tp=lay.tp, pp=lay.pp, schedule=schedule,
         split_backward=schedule in SPLIT_BACKWARD, cp=lay.cp, cp_method=lay.cp_method, ep=lay.ep,

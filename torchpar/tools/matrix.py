@@ -37,6 +37,7 @@ from torchpar.selftest import BASE
 VALUES: dict[str, tuple] = {
     "family": ("llama3", "gpt2", "moe", "moe-deepseek", "llama3-tied", "moe-gptoss"),
     "optimizer": ("adamw", "muon", "adafactor", "torch.optim.SGD", "torch.optim.Rprop"),
+    "optimizer_state": ("float32", "bfloat16"),
     "zero": (0, 1, 2, 3, "hsdp"),
     "tp": (1, 2),
     "pp": ("off", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
@@ -59,7 +60,8 @@ PAIRS_PER_SECOND = 0.3
 GLOBAL_BATCH = 8
 # What the one-process run a cell is compared with shares with it: the dimensions that change the
 # numbers (the others are how the same numbers are computed).
-REFERENCE_DIMS = ("family", "optimizer", "document_masking", "precision", "loss_terms", "evaluation")
+REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "precision", "loss_terms",
+                  "evaluation")
 
 Cell = dict  # dimension -> value
 
@@ -102,6 +104,7 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
             "torch.optim.SGD": ["--optimizer.name", "torch.optim.SGD", "--optimizer.kwargs", "momentum=0.9",
                                 "--optimizer.lr", "0.05"],
             "torch.optim.Rprop": ["--optimizer.name", "torch.optim.Rprop"]}[cell["optimizer"]]
+    out += ["--optimizer.state_dtype", cell["optimizer_state"]]
     if cell["document_masking"]:  # short documents: most windows hold several
         out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs,
                 "--data.document_masking", "true"]
