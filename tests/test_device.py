@@ -717,12 +717,12 @@ def test_selftest_bounds_a_sign_optimizer_by_norm_and_a_continuous_one_by_elemen
     flipped = weight.clone()
     flipped[3, 5] += 2 * 2e-3  # one element stepped the other way
     wrong = weight.roll(1, 0)  # another rank's rows
-    sgd, rprop = (load_config(None, ["--optimizer.name", name]).optimizer
+    sgd, rprop = (load_config(None, ["--optimizer.name", name])
                   for name in ("torch.optim.SGD", "torch.optim.Rprop"))
     for params, optimizer, status in ((flipped, sgd, "DIFFERS"), (flipped, rprop, "PASS"),
                                       (wrong, rprop, "DIFFERS")):
         row = _row("dp2_zero1", 2, "float32", {**fake_result(), "params": {"w": params}}, ref, optimizer)
-        assert row["status"].split(":")[0] == status, (optimizer.name, row["status"])
+        assert row["status"].split(":")[0] == status, (optimizer.optimizer.name, row["status"])
 
 
 def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):

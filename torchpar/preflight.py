@@ -87,7 +87,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
              "beta2 <= 0.99 or state_dtype = 'float32'")
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
-                            cfg.data.document_masking, overridden=cfg.overridden)
+                            cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize)
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:
@@ -124,7 +124,7 @@ def features_of(cfg: JobConfig, world: int, device: str | None = None) -> Featur
     model, args = adapter(cfg.model.name), model_args(cfg.model)
     tr = cfg.training
     dtype = compute_dtype(tr.mixed_precision_param, device)
-    lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer)
+    lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer, cfg.quantize)
     return layout_features(lay, model, args, cfg.data.document_masking, device or device_type(),
                            z_loss=cfg.loss.z_loss > 0, evaluation=cfg.validation.enable)
 

@@ -274,6 +274,30 @@ class Optimizer:
 
 
 @dataclass
+class Quantize:
+    float8: str = opt(
+        "off", "FP8 training of the blocks' linear layers through torchao's Float8Linear: 'tensorwise' "
+        "(one scale per tensor, the fastest; under ZeRO-3 its weights are all-gathered in FP8), "
+        "'rowwise' (a scale per row of each operand, more accurate), 'off'. Each matmul of forward and "
+        "backward runs on FP8 casts of its operands; the weights, gradients and optimizer keep their "
+        "dtypes. Needs torchao.", ("off", "tensorwise", "rowwise"))
+    modules: list = opt(["layers.*"], "Linear layers to convert, as shell patterns (fnmatch) over their "
+                                      "names ('layers.*.attention.*'); the embedding and the output head "
+                                      "never are.")
+    exclude: list = opt(["*.gate"], "Patterns of layers left in the compute dtype among those modules "
+                                    "match (default: a mixture of experts' routers, whose logits choose "
+                                    "each token's experts).")
+    skip_small: bool = opt(
+        True, "Leave the layers too small to gain from FP8, by torchao's rule measured on H100 (N = out "
+        "features, K = in): tensorwise when K <= 4096 and N <= 1024; rowwise when N <= 2048, K <= 1024, "
+        "or N <= 4096 and K <= 2048. false = every matched layer.")
+    float8_all_gather: bool = opt(
+        True, "With 'tensorwise' under ZeRO-3: all-gather the converted weights in FP8 (1 byte each), their "
+        "scales computed once after each optimizer step (one all-reduce for all), instead of in the "
+        "compute dtype.")
+
+
+@dataclass
 class Loss:
     z_loss: float = opt(
         0.0, "Coefficient of the z-loss, added to the cross-entropy: z_loss x logsumexp(logits)^2 per "
@@ -472,6 +496,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    quantize: Quantize = field(default_factory=Quantize)
     loss: Loss = field(default_factory=Loss)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -1,8 +1,8 @@
 """One parallelize path for every model family and layout.
 
-Order (as in torchtitan): build on the meta device -> pipeline split -> per stage: context
-parallel (a forward pre-hook) -> tensor parallel -> experts split over ep (and tp) ranks ->
-activation checkpointing -> compile ->
+Order (as in torchtitan): build on the meta device -> FP8 layers ([quantize]) -> pipeline split ->
+per stage: context parallel (a forward pre-hook) -> tensor parallel -> experts split over ep (and
+tp) ranks -> activation checkpointing -> compile ->
 ZeRO-3 (FSDP2) -> materialize on the real device with ``init_weights`` -> ZeRO 0-2 engine or
 optimizer. The model is known only through its adapter (``torchpar.models``), the layout only
 through :class:`~torchpar.parallel.layout.Layout`.
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchpar.parallel import float8
 from torchpar.parallel.context import apply_context_parallel
 from torchpar.parallel.experts import apply_experts
 from torchpar.parallel.flat import FlatZero
@@ -64,8 +65,9 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
     yet."""
     with torch.device("meta"):
         module = model.build(args)
+    if layout.float8 != "off":
+        float8.convert(module, model, layout.quantize, layout.float8_all_gather)
     if layout.pp > 1:
-
         parts = split_model(module, model, layout)
     else:
         parts = [module]
@@ -114,7 +116,11 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
     items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts))]
-    return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep, layout.ep)
+    after_step = (lambda: float8.precompute_scales(parts)) if layout.float8_all_gather else None
+    if after_step is not None:
+        after_step()  # (the first forward's scales too)
+    return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep, layout.ep,
+                     after_step)
 
 
 def _buffers_to_empty(module: nn.Module, device: torch.device) -> None:

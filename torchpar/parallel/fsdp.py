@@ -61,8 +61,9 @@ class FSDPState:
     need a pre-multiplied sum, which gloo lacks)."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int,
-                 every_microstep: bool = True, ep: int = 1):
+                 every_microstep: bool = True, ep: int = 1, after_step=None):
         self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
+        self.after_step = after_step  # what each optimizer step needs after it (FP8 gathers' scales)
         self.params = unique_params(model_parts)
         self.every_microstep = every_microstep
         self.ep = ep
@@ -86,6 +87,8 @@ class FSDPState:
 
     def step(self) -> None:
         self.optimizer.step()
+        if self.after_step is not None:
+            self.after_step()
 
     def wait_params(self) -> None:
         pass  # FSDP2's step updates the shards in place; gathers happen in forward

@@ -32,6 +32,7 @@ from torchpar.device import device_type, group_timeout
 from torchpar.errors import ConfigError
 from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
+from torchpar.parallel.float8 import check_float8
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, balanced_split, pipeline_split, stage_ids
 from torchpar.parallel.recompute import recomputed
 
@@ -105,7 +106,10 @@ class Layout:
     compile: bool = False
     bucket_mb: float = 25.0  # ZeRO 0-2: gradient bucket size
     whole_params: bool = False  # ZeRO 0-2: the optimizer needs some parameters whole (owned by one rank)
+    float8: str = "off"  # FP8 matmuls of the [quantize] layers: off | tensorwise | rowwise
+    float8_all_gather: bool = False  # ZeRO-3 all-gathers those layers' weights in FP8 (tensorwise)
     optimizer: object = field(default=None, compare=False, repr=False)  # [optimizer]; None: AdamW
+    quantize: object = field(default=None, compare=False, repr=False)  # [quantize]; None: off
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
     # with ep > 1: the mesh whose dp_shard is unflattened into (efsdp, ep); see build_mesh
     experts_view: object = field(default=None, compare=False, repr=False)
@@ -116,11 +120,13 @@ class Layout:
         self.zero_stage = effective_zero_stage(self.zero_stage, self.shard_ranks)
         self.sequence_parallel = self.sequence_parallel and self.tp > 1
         self.loss_parallel = self.loss_parallel and self.tp > 1
+        self.float8_all_gather = (self.float8_all_gather and self.float8 == "tensorwise"
+                                  and self.zero_stage == 3)
         self.layers_per_stage = tuple(self.layers_per_stage)
 
     def to_dict(self) -> dict:
         """The layout's fields without its mesh (for JSON and comparisons)."""
-        skip = ("mesh", "experts_view", "views", "optimizer")
+        skip = ("mesh", "experts_view", "views", "optimizer", "quantize")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     # -- sizes
@@ -439,12 +445,13 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, device=device)
 
 
-def layout_of(par, tr, world: int, param_dtype: str, optimizer=None) -> Layout:
+def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=None) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
     degrees = resolve_degrees(par, world)
     kind = kind_of(optimizer)
+    float8 = quantize.float8 if quantize is not None else "off"
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
     )
@@ -457,23 +464,25 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None) -> Layout:
                   activation_checkpoint=tr.activation_checkpoint,
                   activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                   reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                  bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer)
+                  bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer,
+                  float8=float8, quantize=quantize,
+                  float8_all_gather=quantize is not None and quantize.float8_all_gather)
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
                    document_masking: bool = False, device: str | None = None,
-                   overridden: frozenset = frozenset()) -> Layout:
+                   overridden: frozenset = frozenset(), quantize=None) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
     [optimizer] section (None: AdamW's needs); ``document_masking``: data.document_masking;
     ``device``: the device type the job runs on (default: this machine's); ``overridden``: the keys
-    the command line set (JobConfig.overridden)."""
+    the command line set (JobConfig.overridden); ``quantize``: the [quantize] section (None: off)."""
     device = device or device_type()
     if par.expert_parallel_degree < 1:
         raise ConfigError(f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: a degree is a "
                           "positive integer (1 = no expert parallelism)")
-    layout = layout_of(par, tr, world, param_dtype, optimizer)
+    layout = layout_of(par, tr, world, param_dtype, optimizer, quantize)
     if layout.zero_stage != par.zero_stage:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
@@ -487,6 +496,12 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     _check_recompute(layout, args)
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
+    if layout.float8 != "off":
+        with torch.device("meta"):
+            names = check_float8(model.build(args), model, quantize)
+        if not names:
+            warn(f"quantize.float8 = {layout.float8!r} converts no layer: none of {list(quantize.modules)} "
+                 "is a linear layer large enough to gain (quantize.skip_small) outside quantize.exclude")
     return layout
 
 

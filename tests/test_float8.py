@@ -1,0 +1,139 @@
+"""FP8 training through torchao ([quantize]): which layers convert and which never do, the size
+rule, the one-line refusals, and (spawned) every layout under both recipes against the FP8
+one-process run whose micro-batches hold the same rows (so the same scales), with the planner's
+bytes."""
+
+import pytest
+import torch
+from harness import TINY, assert_matches, bytes_of, run_layouts
+
+from torchpar.config import load_config
+from torchpar.errors import ConfigError
+from torchpar.models import MODELS
+from torchpar.parallel.float8 import convert, float8_layers, too_small
+from torchpar.plan import layout_from_config, state_bytes
+from torchpar.selftest import bounds
+
+
+def quantize(*overrides):
+    return load_config(None, ["--quantize.float8", "tensorwise", "--quantize.skip_small", "false",
+                              *overrides]).quantize
+
+
+def meta_model(name: str, flavor: str = "debug"):
+    model = MODELS[name]
+    with torch.device("meta"):
+        return model, model.build(model.args(flavor))
+
+
+def test_the_blocks_linear_layers_convert_and_nothing_else():
+    """Every linear layer of the blocks becomes torchao's Float8Linear under its own name (so
+    plans, engines and checkpoints see the same parameters); the embedding, the head and a mixture
+    of experts' router (quantize.exclude's default) stay; the routed experts' stacks are no
+    nn.Linear and stay too."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    for name in ("llama3", "moe"):
+        model, module = meta_model(name)
+        before = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
+        convert(module, model, quantize(), all_gather=False)
+        converted = {n for n, m in module.named_modules() if isinstance(m, Float8Linear)}
+        linear = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert converted and all(n.startswith("layers.") for n in converted)
+        assert linear - converted == ({"output", *(n for n in linear if n.endswith(".gate"))})
+        assert {k: (v.shape, v.dtype) for k, v in module.state_dict().items()} == before
+    model, module = meta_model("llama3")
+    only = float8_layers(module, model, quantize("--quantize.modules", "layers.*.feed_forward.*"))
+    assert only and all(".feed_forward." in n for n, _ in only)
+    assert not float8_layers(module, model, quantize("--quantize.modules", "output,tok_embeddings"))
+
+
+def test_layers_too_small_to_gain_are_left_by_the_stated_rule():
+    """torchao's rule (N out, K in): Llama 3 8B's attention keys (1024 x 4096) stay in tensorwise,
+    its queries (4096 x 4096) and feed-forward convert; rowwise also leaves the queries (N <= 4096
+    and K <= 2048 does not hold: they convert) but not a 2048-wide output."""
+    assert too_small("tensorwise", 1024, 4096) and not too_small("tensorwise", 4096, 4096)
+    assert not too_small("tensorwise", 14336, 4096) and not too_small("tensorwise", 4096, 14336)
+    assert too_small("rowwise", 1024, 4096) and too_small("rowwise", 2048, 8192)
+    assert not too_small("rowwise", 4096, 4096) and too_small("rowwise", 4096, 2048)
+    model, module = meta_model("llama3")  # (the debug model: every layer small)
+    assert not float8_layers(module, model, quantize("--quantize.skip_small", "true"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.name", "moe", "--quantize.exclude", ""],
+     r"layer layers\.1\.feed_forward\.router\.gate is 8 x 128 \(out x in\), and FP8 matmuls need both "
+     "multiples of 16"),
+    (["--quantize.float8", "rowwize"], "quantize.float8 = 'rowwize' is not one of .* Did you mean 'rowwise'"),
+])
+def test_what_fp8_cannot_take_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        layout_from_config(load_config(TINY, [*fp8("tensorwise"), *overrides]), 1)
+
+
+# ---------------------------------------------------------------------------- spawned
+
+Z, LB, G = "--parallelism.zero_stage", "--training.local_batch_size", "--training.global_batch_size"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+MOE = ["--model.name", "moe"]
+RECIPES = ("tensorwise", "rowwise")
+# (name: reference, overrides): the reference is the one-process run whose micro-batches hold the
+# rows each rank's micro-batch holds, so every tensor's scale covers the same values (a pipeline's
+# microbatch of 1 row; a data-parallel rank's 4 or 2 of the 8). Context parallelism has no such
+# reference (each rank scales its half of every sequence): it is bounded as bf16 is.
+ONE = {"one": [Z, "0"], "acc4": [Z, "0", LB, "4", G, "8"], "acc2": [Z, "0", LB, "2", G, "8"],
+       "mb1": [Z, "0", LB, "1", G, "8"], "moe_acc4": [*MOE, Z, "0", LB, "4", G, "8"]}
+WORLD2 = {
+    "dp2_zero1": ("acc4", [LB, "4", Z, "1"]),
+    "dp2_zero3": ("acc4", [LB, "4", Z, "3"]),  # (tensorwise: weights all-gathered in FP8)
+    "tp2": ("one", [*TP2, Z, "0"]),
+    "pp2": ("mb1", ["--parallelism.pipeline_parallel_degree", "2", Z, "0"]),
+    "cp2": ("one", ["--parallelism.context_parallel_degree", "2", Z, "2"]),
+    "ep2": ("moe_acc4", [*MOE, LB, "4", Z, "3", "--parallelism.expert_parallel_degree", "2"]),
+    "dp2_selective_compile": ("acc4", [LB, "4", Z, "3", "--training.activation_checkpoint", "selective",
+                                       "--training.compile", "true"]),
+}
+WORLD4 = {
+    "dp2_tp2_zero3": ("acc4", [LB, "4", *TP2, Z, "3"]),
+    "hsdp2x2": ("acc2", [LB, "2", "--parallelism.data_parallel_replicate_degree", "2", Z, "3"]),
+}
+
+
+def fp8(recipe: str) -> list[str]:
+    return ["--quantize.float8", recipe, "--quantize.skip_small", "false", "--model.n_layers", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = run_layouts(1, {"fp32": [Z, "0", "--model.n_layers", "2"],
+                          **{f"{r}/{n}": [*fp8(r), *o] for r in RECIPES for n, o in ONE.items()}})
+    for world, table in ((2, WORLD2), (4, WORLD4)):
+        jobs = {f"{r}/{n}": [*fp8(r), *o] for r in RECIPES for n, (_, o) in table.items()}
+        out.update(run_layouts(world, jobs))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_is_what_trains(runs, recipe):
+    """The FP8 run is not the fp32 one (its matmuls did run in FP8): apart by more than the
+    layouts' bound."""
+    one, fp32 = runs[f"{recipe}/one"], runs["fp32"]
+    worst = max(((one["params"][k] - v).norm() / v.norm()).item() for k, v in fp32["params"].items()
+                if v.dim() >= 2)
+    assert worst > 2 * bounds("cpu", "float32", float8=recipe, same_scales=True)["param_tol"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f"{r}/{n}" for r in RECIPES for n in {**WORLD2, **WORLD4}])
+def test_layouts_match_the_fp8_one_process_run(runs, name):
+    recipe, layout = name.split("/")
+    world, (reference, overrides) = next((w, t[layout]) for w, t in ((2, WORLD2), (4, WORLD4)) if layout in t)
+    run, ref = runs[name], runs[f"{recipe}/{reference}"]
+    assert_matches(run, ref, **bounds("cpu", "float32", float8=recipe, same_scales=layout != "cp2"))
+    lay, model, args = layout_from_config(load_config(TINY, [*fp8(recipe), *overrides]), world)
+    assert lay.float8_all_gather == (recipe == "tensorwise" and lay.zero_stage == 3)
+    for rank in range(world):
+        predicted = state_bytes(model, args, lay, lay.rank_coords(rank))
+        for key in ("param", "grad", "optim"):
+            assert predicted[f"{key}_bytes"] == bytes_of(run, key)[rank], (rank, key)
