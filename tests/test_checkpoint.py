@@ -27,6 +27,8 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 # A mixture of experts with both balancing methods: the routing bias is saved beside the weights.
 MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coeff", "0.01"]
 BF16M = ["--optimizer.state_dtype", "bfloat16"]
+# FP8 (tensorwise: weights all-gathered in FP8, their scales recomputed after a load)
+FP8 = ["--quantize.float8", "tensorwise", "--quantize.skip_small", "false"]
 
 
 def save(folder, *layout):
@@ -74,13 +76,16 @@ LAYOUTS = {  # name: (world, overrides)
     "bf16m_dp2_zero1": (2, [*BF16M, LB, "4", Z, "1"]),
     "bf16m_dp2_zero3": (2, [*BF16M, LB, "4", Z, "3"]),
     "muon_bf16m_dp2_tp2": (4, [*MUON, *BF16M, LB, "4", *TP2, Z, "3"]),
+    "fp8_dp2_zero3": (2, [*FP8, LB, "4", Z, "3"]),
+    "fp8_pp2_dp2": (4, [*FP8, *PP2, LB, "4", Z, "3"]),
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("dp2_zero2_bf16", "dp2_zero2_bf16"), ("muon_dp2_zero1", "muon_dp2_zero1"),
          ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2"), ("moe_dp2_zero3", "moe_dp2_zero3"),
          ("moe_ep2", "moe_ep2"), ("bf16m_dp2_zero1", "bf16m_dp2_zero1"),
-         ("bf16m_dp2_zero3", "bf16m_dp2_zero3")]
+         ("bf16m_dp2_zero3", "bf16m_dp2_zero3"), ("fp8_dp2_zero3", "fp8_dp2_zero3"),
+         ("fp8_pp2_dp2", "fp8_pp2_dp2")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
            ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),

@@ -80,7 +80,7 @@ RECIPES = ("tensorwise", "rowwise")
 # (name: reference, overrides): the reference is the one-process run whose micro-batches hold the
 # rows each rank's micro-batch holds, so every tensor's scale covers the same values (a pipeline's
 # microbatch of 1 row; a data-parallel rank's 4 or 2 of the 8). Context parallelism has no such
-# reference (each rank scales its half of every sequence): it is bounded as bf16 is.
+# reference (each rank scales its half of every sequence): selftest.FLOAT8_OTHER_SCALES bounds it.
 ONE = {"one": [Z, "0"], "acc4": [Z, "0", LB, "4", G, "8"], "acc2": [Z, "0", LB, "2", G, "8"],
        "mb1": [Z, "0", LB, "1", G, "8"], "moe_acc4": [*MOE, Z, "0", LB, "4", G, "8"]}
 WORLD2 = {

@@ -2,7 +2,7 @@
 
 Every feature of a job is a value on a dimension (:data:`DIMENSIONS`): the model family, the
 optimizer and the dtype of its state, the ZeRO stage, tensor, pipeline, context and expert
-parallelism, recomputation, compile, document masking, precision, CPU offload, the loss terms,
+parallelism, recomputation, compile, document masking, precision, FP8, CPU offload, the loss terms,
 accumulation, evaluation. Any values run together and train what one process trains, except
 where a rule of :data:`RULES` says otherwise, in the one line a user reads (naming the fields and
 the way out).
@@ -60,6 +60,7 @@ class Features:
     compile: bool = False
     document_masking: bool = False
     bf16: bool = False  # bf16 compute (training.mixed_precision_param)
+    float8: str = "off"  # FP8 matmuls of the blocks' linear layers (quantize.float8)
     offload: bool = False  # parallelism.cpu_offload
     z_loss: bool = False
     accumulation: bool = False  # more than one micro-step per optimizer step (pp 1)
@@ -82,6 +83,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "compile": ("compile",),
     "document_masking": ("document_masking",),
     "precision": ("bf16",),
+    "float8": ("float8",),
     "offload": ("offload",),
     "loss_terms": ("z_loss", "sequence_terms"),
     "accumulation": ("accumulation",),

@@ -70,6 +70,12 @@ TOLERANCE = {("cpu", "float32"): (1e-5, 2e-5), ("cuda", "float32"): (1e-4, 1e-4)
 # to 6.7e-3 of a matrix's norm and 1e-4 of the loss after 5 steps of the tiny job (both recipes, 2-4
 # ranks); FP8 against fp32 is 3.2-3.6e-2 and 1.3-2.2e-3 apart, a wrong shard 30-100%.
 FLOAT8_MATCHED = (5e-4, 1.5e-2)
+# Where a layout's scales cover other tokens than one process's (a data-parallel rank's share of the
+# batch, a pipeline's microbatch, context parallelism's part of a sequence), a tensor's FP8 rounding
+# differs wholesale: the composition matrix's cells part from one process by up to 11% of a
+# matrix's norm after 3 steps (FP8 with Muon's orthogonalization, bf16 compute, accumulation), the
+# loss within bf16's bound. A wrong shard or a lost gradient is 30-100% off.
+FLOAT8_OTHER_SCALES = (1e-2, 0.15)
 # An optimizer whose step is a sign (optim.Kind.continuous False) moves an element by 2 x lr where
 # a last-bit difference flips it: its parameters are compared per matrix, in norm, within this.
 SIGN_PARAM_TOL = 1e-2
@@ -84,11 +90,11 @@ def bounds(device: str, dtype: str, optimizer=None, ref: dict | None = None, flo
     an optimizer that is not continuous (``optim.Kind.continuous``), each matrix in norm (vectors
     left out). Under FP8, ``same_scales``: one device's micro-batches held the layout's ranks' rows
     (:data:`FLOAT8_MATCHED`); otherwise the scales covered other tokens (a data-parallel rank's
-    share of a batch, a pipeline's microbatch, context parallelism's part of a sequence) and the
-    runs part as FP8 parts from fp32, bounded as bf16 is."""
+    share of a batch, a pipeline's microbatch, context parallelism's part of a sequence)
+    (:data:`FLOAT8_OTHER_SCALES`)."""
     tol, param_tol = TOLERANCE[device, dtype]
     if float8 != "off":
-        tol, param_tol = FLOAT8_MATCHED if same_scales else TOLERANCE[device, "bfloat16"]
+        tol, param_tol = FLOAT8_MATCHED if same_scales else FLOAT8_OTHER_SCALES
     continuous = kind_of(optimizer).continuous
     if not continuous:
         param_tol = max(param_tol, SIGN_PARAM_TOL)

@@ -116,11 +116,11 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
     items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts))]
-    after_step = (lambda: float8.precompute_scales(parts)) if layout.float8_all_gather else None
-    if after_step is not None:
-        after_step()  # (the first forward's scales too)
+    after_update = (lambda: float8.precompute_scales(parts)) if layout.float8_all_gather else None
+    if after_update is not None:
+        after_update()  # (the first forward's scales too)
     return FSDPState(parts, build_optimizer(items), layout.tp, layout.reduce_every_microstep, layout.ep,
-                     after_step)
+                     after_update)
 
 
 def _buffers_to_empty(module: nn.Module, device: torch.device) -> None:

@@ -61,9 +61,9 @@ class FSDPState:
     need a pre-multiplied sum, which gloo lacks)."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, tp: int,
-                 every_microstep: bool = True, ep: int = 1, after_step=None):
+                 every_microstep: bool = True, ep: int = 1, after_update=None):
         self.model_parts, self.optimizer, self.tp = model_parts, optimizer, tp
-        self.after_step = after_step  # what each optimizer step needs after it (FP8 gathers' scales)
+        self.after_update = after_update  # what must follow each change of the weights (FP8 gathers' scales)
         self.params = unique_params(model_parts)
         self.every_microstep = every_microstep
         self.ep = ep
@@ -87,11 +87,20 @@ class FSDPState:
 
     def step(self) -> None:
         self.optimizer.step()
-        if self.after_step is not None:
-            self.after_step()
+        if self.after_update is not None:
+            self.after_update()
 
     def wait_params(self) -> None:
-        pass  # FSDP2's step updates the shards in place; gathers happen in forward
+        # FSDP2's step updates the shards in place and gathers happen in forward; but a pipeline's
+        # blocks stay gathered between forward and backward, and a split-backward schedule can end
+        # the step with some still gathered: a reader (a save, an export) must see the shards,
+        # which under FP8 all-gather are the fp32 weights, the gathered ones FP8 casts.
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.model_parts:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -100,12 +109,15 @@ class FSDPState:
         return self.params
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
+        self.wait_params()
         return parts_state_dict(self.model_parts)  # FSDP2 keeps fp32 shards: they are the master
 
     model_load_template = model_state_dict  # each rank saves what it loads: its shards
 
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         load_parts_state_dict(self.model_parts, sd)
+        if self.after_update is not None:
+            self.after_update()
 
     def state_bytes(self) -> dict[str, int]:
         return {"param_bytes": sum(nbytes(p) for p in self.params),

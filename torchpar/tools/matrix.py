@@ -47,6 +47,7 @@ VALUES: dict[str, tuple] = {
     "compile": (False, True),
     "document_masking": (False, True),
     "precision": ("float32", "bfloat16"),
+    "float8": ("off", "tensorwise", "rowwise"),
     "offload": (False, True),
     "loss_terms": (False, True),
     "accumulation": (False, True),
@@ -60,8 +61,8 @@ PAIRS_PER_SECOND = 0.3
 GLOBAL_BATCH = 8
 # What the one-process run a cell is compared with shares with it: the dimensions that change the
 # numbers (the others are how the same numbers are computed).
-REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "precision", "loss_terms",
-                  "evaluation")
+REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "precision", "float8",
+                  "loss_terms", "evaluation")
 
 Cell = dict  # dimension -> value
 
@@ -109,6 +110,10 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
         out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs,
                 "--data.document_masking", "true"]
     out += ["--training.mixed_precision_param", cell["precision"]]
+    if cell["float8"] != "off":  # every block's linear layer but the routers and the debug flavours'
+        # 8-wide rotary key projections (FP8 takes multiples of 16)
+        out += ["--quantize.float8", cell["float8"], "--quantize.skip_small", "false", "--quantize.exclude",
+                "*.gate,*.wk_rope"]
     if cell["evaluation"]:
         out += ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
     return out + ["--training.steps", str(STEPS), "--training.global_batch_size", str(GLOBAL_BATCH)]
