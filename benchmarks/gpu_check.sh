@@ -7,6 +7,8 @@
 #                distributed stage, so NCCL's set-up is on the record (skipped with one GPU)
 #   1B_zero0, 1B_zero3   the 1B flavour for 20 steps in bf16 with ZeRO-0 (autocast over fp32 weights) and
 #                ZeRO-3 (FSDP2 mixed precision): tokens/s, MFU, peak memory
+#   1B_fp8_tensorwise, 1B_fp8_rowwise   the same under ZeRO-3 with FP8 matmuls (torchao; tensorwise
+#                weights all-gathered in FP8): tokens/s, MFU (against the bf16 peak, as above), memory
 #   cuda_tests   the tests that need a GPU: varlen attention, the ring's CUDA kernels (a ring of one rank),
 #                a step that never waits for the GPU
 #   moe          the MoE debug model in bf16, its experts as grouped GEMM: ep 2 on 2 GPUs, else ep 1
@@ -84,6 +86,10 @@ fi
 for zero in 0 3; do
   stage "1B_zero$zero" "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --parallelism.zero_stage "$zero" \
     --job.dump_folder "$OUT/1B_zero$zero"
+done
+for recipe in tensorwise rowwise; do
+  stage "1B_fp8_$recipe" "$STAGE_S" python -m torchpar train "${ONE_B[@]}" --parallelism.zero_stage 3 \
+    --quantize.float8 "$recipe" --job.dump_folder "$OUT/1B_fp8_$recipe"
 done
 stage cuda_tests "$STAGE_S" python -m pytest -q -p no:cacheprovider tests/test_attention.py \
   tests/test_context.py::test_the_ring_drives_cudas_kernels \

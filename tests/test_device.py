@@ -352,6 +352,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$* | NCCL_DEBUG=${NCCL_DEBUG:-} PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-}" >> "$FAKE_LOG"
 case "$*" in
   *"torchpar selftest"*) exit 3 ;;
+  *"quantize.float8"*) ;;
   *"zero_stage 3"*) sleep 30 ;;
 esac
 """
@@ -363,7 +364,7 @@ else echo "NVIDIA H200, 143771 MiB, 570.86.15"; fi
 
 def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     """benchmarks/gpu_check.sh with a fake python and nvidia-smi on PATH (2 GPUs): the stages in
-    order (env, one-GPU smoke step, two-GPU torchrun smoke step, the 1B runs, the CUDA tests, the
+    order (env, one-GPU smoke step, two-GPU torchrun smoke step, the 1B runs, FP8's, the CUDA tests, the
     attention benchmark, MoE
     with ep 2, the ring on 2 GPUs, Muon under ZeRO-3 on 2 GPUs, auto with 2 trials, selftest), NCCL_DEBUG
     only in the first distributed stage, Python's fault handler on everywhere, a stage past its
@@ -389,6 +390,7 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
         ("-m torchpar.commands.launch --standalone --nproc-per-node 2", "INFO"),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
+        *[("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", "")] * 2,
         ("-m pytest -q -p no:cacheprovider tests/test_attention.py", ""),
         ("benchmarks/attention.py --repeats 3", ""),
         (f"{launch} --model.name moe", ""),
@@ -403,7 +405,8 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
         assert args.startswith(start) and env == f"NCCL_DEBUG={nccl} PYTHONFAULTHANDLER=1", (args, env)
     summary = r.stdout.splitlines()[-1]
     assert re.fullmatch(r"gpu_check: env ok \d+s \| smoke_1gpu ok \d+s \| smoke_2gpu ok \d+s \| "
-                        r"1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s \| cuda_tests ok \d+s \| "
+                        r"1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s \| "
+                        r"1B_fp8_tensorwise ok \d+s \| 1B_fp8_rowwise ok \d+s \| cuda_tests ok \d+s \| "
                         r"attention ok \d+s \| "
                         r"moe ok \d+s \| ring_cp2 ok \d+s \| muon_zero3 exit 124 \(limit\) \d+s \| "
                         r"auto ok \d+s \| selftest exit 3 \d+s", summary), summary

@@ -71,6 +71,21 @@ def test_what_fp8_cannot_take_is_one_line(overrides, message):
         layout_from_config(load_config(TINY, [*fp8("tensorwise"), *overrides]), 1)
 
 
+def test_a_gpu_without_fp8_tensor_cores_is_one_line(monkeypatch):
+    """An A100 (compute capability 8.0) is refused before launch; an H100 (9.0) is not."""
+    from torchpar import device
+
+    monkeypatch.setattr(device, "device_type", lambda: "cuda")
+    monkeypatch.setattr(device, "device_name", lambda: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert "A100-SXM4-80GB (compute capability 8.0) has no FP8 tensor cores" in device.float8_matmuls()
+    with pytest.raises(ConfigError, match="quantize.float8 = 'tensorwise': NVIDIA A100.* no FP8 tensor"):
+        layout_from_config(load_config(TINY, fp8("tensorwise")), 1, "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert device.float8_matmuls() is None
+
+
 # ---------------------------------------------------------------------------- spawned
 
 Z, LB, G = "--parallelism.zero_stage", "--training.local_batch_size", "--training.global_batch_size"

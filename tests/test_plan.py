@@ -61,6 +61,10 @@ LEDGER_LAYOUTS = {
                          "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
     "pp2_mtp": [Z, "0", *MTP, "--parallelism.pipeline_parallel_degree", "2"],
     "cp2_mtp": [Z, "3", *MTP, *CP2],
+    # FP8: tensorwise weights all-gathered in FP8 (1 byte an element) and their scales' all-reduce
+    # after the step; rowwise gathers in the compute dtype
+    **{f"dp2_zero3_fp8_{recipe}": [Z, "3", "--training.local_batch_size", "4", "--quantize.float8", recipe,
+                                   "--quantize.skip_small", "false"] for recipe in ("tensorwise", "rowwise")},
 }
 
 

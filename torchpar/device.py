@@ -59,6 +59,19 @@ def gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
     return None
 
 
+def float8_matmuls() -> str | None:
+    """Why this machine's device cannot run FP8 matmuls (torch._scaled_mm), or None when it can: a
+    CUDA GPU needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); ROCm's and the
+    CPU's kernels run them (the CPU's slowly, for correctness)."""
+    if device_type() != "cuda" or torch.version.hip:
+        return None
+    capability = torch.cuda.get_device_capability()
+    if capability >= (8, 9):
+        return None
+    return (f"{device_name()} (compute capability {capability[0]}.{capability[1]}) has no FP8 tensor cores "
+            "(8.9 and later: L4, L40S, H100, H200, B200)")
+
+
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -126,6 +126,14 @@ class KeepsStateDtype:
                 self.state[p][key] = v.to(device=p.device, dtype=self.state_dtype)
 
 
+def closure_loss(closure) -> torch.Tensor | None:
+    """The loss a step's ``closure`` returns, computed with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _chunks(params: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:
     """``params`` in runs of at most ``elements`` local elements (a larger parameter: alone)."""
     out, size = [[]], 0
@@ -164,10 +172,7 @@ class CompactAdamW(KeepsStateDtype, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for run in _chunks([p for p in group["params"] if p.grad is not None], self.CHUNK):
                 self._update(group, run)
@@ -273,10 +278,7 @@ class Muon(KeepsStateDtype, torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             for p in group["params"]:  # (before torch makes it in the gradient's dtype)

@@ -13,14 +13,15 @@ quantization. A mixture of experts' stacked expert weights run through grouped G
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import types
 from fnmatch import fnmatch
 
+import torch
 from torch import nn
 
 from torchpar.errors import ConfigError
-
-RECIPES = ("tensorwise", "rowwise")
 
 
 def too_small(recipe: str, out_features: int, in_features: int) -> bool:
@@ -47,6 +48,24 @@ def float8_layers(module: nn.Module, model, q) -> list[tuple[str, nn.Linear]]:
             continue
         out.append((name, m))
     return out
+
+
+def gathered_in_float8(model, args, lay) -> frozenset[str]:
+    """Canonical names of the weights ZeRO-3 all-gathers in FP8 under layout ``lay`` (the
+    planner's bytes in flight: 1 per element), none without FP8 all-gather."""
+    if not lay.float8_all_gather:
+        return frozenset()
+    q = lay.quantize
+    return _converted_weights(model, args, q.float8, tuple(q.modules), tuple(q.exclude), q.skip_small)
+
+
+@functools.lru_cache(maxsize=32)
+def _converted_weights(model, args, recipe: str, modules: tuple, exclude: tuple,
+                       skip_small: bool) -> frozenset:
+    q = types.SimpleNamespace(float8=recipe, modules=modules, exclude=exclude, skip_small=skip_small)
+    with torch.device("meta"):
+        module = model.build(args)
+    return frozenset(f"{name}.weight" for name, _ in float8_layers(module, model, q))
 
 
 def check_float8(module: nn.Module, model, q) -> list[str]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torchpar.composition import Features, check
 from torchpar.config import Parallelism
 from torchpar.console import warn
-from torchpar.device import device_type, group_timeout
+from torchpar.device import device_type, float8_matmuls, group_timeout
 from torchpar.errors import ConfigError
 from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
@@ -497,6 +497,9 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
     if layout.float8 != "off":
+        why = float8_matmuls() if device == "cuda" else None  # (this machine's GPU, where it has one)
+        if why:
+            raise ConfigError(f"quantize.float8 = {layout.float8!r}: {why}; set quantize.float8 = 'off'")
         with torch.device("meta"):
             names = check_float8(model.build(args), model, quantize)
         if not names:

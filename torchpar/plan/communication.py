@@ -11,6 +11,7 @@ import math
 from torchpar.models.common import WHOLE_STYLES, planned_under
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
+from torchpar.parallel.float8 import gathered_in_float8
 from torchpar.parallel.layout import (
     Layout,
     expert_names,
@@ -203,16 +204,25 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
     """FSDP2 units: each block, and the root (first- and last-stage modules); under expert
     parallelism a block's experts are a unit of their own over the ranks holding the same experts
     (efsdp). A unit's collectives carry every parameter padded to a multiple of its shard ranks."""
-    r = lay.dp_replicate
+    r, act = lay.dp_replicate, lay.param_dtype_bytes
     n_first = len(model.stage_params(args, True, False, range(0))) if first else 0
     ends = list(itertools.accumulate((len(model.block_params(args, i)) for i in layers), initial=n_first))
     experts = expert_names(model) if lay.ep > 1 else set()
+    fp8 = gathered_in_float8(model, args, lay)
     blocks, expert_units = [], []
-    for a, b in zip(ends, ends[1:]):
-        blocks.append([rc for rc, name in zip(local[a:b], names[a:b]) if name not in experts])
-        expert_units.append([rc for rc, name in zip(local[a:b], names[a:b]) if name in experts])
-    root = local[:n_first] + local[ends[-1]:]
+    for layer, a, b in zip(layers, ends, ends[1:]):
+        entries = [(*rc, 1 if f"layers.{layer}.{name}" in fp8 else act, name)
+                   for rc, name in zip(local[a:b], names[a:b])]
+        blocks.append([e[:3] for e in entries if e[3] not in experts])
+        expert_units.append([e[:3] for e in entries if e[3] in experts])
+    root = [(*rc, act) for rc in local[:n_first] + local[ends[-1]:]]
     _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r)
+    # FP8 gathers' scales, after each step: one all-reduce of the weights' absolute maxima (fp32),
+    # over each dimension that splits them
+    mine = sum(any(w.startswith(f"layers.{i}.") for i in layers) for w in fp8)
+    if mine:
+        sent.add(lay.shard_dim, "all_reduce", 4 * mine, lay.shard_ranks)
+        sent.add("tp", "all_reduce", 4 * mine, lay.tp)
     if any(expert_units):
         _fsdp_units(sent, lay, expert_units, [], lay.expert_shard_ranks,
                     "efsdp_cp" if lay.cp > 1 else "efsdp", r)
@@ -220,22 +230,22 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
 
 def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim: str, r: int) -> None:
     """The collectives of FSDP2 units sharded over ``n`` ranks of ``dim``: one per block, the
-    root's, and HSDP's all-reduce over ``r`` replicas."""
-    def unit_bytes(shapes, dtype_bytes):
-        return dtype_bytes * sum(math.ceil(a / n) * n * b for a, b in shapes)
+    root's, and HSDP's all-reduce over ``r`` replicas. A unit: (rows, cols, bytes per gathered
+    element: the compute dtype's, or 1 for a weight gathered in FP8) of each parameter."""
+    def unit_bytes(shapes, dtype_bytes=None):
+        return sum((dtype_bytes or gathered) * math.ceil(a / n) * n * b for a, b, gathered in shapes)
 
     # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
     # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
     gathers = lay.accum if lay.pp == 1 else 1
     # ... and reduces every micro-step's gradients, unless they accumulate unsharded until the last.
     reduces = gathers if lay.reduce_every_microstep else 1
-    act = lay.param_dtype_bytes
     for i, unit in enumerate(blocks):
         again = lay.pp == 1 and i < len(blocks) - 1
-        sent.add(dim, "all_gather", unit_bytes(unit, act), n, 2 * gathers if again else gathers)
+        sent.add(dim, "all_gather", unit_bytes(unit), n, 2 * gathers if again else gathers)
         sent.add(dim, "reduce_scatter", unit_bytes(unit, 4), n, reduces)
     if root:
-        sent.add(dim, "all_gather", unit_bytes(root, act), n, gathers)
+        sent.add(dim, "all_gather", unit_bytes(root), n, gathers)
         sent.add(dim, "reduce_scatter", unit_bytes(root, 4), n, reduces)
     for unit in blocks + ([root] if root else []):
         sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)

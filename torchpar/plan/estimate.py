@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
+from torchpar.parallel.float8 import gathered_in_float8
 from torchpar.parallel.layout import Layout, expert_names, split_of
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
@@ -127,13 +128,14 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     # gathered block (and the next one, prefetched) in the compute dtype.
     logits = 4 * micro_batch * (seq // lay.cp) * args.vocab_size / (lay.tp if lay.loss_parallel else 1)
     mem["logits_bytes"] = (3 + depths) * logits if has_head else 0
-    # (under expert parallelism a block gathers only its rank's experts)
-    experts = expert_names(model)
+    # (under expert parallelism a block gathers only its rank's experts; FP8 all-gather, 1 byte
+    # per converted weight's element)
+    experts, last = expert_names(model), args.n_layers - 1
+    fp8 = gathered_in_float8(model, args, lay)
     block = sum(r * c / (lay.ep if name in experts else 1)
+                * (1 if f"layers.{last}.{name}" in fp8 else lay.param_dtype_bytes)
                 for name, (r, c), _ in model.block_params(args)) / lay.tp
-    mem["gathered_bytes"] = (
-        2 * block * lay.param_dtype_bytes if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0
-    )
+    mem["gathered_bytes"] = 2 * block if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0
     # ZeRO-3 accumulating unsharded: a full fp32 gradient of this rank's layers between micro-steps.
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
     mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.shard_ranks if unsharded else 0  # fp32
