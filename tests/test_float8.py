@@ -88,6 +88,21 @@ def test_a_gpu_without_fp8_tensor_cores_is_one_line(monkeypatch):
 
 # ---------------------------------------------------------------------------- spawned
 
+
+@pytest.mark.slow
+def test_the_start_up_note_says_what_runs_in_fp8(tmp_path):
+    """One step of a mixture of experts under FP8: the start-up lines name the recipe, the layers
+    converted, and the routed experts left in the compute dtype."""
+    from harness import cli
+    from test_train import env
+
+    r = cli(["train", "--config", str(TINY), *fp8("rowwise"), "--model.name", "moe", "--training.steps", "1",
+             "--parallelism.zero_stage", "0", "--job.dump_folder", str(tmp_path / "out")], env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    # (2 blocks: 4 attention layers each, the dense block's feed-forward 3, the routed block's router left)
+    assert ("torchpar: FP8 (rowwise) matmuls in 11 linear layers of this rank; the routed experts' "
+            "grouped GEMM stays in float32") in r.stdout, r.stdout
+
 Z, LB, G = "--parallelism.zero_stage", "--training.local_batch_size", "--training.global_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 MOE = ["--model.name", "moe"]

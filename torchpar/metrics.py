@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torchpar import device as dev
 from torchpar.data import TokenizedCorpus
+from torchpar.parallel import float8
 
 
 class Throughput:
@@ -183,6 +184,9 @@ def describe_run(trainer) -> str:
     line += f"\ntorchpar: data {read}{mix}{masking}"
     for note in trainer.model_family.run_notes(trainer.args, lay, trainer.device):
         line += f"\ntorchpar: {note}"
+    if lay.float8 != "off":
+        experts = trainer.model_family.experts(trainer.args) > 0
+        line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts)}"
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
 

@@ -107,6 +107,19 @@ def convert(module: nn.Module, model, q, all_gather: bool) -> None:
     float8.convert_to_float8_training(module, config=config, module_filter_fn=lambda m, fqn: fqn in names)
 
 
+def describe(parts: list[nn.Module], lay, routed_experts: bool) -> str:
+    """The start-up note of an FP8 run: its recipe, how many linear layers this rank converted,
+    how ZeRO-3 gathers them, and what stays in the compute dtype."""
+    linear = _torchao().float8_linear.Float8Linear
+    converted = sum(isinstance(m, linear) for part in parts for m in part.modules())
+    line = f"FP8 ({lay.float8}) matmuls in {converted} linear layers of this rank"
+    if lay.zero_stage == 3:
+        line += ", all-gathered in FP8" if lay.float8_all_gather else f", all-gathered in {lay.param_dtype}"
+    if routed_experts:
+        line += f"; the routed experts' grouped GEMM stays in {lay.param_dtype}"
+    return line
+
+
 def precompute_scales(parts: list[nn.Module]) -> None:
     """After an optimizer step under FP8 all-gather: every converted weight's scale from its
     global absolute maximum, in one all-reduce for all of them (otherwise each weight's gather
