@@ -10,7 +10,7 @@ from harness import TINY, assert_matches, bytes_of, run_layouts
 from torchpar.config import load_config
 from torchpar.errors import ConfigError
 from torchpar.models import MODELS
-from torchpar.parallel.float8 import convert, float8_layers, too_small
+from torchpar.parallel.float8 import convert, float8_layers, float8_weights, too_small
 from torchpar.plan import layout_from_config, state_bytes
 from torchpar.selftest import bounds
 
@@ -84,6 +84,28 @@ def test_a_gpu_without_fp8_tensor_cores_is_one_line(monkeypatch):
         layout_from_config(load_config(TINY, fp8("tensorwise")), 1, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert device.float8_matmuls() is None
+
+
+def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak():
+    """Llama 3 8B on 8 H100s under tensorwise FP8 (the size rule leaves the keys and values): the
+    converted layers' 6 FLOPs per weight element and token run at the FP8 peak (1,979 TFLOP/s), the
+    rest at bf16's; an A100 (no FP8 peak) prices the step as without FP8."""
+    from torchpar.plan import PRESETS, plan
+
+    job = ["--model.flavor", "8B", "--training.seq_len", "4096", "--training.local_batch_size", "1",
+           "--parallelism.zero_stage", "3"]
+    plain, model, args = layout_from_config(load_config(TINY, job), 8, "cuda")
+    fp8_lay = layout_from_config(load_config(TINY, [*job, "--quantize.float8", "tensorwise"]), 8, "cuda")[0]
+    converted = args.n_layers * (2 * 4096 * 4096 + 3 * 4096 * 14336)  # wq, wo, w1, w2, w3
+    assert sum(float8_weights(model, args, fp8_lay).values()) == converted
+    tokens, h100 = 8 * 4096, PRESETS["H100-80GB"]
+    saved = 6 * converted * tokens / 8 / 0.5 * (1 / 989e12 - 1 / 1979e12)
+    def compute(lay, cluster):
+        return plan(model, args, lay, cluster, 4096).compute_s
+
+    assert compute(plain, h100) - compute(fp8_lay, h100) == pytest.approx(saved, rel=1e-9)
+    a100 = PRESETS["A100-80GB"]
+    assert compute(fp8_lay, a100) == compute(plain, a100)
 
 
 # ---------------------------------------------------------------------------- spawned

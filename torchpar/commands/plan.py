@@ -96,7 +96,7 @@ def _cluster(a) -> Cluster:
     return Cluster(given(a.gpus_per_node, 1, c.gpus_per_node), given(a.memory_gb, 1e9, c.memory),
                    given(a.peak_tflops, 1e12, c.peak_flops), given(a.intra_gbps, 1e9, c.intra_bw),
                    given(a.inter_gbps, 1e9, c.inter_bw), given(a.host_memory_gb, 1e9, c.host_memory), a.nodes,
-                   c.memory_bw)
+                   c.memory_bw, peak_fp8_flops=c.peak_fp8_flops)
 
 
 def _launch(a) -> int:

@@ -50,22 +50,28 @@ def float8_layers(module: nn.Module, model, q) -> list[tuple[str, nn.Linear]]:
     return out
 
 
+def float8_weights(model, args, lay) -> dict[str, int]:
+    """Elements of each weight whose matmuls run in FP8 under layout ``lay``, by canonical name
+    (the planner's FLOPs at the FP8 peak); empty without FP8."""
+    if lay.float8 == "off":
+        return {}
+    q = lay.quantize
+    return dict(_converted_weights(model, args, q.float8, tuple(q.modules), tuple(q.exclude), q.skip_small))
+
+
 def gathered_in_float8(model, args, lay) -> frozenset[str]:
     """Canonical names of the weights ZeRO-3 all-gathers in FP8 under layout ``lay`` (the
     planner's bytes in flight: 1 per element), none without FP8 all-gather."""
-    if not lay.float8_all_gather:
-        return frozenset()
-    q = lay.quantize
-    return _converted_weights(model, args, q.float8, tuple(q.modules), tuple(q.exclude), q.skip_small)
+    return frozenset(float8_weights(model, args, lay)) if lay.float8_all_gather else frozenset()
 
 
 @functools.lru_cache(maxsize=32)
 def _converted_weights(model, args, recipe: str, modules: tuple, exclude: tuple,
-                       skip_small: bool) -> frozenset:
+                       skip_small: bool) -> tuple[tuple[str, int], ...]:
     q = types.SimpleNamespace(float8=recipe, modules=modules, exclude=exclude, skip_small=skip_small)
     with torch.device("meta"):
         module = model.build(args)
-    return frozenset(f"{name}.weight" for name, _ in float8_layers(module, model, q))
+    return tuple((f"{name}.weight", m.weight.numel()) for name, m in float8_layers(module, model, q))
 
 
 def check_float8(module: nn.Module, model, q) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
-from torchpar.parallel.float8 import gathered_in_float8
+from torchpar.parallel.float8 import float8_weights, gathered_in_float8
 from torchpar.parallel.layout import Layout, expert_names, split_of
 from torchpar.parallel.pipeline import SPLIT_BACKWARD, schedule_order
 from torchpar.parallel.recompute import recomputed
@@ -186,7 +186,13 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     per_token = model.flops_per_token(args, seq)
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
-    compute = flops / lay.world / (cluster.peak_flops * efficiency) + _elementwise_recompute_s(
+    # FP8 layers' matmuls (forward and both backward products: 6 FLOPs per weight element and token)
+    # at the FP8 peak, where the device has one
+    fp8 = 6 * sum(float8_weights(model, args, lay).values()) * tokens if cluster.peak_fp8_flops else 0
+    compute = (flops - fp8) / lay.world / (cluster.peak_flops * efficiency)
+    if fp8:
+        compute += fp8 / lay.world / (cluster.peak_fp8_flops * efficiency)
+    compute += _elementwise_recompute_s(
         model, args, lay, seq, cluster) + optimizer_seconds(model, args, lay, cluster, efficiency)
     n_micro = lay.micro_steps[1]
     # A measured machine's fixed costs: each forward + backward of the busiest rank's blocks.

@@ -49,6 +49,9 @@ class Cluster:
     # Cores each rank has where a host's ranks share its CPU cores (below 1: they take turns, and a
     # rank idle in a pipeline bubble gives its core to the others); 1 where each rank has a device.
     cores_per_rank: float = 1.0
+    # Dense FP8 FLOP/s per device (the datasheets'), what FP8 matmuls ([quantize]) run at; 0: a device
+    # without FP8 tensor cores, or one not measured, where they are priced at peak_flops.
+    peak_fp8_flops: float = 0.0
 
     @property
     def world(self) -> int:
@@ -62,8 +65,9 @@ PRESETS = {
     # NVLink3 600 GB/s, HDR 200 Gb/s; HBM2e 2.0 TB/s
     "A100-80GB": Cluster(8, 80e9, 312e12, 300e9, 25e9, 2e12, memory_bw=2.0e12),
     # NVLink4 900 GB/s, NDR 400 Gb/s; HBM3 3.35 TB/s (SXM)
-    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9, 2e12, memory_bw=3.35e12),
-    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9, 2e12, memory_bw=4.8e12),  # HBM3e 4.8 TB/s
+    "H100-80GB": Cluster(8, 80e9, 989e12, 450e9, 50e9, 2e12, memory_bw=3.35e12, peak_fp8_flops=1979e12),
+    "H200-141GB": Cluster(8, 141e9, 989e12, 450e9, 50e9, 2e12, memory_bw=4.8e12,  # HBM3e 4.8 TB/s
+                          peak_fp8_flops=1979e12),
     # PCIe 4.0 x16; 100 GbE per node; an A100 PCIe's HBM2e 1.9 TB/s
     "PCIe-Ethernet": Cluster(8, 80e9, 312e12, 16e9, 12.5e9 / 8, 512e9, memory_bw=1.9e12),
 }
