@@ -108,6 +108,34 @@ def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak():
     assert compute(fp8_lay, a100) == compute(plain, a100)
 
 
+def test_a_probed_gpu_prices_fp8_at_its_measured_rate_times_the_datasheets_ratio():
+    """layout = "auto" plans on a probed machine: its FP8 peak is the measured bf16 rate times the
+    GPU's datasheet FP8 / bf16 ratio (2 on Hopper), none on a GPU without FP8 or a CPU."""
+    from torchpar.device import fp8_gain
+
+    assert fp8_gain("NVIDIA H100 80GB HBM3") == pytest.approx(1979 / 989)
+    assert fp8_gain("NVIDIA H200") == pytest.approx(1979 / 989)
+    assert fp8_gain("NVIDIA B200") == pytest.approx(2.0)
+    assert fp8_gain("NVIDIA A100-SXM4-80GB") == fp8_gain("CPU") == 0
+
+
+def test_layout_auto_searches_with_fp8_when_the_job_asks():
+    """The search (layout = "auto") prices every candidate with the job's FP8: Llama 3 8B on 2
+    H100s, each layout tensorwise, its ZeRO-3 ones gathering in FP8, the best faster than without."""
+    from dataclasses import replace
+
+    from torchpar.plan import PRESETS, search
+
+    model = MODELS["llama3"]
+    args, cluster = model.args("8B"), replace(PRESETS["H100-80GB"], gpus_per_node=2)
+    q = load_config(None, ["--quantize.float8", "tensorwise"]).quantize
+    plans = search(model, args, cluster, 8, 4096, quantize=q)
+    assert plans and all(p.layout["float8"] == "tensorwise" for p in plans)
+    assert {p.layout["float8_all_gather"] for p in plans} == {True, False}  # (ZeRO-3, the others)
+    assert all(p.layout["float8_all_gather"] == (p.layout["zero_stage"] == 3) for p in plans)
+    assert plans[0].tokens_per_sec > search(model, args, cluster, 8, 4096)[0].tokens_per_sec
+
+
 # ---------------------------------------------------------------------------- spawned
 
 

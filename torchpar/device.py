@@ -48,15 +48,39 @@ GPU_PEAKS = {
 }
 
 
+# Dense FP8 (e4m3) FLOP/s per device, from the same datasheets (half the figure quoted with
+# sparsity); a GPU without FP8 tensor cores (A100, A10) is absent.
+GPU_FP8_PEAKS = {
+    "GB200": 5e15, "B200": 4.5e15, "H100": 1979e12, "H100 PCIe": 1513e12, "H100 NVL": 1671e12,
+    "H200": 1979e12, "H200 NVL": 1671e12, "GH200": 1979e12, "H800": 1979e12, "H800 PCIe": 1513e12,
+    "H20": 296e12, "L4": 242.5e12, "L40": 362e12, "L40S": 733e12, "MI300X": 2614.9e12,
+}
+
+
+def _table_key(name: str, table: dict) -> str | None:
+    """The longest key of ``table`` found in GPU ``name`` as a word."""
+    for key in sorted(table, key=len, reverse=True):
+        if re.search(rf"(^|[\s-]){re.escape(key)}($|[\s-])", name):
+            return key
+    return None
+
+
 def gpu_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
     """Datasheet peak of GPU ``name`` for matmuls in ``dtype``; None for a GPU not in the table."""
-    for key in sorted(GPU_PEAKS, key=len, reverse=True):
-        if re.search(rf"(^|[\s-]){re.escape(key)}($|[\s-])", name):
-            bf16, tf32_peak, fp32 = GPU_PEAKS[key]
-            if dtype in (torch.bfloat16, torch.float16):
-                return bf16
-            return tf32_peak if tf32 else fp32
-    return None
+    key = _table_key(name, GPU_PEAKS)
+    if key is None:
+        return None
+    bf16, tf32_peak, fp32 = GPU_PEAKS[key]
+    if dtype in (torch.bfloat16, torch.float16):
+        return bf16
+    return tf32_peak if tf32 else fp32
+
+
+def fp8_gain(name: str) -> float:
+    """How many times GPU ``name``'s datasheet FP8 peak is its bf16 one (what the planner scales a
+    measured bf16 rate by for FP8 matmuls); 0 for a GPU without FP8 in the tables."""
+    key, bf16 = _table_key(name, GPU_FP8_PEAKS), gpu_peak(name, torch.bfloat16, True)
+    return GPU_FP8_PEAKS[key] / bf16 if key and bf16 else 0.0
 
 
 def float8_matmuls() -> str | None:

@@ -445,13 +445,18 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, device=device)
 
 
+def job_fields(optimizer=None, quantize=None) -> dict:
+    """The Layout fields the job's [optimizer] and [quantize] sections give (None: AdamW, no FP8)."""
+    return dict(optimizer=optimizer, whole_params=kind_of(optimizer).whole is not None, quantize=quantize,
+                float8=quantize.float8 if quantize is not None else "off",
+                float8_all_gather=quantize is not None and quantize.float8_all_gather)
+
+
 def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=None) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
     degrees = resolve_degrees(par, world)
-    kind = kind_of(optimizer)
-    float8 = quantize.float8 if quantize is not None else "off"
     accum = grad_accum_steps(
         tr.local_batch_size, tr.global_batch_size, degrees["dp_replicate"] * degrees["dp_shard"]
     )
@@ -464,9 +469,7 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=No
                   activation_checkpoint=tr.activation_checkpoint,
                   activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                   reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                  bucket_mb=par.bucket_mb, whole_params=kind.whole is not None, optimizer=optimizer,
-                  float8=float8, quantize=quantize,
-                  float8_all_gather=quantize is not None and quantize.float8_all_gather)
+                  bucket_mb=par.bucket_mb, **job_fields(optimizer, quantize))
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,

@@ -388,4 +388,5 @@ def cluster_of(figures: dict, memory: float | None = None) -> Cluster:
                            bandwidth("intra"), bandwidth("inter"), figures["host_memory"], world // per_node,
                            figures["memory_bw"]), collectives=table,
                    block_overhead=figures["block_overhead_s"], forward_overhead=figures["forward_overhead_s"],
-                   overlap=figures["device"] != "CPU", cores_per_rank=figures["cores_per_rank"])
+                   overlap=figures["device"] != "CPU", cores_per_rank=figures["cores_per_rank"],
+                   peak_fp8_flops=figures["model_flops"] * dev.fp8_gain(figures["device"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchpar.composition import refusals
 from torchpar.console import warn
 from torchpar.errors import ConfigError
-from torchpar.parallel.layout import Layout, context_problem, layout_features
+from torchpar.parallel.layout import Layout, context_problem, job_fields, layout_features
 from torchpar.parallel.pipeline import MAX_MICROBATCHES, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
 from torchpar.plan.estimate import Plan, plan
@@ -45,20 +45,20 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
 
 
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
-             left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda"):
+             left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda", quantize=None):
     """Every layout of these degrees that the composition table lets run (on ``device``): ZeRO
     stage, its shard group (HSDP) and (``offload_too``) offload, expert parallelism (a mixture of
     experts), recomputation, micro-batch and, with a pipeline, the schedule. Pipeline layouts of more
     than MAX_MICROBATCHES microbatches are left out (their schedules take too long to build) and
     counted in ``left_out``."""
     for lay in _every_layout(model, args, tp, pp, cp, method, dp, per_dp, param_dtype, left_out, offload_too,
-                             optimizer):
+                             job_fields(optimizer, quantize)):
         if not refusals(layout_features(lay, model, args, device=device)):
             yield lay
 
 
 def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int,
-                  param_dtype: str, left_out: list, offload_too: bool, optimizer):
+                  param_dtype: str, left_out: list, offload_too: bool, job: dict):
 
     stages = ((0, False), (1, False), (2, False), (3, False)) + ((3, True),) * offload_too
     # HSDP: ZeRO 1-3 shard over dp_shard (x cp) ranks and replicate over dp_replicate (ZeRO 0
@@ -79,7 +79,7 @@ def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, 
             common = dict(dp_replicate=replicas, dp_shard=shard, tp=tp, cp=cp, cp_method=method, ep=ep,
                           zero_stage=zero, cpu_offload=offload, activation_checkpoint=ac,
                           activation_checkpoint_every=every, sequence_parallel=True, loss_parallel=True,
-                          param_dtype=param_dtype, optimizer=optimizer)
+                          param_dtype=param_dtype, **job)
             if pp == 1:
                 yield Layout(**common, local_batch_size=mbs, accum=per_dp // mbs, microbatch_size=mbs)
                 continue
@@ -96,14 +96,16 @@ def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, 
 
 
 def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
-           efficiency: float = 0.5, device: str = "cuda", optimizer=None, offload: bool = True) -> list[Plan]:
+           efficiency: float = 0.5, device: str = "cuda", optimizer=None, offload: bool = True,
+           quantize=None) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
     ranked by estimated tokens/s (layouts that fit first); for a job on ``device`` (CPU offload
-    with ``offload``, on GPUs only) with ``optimizer`` (the [optimizer] section; None: AdamW)."""
+    with ``offload``, on GPUs only) with ``optimizer`` (the [optimizer] section; None: AdamW) and
+    ``quantize`` (the [quantize] section, FP8; None: off)."""
 
     left_out: list[int] = []
     every = layouts(model, args, cluster, global_batch, seq, param_dtype, device, optimizer, offload,
-                    left_out)
+                    left_out, quantize)
     plans = [plan(model, args, lay, cluster, seq, efficiency) for lay in every]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
@@ -112,13 +114,14 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 
 
 def layouts(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
-            device: str = "cuda", optimizer=None, offload: bool = True, left_out: list | None = None):
+            device: str = "cuda", optimizer=None, offload: bool = True, left_out: list | None = None,
+            quantize=None):
     """The layouts :func:`search` prices, one at a time (pipeline layouts it leaves out counted in
     ``left_out``)."""
     left_out = [] if left_out is None else left_out
     for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device):
         yield from _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype, left_out,
-                            offload and device == "cuda", optimizer, device)
+                            offload and device == "cuda", optimizer, device, quantize)
 
 
 def check_microbatches(lay: Layout) -> None:
