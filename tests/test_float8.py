@@ -136,6 +136,23 @@ def test_layout_auto_searches_with_fp8_when_the_job_asks():
     assert plans[0].tokens_per_sec > search(model, args, cluster, 8, 4096)[0].tokens_per_sec
 
 
+def test_the_plan_command_searches_with_fp8(capsys):
+    """``torchpar plan --model 8B --float8 tensorwise --json``: every layout it prints is FP8's, and
+    the best is faster than without on 2 H100s."""
+    import json
+
+    from torchpar.commands import main
+
+    best = {}
+    for float8 in ("off", "tensorwise"):
+        assert main(["plan", "--model", "8B", "--gpu", "H100-80GB", "--gpus-per-node", "2", "--top", "3",
+                     "--json", "--float8", float8]) == 0
+        plans = json.loads(capsys.readouterr().out)
+        assert plans and {p["layout"]["float8"] for p in plans} == {float8}
+        best[float8] = plans[0]["tokens_per_sec"]
+    assert best["tensorwise"] > best["off"]
+
+
 # ---------------------------------------------------------------------------- spawned
 
 

@@ -54,6 +54,10 @@ def _parser():
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
                     help="compute copy of the weights and activations (state stays fp32, AdamW)")
+    ap.add_argument("--float8", default="off", choices=("off", "tensorwise", "rowwise"),
+                    help="FP8 matmuls of the blocks' linear layers (as [quantize] float8, its other "
+                         "fields at their defaults): FP8 all-gathers under ZeRO-3, the FP8 peak where the "
+                         "GPU has one")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--efficiency", type=float, default=0.5, help="share of peak FLOP/s the matmuls reach")
     ap.add_argument("--json", action="store_true")
@@ -153,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--seq-len {a.seq_len} is beyond {a.family} {a.model}'s max_seq_len "
                               f"{args.max_seq_len}; the model has no positions past it")
         dtype = "bfloat16" if a.param_dtype == "bf16" else "float32"
-        plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency)
+        quantize = load_config(None, ["--quantize.float8", a.float8]).quantize
+        plans = search(model, args, cluster, a.global_batch_size, a.seq_len, dtype, a.efficiency,
+                       quantize=quantize)
     else:
         raise ConfigError("give --model FLAVOR (search) or --config FILE --nproc N (one layout)")
     if not plans:
