@@ -50,13 +50,28 @@ def float8_layers(module: nn.Module, model, q) -> list[tuple[str, nn.Linear]]:
     return out
 
 
+def converted_layers(model, args, q) -> tuple[tuple[str, int, int], ...]:
+    """(name, out features, in features) of each linear layer [quantize] ``q`` converts in a model
+    of adapter ``model`` with ``args`` (:func:`float8_layers`; none when FP8 is off), read from one
+    meta model per job, which the start-up check and the planner share."""
+    if q is None or q.float8 == "off":
+        return ()
+    return _layers(model, args, q.float8, tuple(q.modules), tuple(q.exclude), q.skip_small)
+
+
+@functools.lru_cache(maxsize=32)
+def _layers(model, args, recipe: str, modules: tuple, exclude: tuple,
+            skip_small: bool) -> tuple[tuple[str, int, int], ...]:
+    q = types.SimpleNamespace(float8=recipe, modules=modules, exclude=exclude, skip_small=skip_small)
+    with torch.device("meta"):
+        module = model.build(args)
+    return tuple((name, m.out_features, m.in_features) for name, m in float8_layers(module, model, q))
+
+
 def float8_weights(model, args, lay) -> dict[str, int]:
     """Elements of each weight whose matmuls run in FP8 under layout ``lay``, by canonical name
     (the planner's FLOPs at the FP8 peak); empty without FP8."""
-    if lay.float8 == "off":
-        return {}
-    q = lay.quantize
-    return dict(_converted_weights(model, args, q.float8, tuple(q.modules), tuple(q.exclude), q.skip_small))
+    return {f"{name}.weight": n * k for name, n, k in converted_layers(model, args, lay.quantize)}
 
 
 def gathered_in_float8(model, args, lay) -> frozenset[str]:
@@ -65,29 +80,19 @@ def gathered_in_float8(model, args, lay) -> frozenset[str]:
     return frozenset(float8_weights(model, args, lay)) if lay.float8_all_gather else frozenset()
 
 
-@functools.lru_cache(maxsize=32)
-def _converted_weights(model, args, recipe: str, modules: tuple, exclude: tuple,
-                       skip_small: bool) -> tuple[tuple[str, int], ...]:
-    q = types.SimpleNamespace(float8=recipe, modules=modules, exclude=exclude, skip_small=skip_small)
-    with torch.device("meta"):
-        module = model.build(args)
-    return tuple((f"{name}.weight", m.weight.numel()) for name, m in float8_layers(module, model, q))
-
-
-def check_float8(module: nn.Module, model, q) -> list[str]:
-    """The names of the layers [quantize] ``q`` converts in ``module`` (a meta model of adapter
-    ``model``); one line for a layer FP8 matmuls cannot take, or torchao missing."""
-    if q.float8 == "off":
-        return []
-    layers = float8_layers(module, model, q)
-    for name, m in layers:
-        if m.in_features % 16 or m.out_features % 16:
+def check_float8(model, args, q) -> list[str]:
+    """The names of the layers [quantize] ``q`` converts in a model of adapter ``model`` with
+    ``args``; one line for a layer FP8 matmuls cannot take, or torchao missing."""
+    layers = converted_layers(model, args, q)
+    for name, n, k in layers:
+        if n % 16 or k % 16:
             raise ConfigError(
-                f"quantize.float8 = {q.float8!r}: layer {name} is {m.out_features} x {m.in_features} (out x "
-                "in), and FP8 matmuls need both multiples of 16; leave it out (add it to quantize.exclude) "
-                "or choose a flavour whose widths are")
-    _torchao()
-    return [name for name, _ in layers]
+                f"quantize.float8 = {q.float8!r}: layer {name} is {n} x {k} (out x in), and FP8 matmuls "
+                "need both multiples of 16; leave it out (add it to quantize.exclude) or choose a flavour "
+                "whose widths are")
+    if q is not None and q.float8 != "off":
+        _torchao()
+    return [name for name, _, _ in layers]
 
 
 def _torchao():
