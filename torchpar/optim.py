@@ -156,7 +156,7 @@ class CompactAdamW(KeepsStateDtype, torch.optim.Optimizer):
     pins it).
 
     Rounding to nearest loses a second-moment update smaller than half a bf16 unit (2^-9 of the
-    value): with beta2 above ~0.996 the moment then lags a gradient that grows slowly; the config
+    value): with beta2 above 0.992 the moment then lags a gradient that changes slowly; the config
     check warns."""
 
     CHUNK = 1 << 25  # fp32 elements read at once (128 MiB per moment)
@@ -395,9 +395,8 @@ class MuonWithAdamW(KeepsStateDtype, torch.optim.Optimizer):
         if muon_groups:
             self.parts.append(Muon(muon_groups, state_dtype=state_dtype, **muon_kwargs))
         if adamw_groups:
-            cls = _adamw_class(state_dtype)
-            extra = {} if cls is torch.optim.AdamW else {"state_dtype": state_dtype}
-            self.parts.append(cls(adamw_groups, **adamw_kwargs, **extra))
+            cls, moments = _adamw(state_dtype)
+            self.parts.append(cls(adamw_groups, **adamw_kwargs, **moments))
         super().__init__([g for o in self.parts for g in o.param_groups], {})
         self._link()
 
@@ -451,15 +450,15 @@ def _build_single(cls):
     return build
 
 
-def _adamw_class(dtype: torch.dtype) -> type:
-    """torch's AdamW, or for moments in another dtype :class:`CompactAdamW`."""
-    return torch.optim.AdamW if dtype == torch.float32 else CompactAdamW
+def _adamw(dtype: torch.dtype) -> tuple[type, dict]:
+    """torch's AdamW, or for moments in another dtype :class:`CompactAdamW`: the class and what it
+    is told of the dtype."""
+    return (torch.optim.AdamW, {}) if dtype == torch.float32 else (CompactAdamW, {"state_dtype": dtype})
 
 
 def _build_adamw(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
-    cls = _adamw_class(state_dtype(cfg))
-    extra = {} if cls is torch.optim.AdamW else {"state_dtype": state_dtype(cfg)}
-    kwargs = _adam_arguments(cls, cfg) | _kwargs(cfg) | extra
+    cls, moments = _adamw(state_dtype(cfg))
+    kwargs = _adam_arguments(cls, cfg) | _kwargs(cfg) | moments
     return cls(_present([_group(r, t, cfg, cfg.lr) for r, t in groups.items()]), **kwargs)
 
 
@@ -467,7 +466,7 @@ def _build_muon(groups: dict[str, list], cfg) -> torch.optim.Optimizer:
     muon = [_group(r, t, cfg, cfg.muon_lr) for r, t in groups.items() if t and PARAM_GROUPS[r]["muon"]]
     rest = [_group(r, t, cfg, cfg.lr) for r, t in groups.items() if not PARAM_GROUPS[r]["muon"]]
     rest = [g for g in rest if g["params"]] or ([] if muon else rest[:1])
-    adamw_kwargs = _adam_arguments(_adamw_class(state_dtype(cfg)), cfg)
+    adamw_kwargs = _adam_arguments(_adamw(state_dtype(cfg))[0], cfg)
     return MuonWithAdamW(muon, rest, _kwargs(cfg), adamw_kwargs, state_dtype(cfg))
 
 
