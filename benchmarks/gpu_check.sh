@@ -12,6 +12,7 @@
 #   cuda_tests   the tests that need a GPU: varlen attention, the ring's CUDA kernels (a ring of one rank),
 #                a step that never waits for the GPU
 #   moe          the MoE debug model in bf16, its experts as grouped GEMM: ep 2 on 2 GPUs, else ep 1
+#   moe_fp8      the same under FP8 rowwise, its experts through torchao's grouped FP8 GEMM
 #   ring_cp2     context parallelism by ring attention on 2 GPUs, bf16 (skipped with one GPU)
 #   muon_zero3   the 1B flavour under Muon and ZeRO-3 (Newton-Schulz on FSDP2's shards): tokens/s
 #   auto         layout = "auto" on the 1B flavour with 2 trials: the planner's pick against measurement
@@ -93,20 +94,27 @@ for recipe in tensorwise rowwise; do
 done
 stage cuda_tests "$STAGE_S" python -m pytest -q -p no:cacheprovider tests/test_attention.py \
   tests/test_context.py::test_the_ring_drives_cudas_kernels \
-  tests/test_guard.py::test_an_unlogged_step_never_waits_for_the_gpu
+  tests/test_guard.py::test_an_unlogged_step_never_waits_for_the_gpu \
+  tests/test_float8.py::test_torchaos_grouped_fp8_gemm_is_the_loops_product
 # latent against grouped-query attention; a sliding window against full at 4k and 16k tokens (varlen)
 stage attention "$STAGE_S" python benchmarks/attention.py --repeats 3
 # (run_train.sh's config is its CONFIG_FILE, train_configs/debug_model.toml by default)
+# (the debug experts are smaller than torchao's size rule lets gain: converted all the same)
+MOE_FP8=(--quantize.float8 rowwise --quantize.skip_small false)
 MOE=(--model.name moe --training.steps 20 --training.seq_len 2048 --training.local_batch_size 8 "${RUN[@]}")
 if [ "$GPUS" -ge 2 ]; then
   stage moe "$STAGE_S" env NGPU=2 ./run_train.sh "${MOE[@]}" --parallelism.expert_parallel_degree 2 \
     --job.dump_folder "$OUT/moe"
+  stage moe_fp8 "$STAGE_S" env NGPU=2 ./run_train.sh "${MOE[@]}" "${MOE_FP8[@]}" \
+    --parallelism.expert_parallel_degree 2 --job.dump_folder "$OUT/moe_fp8"
   stage ring_cp2 "$STAGE_S" env NGPU=2 ./run_train.sh --training.steps 20 --training.seq_len 4096 --training.local_batch_size 4 "${RUN[@]}" \
     --parallelism.context_parallel_degree 2 --parallelism.context_parallel_method ring \
     --job.dump_folder "$OUT/ring_cp2"
 else
   stage moe "$STAGE_S" python -m torchpar train --config train_configs/debug_model.toml "${MOE[@]}" \
     --job.dump_folder "$OUT/moe"
+  stage moe_fp8 "$STAGE_S" python -m torchpar train --config train_configs/debug_model.toml "${MOE[@]}" \
+    "${MOE_FP8[@]}" --job.dump_folder "$OUT/moe_fp8"
   SUMMARY+=("ring_cp2 skipped ($GPUS GPU)")
 fi
 # (on 2 GPUs each matrix is orthogonalized by one owner, its rows brought by NCCL all-to-alls; on one

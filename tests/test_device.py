@@ -365,10 +365,10 @@ else echo "NVIDIA H200, 143771 MiB, 570.86.15"; fi
 def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
     """benchmarks/gpu_check.sh with a fake python and nvidia-smi on PATH (2 GPUs): the stages in
     order (env, one-GPU smoke step, two-GPU torchrun smoke step, the 1B runs, FP8's, the CUDA tests, the
-    attention benchmark, MoE
-    with ep 2, the ring on 2 GPUs, Muon under ZeRO-3 on 2 GPUs, auto with 2 trials, selftest), NCCL_DEBUG
-    only in the first distributed stage, Python's fault handler on everywhere, a stage past its
-    limit stopped by SIGABRT (exit 124), and one summary line at the end; exit 1."""
+    attention benchmark, MoE with ep 2 and under FP8, the ring on 2 GPUs, Muon under ZeRO-3 on 2
+    GPUs, auto with 2 trials, selftest), NCCL_DEBUG only in the first distributed stage, Python's
+    fault handler on everywhere, a stage past its limit stopped by SIGABRT (exit 124), and one
+    summary line at the end; exit 1."""
     script = ROOT / "benchmarks" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     bin_dir = tmp_path / "bin"
@@ -394,6 +394,7 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
         ("-m pytest -q -p no:cacheprovider tests/test_attention.py", ""),
         ("benchmarks/attention.py --repeats 3", ""),
         (f"{launch} --model.name moe", ""),
+        (f"{launch} --model.name moe", ""),
         (f"{launch} --training.steps 20 --training.seq_len 4096", ""),
         (f"{launch} --model.flavor 1B", ""),
         ("-m torchpar train --config train_configs/debug_model.toml --model.flavor 1B", ""),
@@ -408,7 +409,8 @@ def test_gpu_check_runs_the_cheap_stages_first_each_under_its_limit(tmp_path):
                         r"1B_zero0 ok \d+s \| 1B_zero3 exit 124 \(limit\) \d+s \| "
                         r"1B_fp8_tensorwise ok \d+s \| 1B_fp8_rowwise ok \d+s \| cuda_tests ok \d+s \| "
                         r"attention ok \d+s \| "
-                        r"moe ok \d+s \| ring_cp2 ok \d+s \| muon_zero3 exit 124 \(limit\) \d+s \| "
+                        r"moe ok \d+s \| moe_fp8 ok \d+s \| ring_cp2 ok \d+s \| "
+                        r"muon_zero3 exit 124 \(limit\) \d+s \| "
                         r"auto ok \d+s \| selftest exit 3 \d+s", summary), summary
     assert "NVIDIA H200, 143771 MiB" in (out / "env.log").read_text()
     assert (out / "tmp" / "selftest").is_dir()  # a failed self-test keeps its ranks' logs

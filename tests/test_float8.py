@@ -3,6 +3,9 @@ rule, the one-line refusals, and (spawned) every layout under both recipes again
 one-process run whose micro-batches hold the same rows (so the same scales), with the planner's
 bytes."""
 
+import dataclasses
+import types
+
 import pytest
 import torch
 from harness import TINY, assert_matches, bytes_of, run_layouts
@@ -10,7 +13,16 @@ from harness import TINY, assert_matches, bytes_of, run_layouts
 from torchpar.config import load_config
 from torchpar.errors import ConfigError
 from torchpar.models import MODELS
-from torchpar.parallel.float8 import convert, float8_layers, float8_weights, too_small
+from torchpar.parallel.float8 import (
+    check_float8,
+    convert,
+    describe,
+    float8_layers,
+    float8_weights,
+    gathered_in_float8,
+    padded_groups,
+    too_small,
+)
 from torchpar.plan import layout_from_config, state_bytes
 from torchpar.selftest import bounds
 
@@ -46,6 +58,131 @@ def test_the_blocks_linear_layers_convert_and_nothing_else():
     only = float8_layers(module, model, quantize("--quantize.modules", "layers.*.feed_forward.*"))
     assert only and all(".feed_forward." in n for n, _ in only)
     assert not float8_layers(module, model, quantize("--quantize.modules", "output,tok_embeddings"))
+
+
+def routed_experts(recipe: str, *overrides):
+    """A 2-block mixture of experts on the CPU, converted; its routed block's expert module."""
+    model = MODELS["moe"]
+    args = dataclasses.replace(model.args("debug"), n_layers=2)
+    torch.manual_seed(0)
+    module = model.build(args)
+    convert(module, model, quantize("--quantize.float8", recipe, *overrides), all_gather=False)
+    return module, module.layers["1"].feed_forward.experts
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_each_routed_experts_product_is_a_float8_linears(recipe):
+    """The routed experts' products run in FP8: each expert's SwiGLU equals the one of three
+    torchao Float8Linear layers holding its matrices, forward and backward, bit for bit, whether
+    the module takes its grouped-GEMM path or its loop; and they are not the fp32 products."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    _, experts = routed_experts(recipe)
+    assert experts.run.float8 == recipe
+    counts = torch.tensor([10, 0, 17, 13, 3, 0, 5, 16])  # (an expert with no row, one of 3)
+    x = torch.randn(int(counts.sum()), 128)
+    grads = {}
+    for grouped in (True, False):
+        rows = x.clone().requires_grad_()
+        out = experts(rows, counts, grouped=grouped)
+        out.square().sum().backward()
+        grads[grouped] = (out.detach(), rows.grad, *(p.grad.clone() for p in experts.parameters()))
+        experts.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    out, x_grad, *w_grads = grads[True]
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    start = 0
+    for i, n in enumerate(counts.tolist()):
+        if not n:  # (torchao's matmul takes no empty input: the module skips it)
+            assert not any(grad[i].any() for grad in w_grads)
+            continue
+        layers = {}
+        for name in ("w1", "w3", "w2"):
+            w = getattr(experts, name)[i].detach()  # [in, out]
+            linear = torch.nn.Linear(*w.shape, bias=False)
+            linear.weight.data.copy_(w.t())
+            layers[name] = Float8Linear.from_float(linear, config=config)
+        rows = x[start:start + n].clone().requires_grad_()
+        ref = layers["w2"](torch.nn.functional.silu(layers["w1"](rows)) * layers["w3"](rows))
+        ref.square().sum().backward()
+        mine = slice(start, start + n)
+        assert torch.equal(ref.detach(), out[mine]) and torch.equal(rows.grad, x_grad[mine])
+        for name, grad in zip(("w1", "w3", "w2"), w_grads):
+            assert torch.equal(layers[name].weight.grad.t(), grad[i]), (i, name)
+        start += n
+    fp32 = experts.run.__wrapped__(x, counts, experts.w1, experts.w3, experts.w2).detach()
+    assert ((out - fp32).norm() / fp32.norm()).item() > 1e-2
+
+
+def test_padding_each_experts_rows_to_16_keeps_the_product():
+    """torchao's grouped FP8 GEMM takes groups starting at multiples of 16 rows and column-major
+    matrices: padded_groups hands any GEMM exactly that, and gives back the unpadded product and
+    its gradients (a plain grouped GEMM in its place on the CPU)."""
+    counts = torch.tensor([10, 0, 17, 13, 16])
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    stack = torch.randn(5, 32, 48, requires_grad=True)
+    seen = []
+
+    def gemm(a, b, offs):
+        seen.append((offs.tolist(), b.stride()))
+        return torch._grouped_mm(a, b, offs=offs)
+
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    out, ref = padded_groups(x, stack, ends, gemm), torch._grouped_mm(x, stack, offs=ends)
+    assert seen == [([16, 16, 48, 64, 80], (32 * 48, 1, 32))]
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (x, stack), grad), torch.autograd.grad(ref, (x, stack), grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="torchao's grouped FP8 GEMM (triton kernels, torch._scaled_grouped_mm) needs "
+                           "a CUDA GPU of compute capability 9.0")
+def test_torchaos_grouped_fp8_gemm_is_the_loops_product():
+    """On a Hopper GPU the experts' grouped FP8 GEMM (rowwise) gives what the per-expert loop of
+    rowwise FP8 matmuls gives, within bf16's rounding of their different summation orders."""
+    from torchpar.parallel.float8 import _stack_class
+
+    stack = _stack_class("rowwise")
+    counts = torch.tensor([40, 0, 17, 130], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16) * 0.02
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    grouped = torch._grouped_mm(x, w.as_subclass(stack), offs=ends)
+    loop = torch.cat([stack.matmul(x[s:e], w[i]) for i, (s, e) in enumerate(zip([0, *ends[:-1].tolist()],
+                                                                                 ends.tolist()))])
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+
+
+def test_the_planner_and_the_start_up_note_count_the_routed_experts():
+    """The planner's FP8 FLOPs count each expert stack's elements per expert times the experts a
+    token reaches (top 2 of the debug model's 8); ZeRO-3 gathers them in the compute dtype. The
+    start-up note names the converted experts, or their staying in fp32 when excluded. An expert
+    stack too narrow on each tensor-parallel rank is refused in one line."""
+    lay, model, args = layout_from_config(load_config(TINY, [*fp8("tensorwise"), "--model.name", "moe",
+                                                             "--parallelism.zero_stage", "3"]), 1)
+    weights = float8_weights(model, args, lay)
+    for w in ("w1", "w3", "w2"):
+        assert weights[f"layers.1.feed_forward.experts.{w}"] == 128 * 64 * 2
+    assert "layers.0.feed_forward.w1.weight" in weights and not any("gate" in k for k in weights)
+    assert lay.float8_all_gather and not any(".experts." in k for k in gathered_in_float8(model, args, lay))
+    module, _ = routed_experts("rowwise")
+    note = types.SimpleNamespace(float8="rowwise", zero_stage=3, float8_all_gather=False,
+                                 param_dtype="float32")
+    assert describe([module], note, True, torch.device("cpu")) == (
+        "FP8 (rowwise) matmuls in this rank's 11 linear layers and routed experts of 1 block, all-gathered "
+        "in float32; the experts by one FP8 matmul per expert (torchao's grouped FP8 GEMM needs CUDA compute "
+        "capability 9.0)")
+    module, _ = routed_experts("rowwise", "--quantize.exclude", "*.gate,*.experts")
+    assert describe([module], note, True, torch.device("cpu")).endswith(
+        "11 linear layers, all-gathered in float32; the routed experts stay in float32 (quantize.modules or "
+        "quantize.exclude)")
+    with pytest.raises(ConfigError, match=r"the expert stack layers\.1\.feed_forward\.experts\.w1 is 128 x 8 "
+                                          r"\(in x out\) per expert on each of 8 tensor-parallel ranks.*add "
+                                          r"'\*\.experts' to quantize\.exclude"):
+        check_float8(model, args, lay.quantize, tp=8)
 
 
 def test_layers_too_small_to_gain_are_left_by_the_stated_rule():
@@ -159,16 +296,19 @@ def test_the_plan_command_searches_with_fp8(capsys):
 @pytest.mark.slow
 def test_the_start_up_note_says_what_runs_in_fp8(tmp_path):
     """One step of a mixture of experts under FP8: the start-up lines name the recipe, the layers
-    converted, and the routed experts left in the compute dtype."""
+    and expert modules converted and how the experts run."""
     from harness import cli
     from test_train import env
 
-    r = cli(["train", "--config", str(TINY), *fp8("rowwise"), "--model.name", "moe", "--training.steps", "1",
-             "--parallelism.zero_stage", "0", "--job.dump_folder", str(tmp_path / "out")], env(tmp_path))
+    job = ["train", "--config", str(TINY), *fp8("rowwise"), "--model.name", "moe", "--training.steps", "1",
+           "--parallelism.zero_stage", "0", "--job.dump_folder", str(tmp_path / "out")]
+    r = cli(job, env(tmp_path))
     assert r.returncode == 0, r.stderr
     # (2 blocks: 4 attention layers each, the dense block's feed-forward 3, the routed block's router left)
-    assert ("torchpar: FP8 (rowwise) matmuls in 11 linear layers of this rank; the routed experts' "
-            "grouped GEMM stays in float32") in r.stdout, r.stdout
+    assert ("torchpar: FP8 (rowwise) matmuls in this rank's 11 linear layers and routed experts of 1 block; "
+            "the experts by one FP8 matmul per expert (torchao's grouped FP8 GEMM needs CUDA compute "
+            "capability 9.0)") in r.stdout, r.stdout
+
 
 Z, LB, G = "--parallelism.zero_stage", "--training.local_batch_size", "--training.global_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -176,17 +316,22 @@ MOE = ["--model.name", "moe"]
 RECIPES = ("tensorwise", "rowwise")
 # (name: reference, overrides): the reference is the one-process run whose micro-batches hold the
 # rows each rank's micro-batch holds, so every tensor's scale covers the same values (a pipeline's
-# microbatch of 1 row; a data-parallel rank's 4 or 2 of the 8). Context parallelism has no such
-# reference (each rank scales its half of every sequence): selftest.FLOAT8_OTHER_SCALES bounds it.
+# microbatch of 1 row; a data-parallel rank's 4 or 2 of the 8). Under expert parallelism an expert
+# computes the rows both ranks send it, all 8 at once, while each rank's linear layers see their 4:
+# the ep2 cell puts the experts alone in FP8, against the one process holding all 8 rows. Context
+# parallelism has no such reference (each rank scales its half of every sequence):
+# selftest.FLOAT8_OTHER_SCALES bounds it.
+EXPERTS_ONLY = ["--quantize.modules", "*.experts"]
 ONE = {"one": [Z, "0"], "acc4": [Z, "0", LB, "4", G, "8"], "acc2": [Z, "0", LB, "2", G, "8"],
-       "mb1": [Z, "0", LB, "1", G, "8"], "moe_acc4": [*MOE, Z, "0", LB, "4", G, "8"]}
+       "mb1": [Z, "0", LB, "1", G, "8"], "moe_experts": [*MOE, *EXPERTS_ONLY, Z, "0", LB, "8", G, "8"]}
 WORLD2 = {
     "dp2_zero1": ("acc4", [LB, "4", Z, "1"]),
     "dp2_zero3": ("acc4", [LB, "4", Z, "3"]),  # (tensorwise: weights all-gathered in FP8)
     "tp2": ("one", [*TP2, Z, "0"]),
     "pp2": ("mb1", ["--parallelism.pipeline_parallel_degree", "2", Z, "0"]),
     "cp2": ("one", ["--parallelism.context_parallel_degree", "2", Z, "2"]),
-    "ep2": ("moe_acc4", [*MOE, LB, "4", Z, "3", "--parallelism.expert_parallel_degree", "2"]),
+    "ep2": ("moe_experts", [*MOE, *EXPERTS_ONLY, LB, "4", Z, "3",
+                            "--parallelism.expert_parallel_degree", "2"]),
     "dp2_selective_compile": ("acc4", [LB, "4", Z, "3", "--training.activation_checkpoint", "selective",
                                        "--training.compile", "true"]),
 }

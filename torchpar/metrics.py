@@ -186,7 +186,7 @@ def describe_run(trainer) -> str:
         line += f"\ntorchpar: {note}"
     if lay.float8 != "off":
         experts = trainer.model_family.experts(trainer.args) > 0
-        line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts)}"
+        line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts, trainer.device)}"
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
 

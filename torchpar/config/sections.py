@@ -276,21 +276,25 @@ class Optimizer:
 @dataclass
 class Quantize:
     float8: str = opt(
-        "off", "FP8 training of the blocks' linear layers through torchao's Float8Linear: 'tensorwise' "
+        "off", "FP8 training of the blocks' linear layers through torchao's Float8Linear, and of a mixture "
+        "of experts' routed experts (torchao's grouped FP8 GEMM on a CUDA GPU of compute capability 9.0, "
+        "else one FP8 matmul per expert): 'tensorwise' "
         "(one scale per tensor, the fastest; under ZeRO-3 its weights are all-gathered in FP8), "
         "'rowwise' (a scale per row of each operand, more accurate), 'off'. Each matmul of forward and "
         "backward runs on FP8 casts of its operands; the weights, gradients and optimizer keep their "
         "dtypes. Needs torchao.", ("off", "tensorwise", "rowwise"))
-    modules: list = opt(["layers.*"], "Linear layers to convert, as shell patterns (fnmatch) over their "
-                                      "names ('layers.*.attention.*'); the embedding and the output head "
+    modules: list = opt(["layers.*"], "Linear layers and routed-expert modules to convert, as shell "
+                                      "patterns (fnmatch) over their names ('layers.*.attention.*', "
+                                      "'layers.*.feed_forward.experts'); the embedding and the output head "
                                       "never are.")
     exclude: list = opt(["*.gate"], "Patterns of layers left in the compute dtype among those modules "
                                     "match (default: a mixture of experts' routers, whose logits choose "
-                                    "each token's experts).")
+                                    "each token's experts; '*.experts' leaves the routed experts).")
     skip_small: bool = opt(
         True, "Leave the layers too small to gain from FP8, by torchao's rule measured on H100 (N = out "
         "features, K = in): tensorwise when K <= 4096 and N <= 1024; rowwise when N <= 2048, K <= 1024, "
-        "or N <= 4096 and K <= 2048. false = every matched layer.")
+        "or N <= 4096 and K <= 2048; a routed-expert module when any of its matrices (per expert) is. "
+        "false = every matched layer.")
     float8_all_gather: bool = opt(
         True, "With 'tensorwise' under ZeRO-3: all-gather the converted weights in FP8 (1 byte each), their "
         "scales computed once after each optimizer step (one all-reduce for all), instead of in the "

@@ -503,7 +503,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
         why = float8_matmuls() if device == "cuda" else None  # (this machine's GPU, where it has one)
         if why:
             raise ConfigError(f"quantize.float8 = {layout.float8!r}: {why}; set quantize.float8 = 'off'")
-        if not check_float8(model, args, quantize):
+        if not check_float8(model, args, quantize, layout.tp):
             warn(f"quantize.float8 = {layout.float8!r} converts no layer: none of {list(quantize.modules)} "
                  "is a linear layer large enough to gain (quantize.skip_small) outside quantize.exclude")
     return layout

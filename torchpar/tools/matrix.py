@@ -110,8 +110,8 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
         out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs,
                 "--data.document_masking", "true"]
     out += ["--training.mixed_precision_param", cell["precision"]]
-    if cell["float8"] != "off":  # every block's linear layer but the routers and the debug flavours'
-        # 8-wide rotary key projections (FP8 takes multiples of 16)
+    if cell["float8"] != "off":  # every block's linear layer and routed experts but the routers and
+        # the debug flavours' 8-wide rotary key projections (FP8 takes multiples of 16)
         out += ["--quantize.float8", cell["float8"], "--quantize.skip_small", "false", "--quantize.exclude",
                 "*.gate,*.wk_rope"]
     if cell["evaluation"]:
