@@ -85,6 +85,10 @@ CKPT = TRAIN.replace("--training.steps 2", "--training.steps 8") + " --checkpoin
 CHECK_RUN = CHECK + " --job.dump_folder {run} --checkpoint.enable true --training.steps 8"
 FILES = " --data.dataset files --data.path {t}/x.txt"
 X = {"x.txt": "x = 1\n" * 50}
+CHAT = (" --data.dataset files --data.format chat --data.path {t}/c.jsonl --validation.enable false "
+        "--model.vocab_size 4104")
+CONVERSATION = {"c.jsonl": '{"messages": [{"role": "user", "content": "hi"}, '
+                           '{"role": "assistant", "content": "yo"}]}\n'}
 DS = "config from-deepspeed {t}/ds.json"
 EXPORT = "export --checkpoint {run} "
 GENERATE = "generate --checkpoint {run} --prompt x "
@@ -342,6 +346,18 @@ CASES = [
     Case("held-out files missing", CHECK + FILES + " --validation.enable true", "validation.path is required",
          files=X),
     Case("lanes 0", CHECK + " --data.lanes 0", "data.lanes must be positive"),
+    Case("a conversation with a role the template lacks", CHECK + CHAT,
+         "c.jsonl:1: message 1's role 'bot' is not one the llama3 template renders",
+         files={"c.jsonl": '{"messages": [{"role": "user", "content": "hi"}, '
+                           '{"role": "bot", "content": "x"}]}\n'}),
+    Case("a conversation that is no list", CHECK + CHAT, "c.jsonl:1: 'messages' must be a non-empty list",
+         files={"c.jsonl": '{"messages": "hi"}\n'}),
+    Case("a misspelt chat template", CHECK + CHAT + " --data.chat_template llama",
+         "data.chat_template = 'llama'", files={"c.jsonl": "{}\n"}),
+    Case("chat markers beyond the vocabulary", CHECK + CHAT.replace(" --model.vocab_size 4104", ""),
+         "uses token ids up to 4103", "set model.vocab_size = 4104 or more", files=CONVERSATION),
+    Case("chat from the stdlib corpus", CHECK + " --data.format chat",
+         "data.format = 'chat' reads local .jsonl"),
     Case("mixture weight 0", MIX, "data.sources[1]: weight must be a number > 0",
          files={"mix.toml": f'extends = "{TINY}"\n' + SOURCE + "weight = 1\n" + SOURCE + "weight = 0\n"}),
     Case("mixture unknown key", MIX, "data.sources[0]: unknown key 'paht'",

@@ -34,6 +34,12 @@ EVERY2 = [AC, "--training.activation_checkpoint_every=2"]
 DOCS = str(ROOT / "tests" / "data" / "short_docs.jsonl")
 DOCMASK = ["--data.dataset", "files", "--data.path", DOCS, "--validation.path", DOCS,
            "--data.document_masking", "true", *VAL]
+# Conversations of one short exchange (data.format = 'chat'): the loss on the answers only, a number
+# of targets that differs between ranks, so a layout equals one process only with the mean taken
+# over the whole step's targets.
+CHATS = str(ROOT / "tests" / "data" / "short_chat.jsonl")
+CHAT = ["--data.dataset", "files", "--data.format", "chat", "--data.path", CHATS, "--validation.path", CHATS,
+        "--model.vocab_size", "4104", "--data.document_masking", "true", *VAL]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 RING = ["--parallelism.context_parallel_method", "ring"]
@@ -107,6 +113,9 @@ WORLD2 = {
     "tp2_sp_lp_mtp": [*TP2, Z, "3", *MTP],
     "pp2_Interleaved1F1B_mtp_docmask": pp(2, "Interleaved1F1B", Z, "1", *MTP, *DOCMASK),
     "cp2_mtp_docmask": [*CP2, Z, "2", SAC, *MTP, *DOCMASK],
+    # Supervised fine-tuning on packed conversations.
+    "dp2_zero3_chat": [LB, "4", Z, "3", *CHAT],
+    "cp2_zero0_chat": [*CP2, Z, "0", *CHAT],
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -140,6 +149,7 @@ WORLD4 = {
     "hsdp2_cp2_zero3": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, Z, "3"],
     "hsdp2_cp2_ring_zero2": [LB, "4", "--parallelism.data_parallel_replicate_degree", "2", *CP2, *RING,
                              Z, "2"],
+    "pp2_tp2_chat": pp(2, "1F1B", *TP2, Z, "0", *CHAT),
 }
 # Three dimensions at once. 1F1B's pp x dp x tp and HSDP x TP are left to their world-4 pairs
 # (pp2_dp2_zero3, pp2_tp2; hsdp2x2, dp_shard2_tp2); ZBV here is the one run of a zero-bubble
@@ -192,6 +202,7 @@ def refs():
         "ref_mla": [Z, "0", *MLA],
         "ref_mtp": [Z, "0", *MTP],
         "ref_mtp_docmask": [Z, "0", *MTP, *DOCMASK],
+        "ref_chat": [Z, "0", *CHAT],
     }))
 
 
@@ -212,7 +223,7 @@ def param_tols(name: str) -> dict:
 
 def ref_for(name, refs):
     family, layout = name.split("/")
-    for kind in ("mtp_docmask", "docmask", "val", "tied", "5layers", "8layers", "mla", "mtp"):
+    for kind in ("mtp_docmask", "docmask", "chat", "val", "tied", "5layers", "8layers", "mla", "mtp"):
         if kind in layout:
             return refs[f"{family}/ref_{kind}"]
     return refs[f"{family}/ref"]

@@ -59,6 +59,7 @@ class Features:
     recompute: str = "none"  # training.activation_checkpoint: none | full | selective
     compile: bool = False
     document_masking: bool = False
+    chat: bool = False  # conversations, the loss on the assistant's turns (data.format = 'chat')
     bf16: bool = False  # bf16 compute (training.mixed_precision_param)
     float8: str = "off"  # FP8 matmuls of the blocks' linear layers (quantize.float8)
     offload: bool = False  # parallelism.cpu_offload
@@ -82,6 +83,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "recompute": ("recompute",),
     "compile": ("compile",),
     "document_masking": ("document_masking",),
+    "data_format": ("chat",),
     "precision": ("bf16",),
     "float8": ("float8",),
     "offload": ("offload",),

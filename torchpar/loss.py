@@ -27,6 +27,27 @@ import torch.nn.functional as F
 
 Z_LOSS = "z_loss"
 IGNORE = -100  # a target no loss is computed for (cross-entropy's ignore_index)
+# A token that is no loss target (a chat prompt's: the loss is on the assistant's turns) carries
+# this bit in the windows of token ids, so its mask travels with it wherever tokens go — packing,
+# loader workers, prepared corpora (uint32), pipeline microbatches, context-parallel shards — and
+# costs no bytes of its own. Token ids stay below it (vocabularies of up to 2^31 tokens).
+NO_LOSS = 1 << 31
+
+
+def token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with the :data:`NO_LOSS` bit cleared: the ids a model reads."""
+    return torch.where(tokens >= NO_LOSS, tokens - NO_LOSS, tokens)
+
+
+def targets_of(tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` as cross-entropy targets: IGNORE where they carry the :data:`NO_LOSS` bit."""
+    return torch.where(tokens >= NO_LOSS, IGNORE, tokens)
+
+
+def target_count(rows) -> int:
+    """Targets the windows ``rows`` [b, S + 1] (a host tensor or array) hold: each token after a
+    window's first that carries no :data:`NO_LOSS` bit."""
+    return int((rows[:, 1:] < NO_LOSS).sum())
 
 
 def depth_term(k: int) -> str:
@@ -37,7 +58,8 @@ def depth_term(k: int) -> str:
 def tokens_ahead(rows: torch.Tensor, depths: int, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Windows [b, S + 1] (inputs and their next tokens) -> [b, S, depths + 1]: column j holds, at
     each input position i, token i + 1 + j (column 0 the targets; column k the target of prediction
-    depth k and the token depth k + 1 reads), or IGNORE where that lies beyond the window or, with
+    depth k and the token depth k + 1 reads, with its :data:`NO_LOSS` bit: a reader takes
+    :func:`token_ids`, the loss :func:`targets_of`), or IGNORE where that lies beyond the window or, with
     ``documents`` [b, S], where token i + j is in another document than token i (the depth would
     read across documents; the positions after it in that document are ignored too, so none
     attends to one that did)."""
@@ -53,21 +75,25 @@ def tokens_ahead(rows: torch.Tensor, depths: int, documents: torch.Tensor | None
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy; works on vocab-sharded DTensor logits under loss_parallel."""
+    """Summed token cross-entropy over the targets (IGNORE left out: see :func:`targets_of`); works
+    on vocab-sharded DTensor logits under loss_parallel."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 
-def training_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple:
+def training_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
+                  scales: tuple = (1.0, 1.0)) -> tuple:
     """(what backward runs from, the cross-entropy alone, the z term or None) for one forward's
-    logits [b, s, v]: the summed cross-entropy plus ``z_loss`` x the sum over tokens of
-    logsumexp(logits)², which keeps the softmax's normalizer near 1 (PaLM's z-loss, 1e-4 there).
-    The caller records the z term (:func:`record_term`) for each forward that counts."""
+    logits [b, s, v]: the summed cross-entropy times ``scales[0]`` (one over the step's targets)
+    plus ``z_loss`` x the sum over tokens of logsumexp(logits)², which keeps the softmax's
+    normalizer near 1 (PaLM's z-loss, 1e-4 there), times ``scales[1]`` (one over its tokens: a
+    term on every position, as the auxiliary terms are). The caller records the z term
+    (:func:`record_term`) for each forward that counts."""
     ce = cross_entropy_sum(logits, targets)
     if not z_loss:
-        return ce, ce, None
+        return ce * scales[0], ce, None
     lse = torch.logsumexp(logits.float(), dim=-1)  # [b, s] (under loss parallel: over the sharded vocab)
     z = z_loss * lse.square().sum()
-    return ce + z, ce, z
+    return ce * scales[0] + z * scales[1], ce, z
 
 
 class AuxiliaryTerms:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from torchpar import device as dev
-from torchpar.data import TokenizedCorpus
+from torchpar.data import ChatSource, TokenizedCorpus
 from torchpar.parallel import float8
 
 
@@ -177,8 +177,10 @@ def describe_run(trainer) -> str:
     windows = trainer.dataloader.dataset
 
     how = {True: "prepared: own windows only", False: "tokenized on the fly"}
-    read = ", ".join(f"{name} ({how[isinstance(src, TokenizedCorpus)]})"
-                     for name, src in zip(trainer.source_names, windows.sources))
+    def what(src) -> str:
+        return src.describe() if isinstance(src, ChatSource) else how[isinstance(src, TokenizedCorpus)]
+
+    read = ", ".join(f"{name} ({what(src)})" for name, src in zip(trainer.source_names, windows.sources))
     mix = f", mixture exact over every {windows.mixture.period} windows" if len(windows.sources) > 1 else ""
     masking = ", attention inside documents" if cfg.data.document_masking else ""
     line += f"\ntorchpar: data {read}{mix}{masking}"

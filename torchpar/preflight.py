@@ -20,7 +20,8 @@ from torchpar.checkpoint import checkpoint_root, find_resume, read_manifest, sav
 from torchpar.composition import Features
 from torchpar.config import JobConfig
 from torchpar.console import progress, warn
-from torchpar.data import build_source, data_identity, resume_notes, source_specs
+from torchpar.data import build_source, data_identity, loss_masked, resume_notes, source_specs
+from torchpar.data.chat import TEMPLATES
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype, device_type
@@ -92,8 +93,18 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     shares = [w for _, _, w in specs]
     if len(shares) > 1:
         Mixture(shares)  # weights it cannot make exact: one line here, not in every rank's loader
-    sources = [build_source(spec, cfg.training.seed) for _, spec, _ in specs]
-    val_source = build_source(held_out_data(cfg), cfg.training.seed) if cfg.validation.enable else None
+    window = cfg.training.seq_len + 1
+    sources = [build_source(spec, cfg.training.seed, tokenizer, window) for _, spec, _ in specs]
+    val_source = (build_source(held_out_data(cfg), cfg.training.seed, tokenizer, window)
+                  if cfg.validation.enable else None)
+    if any(loss_masked(s) for s in [*sources, val_source]):
+        need = TEMPLATES[cfg.data.chat_template].vocab_size(tokenizer)
+        if need > args.vocab_size:
+            raise ConfigError(
+                f"data.format = 'chat' with chat_template = {cfg.data.chat_template!r} uses token ids up to "
+                f"{need - 1} (its turn markers follow BOS and EOS, as Llama 3's do), and model flavor "
+                f"{cfg.model.flavor!r} has vocab_size {args.vocab_size}; set model.vocab_size = {need} or "
+                "more")
     for source in prepared_corpora([*sources, val_source]):
         if source.tokenizer != tokenizer.fingerprint:
             raise ConfigError(f"data.path {str(source.folder)!r} was tokenized with another tokenizer "
@@ -126,7 +137,8 @@ def features_of(cfg: JobConfig, world: int, device: str | None = None) -> Featur
     dtype = compute_dtype(tr.mixed_precision_param, device)
     lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer, cfg.quantize)
     return layout_features(lay, model, args, cfg.data.document_masking, device or device_type(),
-                           z_loss=cfg.loss.z_loss > 0, evaluation=cfg.validation.enable)
+                           z_loss=cfg.loss.z_loss > 0, evaluation=cfg.validation.enable,
+                           chat=cfg.data.format == "chat")
 
 
 def param_kinds(model: ModelAdapter, args) -> set[tuple[str, int]]:

@@ -2,8 +2,9 @@
 
 The rank file format is tiktoken's (and Llama 3's ``tokenizer.model``): one line per token,
 ``base64(token bytes) rank``, ranks 0..n-1, every single byte present. Special tokens follow
-the mergeable ones: BOS = n, EOS = n + 1 (for Llama 3's 128000-token file that is 128000/128001,
-its ids).
+the mergeable ones in Llama 3's order (for its 128000-token file, its ids): BOS = n, EOS = n + 1,
+and the chat template's turn markers up to <|eot_id|> = n + 9. The vocabulary a pretraining model
+needs ends at EOS (``n_words``); a chat model's at the last marker its template uses.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Llama 3's special tokens, in the order of their ids after the mergeable ones (n, n + 1, ...).
+SPECIALS = (BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>")
 BUILTIN = Path(__file__).parent / "assets" / "stdlib_4096.tiktoken"
 
 
@@ -88,9 +93,9 @@ class Tokenizer:
         n = len(ranks)
         self.bos_id, self.eos_id = n, n + 1
         self.encoding = tiktoken.Encoding(
-            name=Path(path).stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens={BOS: n, EOS: n + 1}
-        )
-        self.n_words = self.encoding.n_vocab
+            name=Path(path).stem, pat_str=pattern, mergeable_ranks=ranks,
+            special_tokens={name: n + i for i, name in enumerate(SPECIALS)})
+        self.n_words = n + 2  # (the vocabulary of documents of text: up to EOS)
         # Which tokens a saved data position (token offsets) counts in.
         self.fingerprint = f"{self.n_words} tokens, crc {zlib.crc32(Path(path).read_bytes()):08x}"
 
@@ -98,6 +103,10 @@ class Tokenizer:
         # Special-token text inside documents is encoded as ordinary text, never as a control id.
         ids = self.encoding.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def special(self, name: str) -> int:
+        """The id of special token ``name`` (one of :data:`SPECIALS`)."""
+        return self.encoding.encode_single_token(name)
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)

@@ -17,11 +17,11 @@ from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, to_toml
 from torchpar.console import StartupClock, progress, tee_output, warn
-from torchpar.data import build_dataloader, document_ids
+from torchpar.data import build_dataloader, document_ids, loss_masked
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
-from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, tokens_ahead, training_loss
+from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
@@ -90,7 +90,9 @@ class Trainer:
                                                cfg.data.lanes, self.device.type == "cuda", pre.shares)
         self.source_names = pre.source_names
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
-        self.global_tokens = self.global_batch * tr.seq_len  # every target is a real token: windows are full
+        self.global_tokens = self.global_batch * tr.seq_len  # every position a real token: windows are full
+        # Conversations carry loss masks: a step's targets are counted, not assumed (global_targets).
+        self.masked = any(loss_masked(s) for s in pre.sources)
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,
@@ -184,15 +186,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def global_targets(self, mine: int, masked: bool):
+        """The loss targets of the whole job's windows whose share here holds ``mine``: with loss
+        masks (``masked``) counted — one all-reduce of an integer, left on the device (each data-
+        parallel rank's windows are held alike by world / dp ranks) — else every position of every
+        data-parallel rank's windows (a number)."""
+        if not masked:
+            return mine * self.layout.dp
+        count = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        dist.all_reduce(count)
+        # (at least 1: a step whose windows hold only prompts has a loss of 0, not 0 / 0)
+        return (count.double() * self.layout.dp / self.layout.world).clamp(min=1).float()
+
     def train_step(self, batches) -> None:
         """One optimizer step. Its figures are read by the host later (:meth:`_settle`)."""
         state, step = self.model.state, self.train_state.step
-        # Gradients of the globally normalized loss: the average over dp x cp taken by the
-        # reduction undoes the factor here.
-        scale = self.layout.grad_ranks / self.global_tokens
         phase = self.breakdown.phase  # times the phases of logged steps
+        with phase("data"):
+            hosts = [next(batches) for _ in range(self.layout.accum)]
+        targets = self.global_targets(sum(target_count(h) for h in hosts), self.masked)
+        # Gradients of the globally normalized loss: the average over dp x cp taken by the
+        # reduction undoes the factor here. The cross-entropy is a mean over the step's targets,
+        # the other terms over its tokens.
+        scale = self.layout.grad_ranks / self.global_tokens
+        scales = (self.layout.grad_ranks / targets, scale)
         with auxiliary_terms(self.loss_terms, scale) as terms:
-            loss_sum = self._forward_backward(batches, scale, phase)
+            loss_sum = self._forward_backward(hosts, scales, phase)
         with phase("reduce_clip"):
             state.reduce_gradients()
             grad_norm = clip_grad_norm(state, self.cfg.training.max_norm, self.grad_device)
@@ -203,7 +222,7 @@ class Trainer:
             # (the balancing bias moves here, before the next step's forwards)
             routing = self.routing.update(summed[n:]) if self.routing is not None else summed[n:]
             # (with CPU offload the norm of host gradients is on the host)
-            head = torch.stack([loss / self.global_tokens, grad_norm.to(loss.device), stopping])
+            head = torch.stack([loss / targets, grad_norm.to(loss.device), stopping])
             figures = torch.cat([head, term_sums / self.global_tokens, routing])
             skip = self.guard.record(step, figures)
         # The steps before this one are read now: waiting for them leaves this one's work queued.
@@ -214,25 +233,24 @@ class Trainer:
                 state.step()
         self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
 
-    def _forward_backward(self, batches, scale: float, phase) -> torch.Tensor:
-        """Every micro-step's forward and backward (or the pipeline's schedule step); returns this
-        rank's summed token cross-entropy."""
+    def _forward_backward(self, hosts: list[torch.Tensor], scales: tuple, phase) -> torch.Tensor:
+        """Every micro-step's forward and backward (or the pipeline's schedule step) on the host
+        batches ``hosts``, with the loss ``scales`` (:func:`training_loss`); returns this rank's
+        summed token cross-entropy."""
         state, loss_sum = self.model.state, torch.zeros((), device=self.device)
         if self.model.pipeline is not None:
             # With a pipeline, accumulation is just more microbatches in one schedule step.
             with phase("data"):
-                hosts = [next(batches) for _ in range(self.layout.accum)]
                 # each batch is copied from its pinned buffer: a host-side cat would not be pinned
                 batch = torch.cat([host.to(self.device, non_blocking=True) for host in hosts])
                 kwargs = self.forward_kwargs(torch.cat(hosts), training=True)
             state.set_sync(True)
             with phase("forward_backward"), compute_context(self.layout):
                 inputs, targets = inputs_and_targets(batch, self.layout)
-                loss_sum += self.model.pipeline.step(inputs, targets, scale, **kwargs)
+                loss_sum += self.model.pipeline.step(inputs, targets, scales, **kwargs)
         else:
-            for micro in range(self.layout.accum):
+            for micro, host in enumerate(hosts):
                 with phase("data"):
-                    host = next(batches)
                     batch = host.to(self.device, non_blocking=True)
                 # (this rank's part of each sequence under context parallelism; documents stay whole)
                 inputs, targets = inputs_and_targets(batch, self.layout)
@@ -240,11 +258,11 @@ class Trainer:
                 with phase("forward_backward"), compute_context(self.layout):
                     kwargs = self.forward_kwargs(host, training=True)
                     logits = self.model.parts[0](inputs, **kwargs)
-                    loss, ce, z = training_loss(logits, targets, self.cfg.loss.z_loss)
+                    loss, ce, z = training_loss(logits, targets, self.cfg.loss.z_loss, scales)
                     del logits  # (the logits must not outlive the loss)
                     if z is not None:
                         record_term(Z_LOSS, z)
-                    (loss * scale).backward()
+                    loss.backward()
                     loss_sum += full_value(ce.detach())
                 if self.watchdog is not None:
                     self.watchdog.progress()

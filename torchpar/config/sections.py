@@ -155,6 +155,21 @@ class Data:
     path: str = opt("", "For 'files': comma-separated paths or globs. For 'hf': dataset name or local path. "
                         "For 'tokenized': the prepared folder.")
     text_field: str = opt("text", "Key of the text in .jsonl records and HF rows.")
+    format: str = opt(
+        "text", "'text' = documents of text, every token a loss target; 'chat' = conversations for "
+        "supervised fine-tuning: each .jsonl record's `messages_field`, a list of {\"role\", \"content\"}, "
+        "rendered by `chat_template`, the loss on the assistant's turns only, packed whole into windows "
+        "(padded, never split; set document_masking = true so none attends to another). 'files' or a "
+        "prepared corpus.",
+        ("text", "chat"))
+    messages_field: str = opt("messages", "'chat': key of the conversation in .jsonl records.")
+    chat_template: str = opt(
+        "llama3", "'chat': how a conversation becomes tokens: 'llama3' (Llama 3's headers and <|eot_id|>; "
+        "its turn markers follow BOS and EOS, so a model needs vocab_size >= the tokenizer's + 8).",
+        ("llama3",))
+    chat_too_long: str = opt(
+        "truncate", "'chat': a conversation longer than a window (training.seq_len + 1 tokens): 'truncate' "
+        "keeps its first window of tokens, 'drop' leaves it out; counted either way.", ("truncate", "drop"))
     split: str = opt(
         "train", "'train' or the held-out 'validation' split of the stdlib corpus; HF split name for 'hf'."
     )

@@ -26,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchpar.data.streams import Mixture, TextStream, TokenStream, lane_size
 from torchpar.data.tokenized import TokenizedCorpus
 from torchpar.errors import ConfigError
+from torchpar.loss import token_ids
 from torchpar.tokenizer import Tokenizer
 
 
@@ -119,8 +120,9 @@ class PackedWindows(IterableDataset):
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
     """Each token's document inside its packed window [b, s]: every document starts with BOS (text
-    never encodes to it), and the tokens before a window's first BOS belong to document 0."""
-    return (tokens == bos_id).cumsum(dim=1)
+    never encodes to it; a chat prompt's BOS carries the NO_LOSS bit), and the tokens before a
+    window's first BOS belong to document 0."""
+    return (token_ids(tokens) == bos_id).cumsum(dim=1)
 
 
 def data_identity(sources, tokenizer: Tokenizer, seq_len: int, global_batch: int, lanes: int,

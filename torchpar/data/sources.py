@@ -13,8 +13,10 @@ import zlib
 from pathlib import Path
 
 from torchpar.console import warn
+from torchpar.data.chat import TEMPLATES, ChatTemplate, messages_of, pack
 from torchpar.data.tokenized import TokenizedCorpus, is_prepared
 from torchpar.errors import ConfigError
+from torchpar.loss import NO_LOSS
 
 VALIDATION_PERCENT = 3  # stdlib files whose path hashes into this bucket form the held-out split
 
@@ -30,6 +32,12 @@ class DocumentSource:
 
     def _skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def tokens(self, i: int, tokenizer) -> list[int]:
+        """Document ``i``'s token ids, as training reads them (BOS + text + EOS; none for an empty
+        text): the one rule of the on-the-fly reader and of ``prepare-data``."""
+        text = self[i]
+        return tokenizer.encode(text) if text.strip() else []
 
 
 class StdlibSource(DocumentSource):
@@ -88,50 +96,26 @@ class FileSource(DocumentSource):
 
     def __init__(self, paths: str, text_field: str):
         super().__init__("files")
-        files: list[Path] = []
-        for pattern in (p.strip() for p in paths.split(",") if p.strip()):
-            matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
-            if not matches:
-                raise ConfigError(f"data.path: {pattern!r} matches no file")
-            files += [Path(m) for m in matches if Path(m).is_file()]
         self.docs: list[str] = []
         nulls: list[str] = []  # where each null text is
-        for f in files:
-            raw = f.read_bytes()
-            if b"\0" in raw:
-                raise ConfigError(f"{f}: a NUL byte at byte {raw.index(0)} (a binary or UTF-16 file?); "
-                                  "convert it to UTF-8 text or remove it from data.path")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(
-                    f"{f}: not valid UTF-8 at byte {e.start}; convert the file or remove it from data.path"
-                ) from None
-            if f.suffix == ".jsonl":
-                for lineno, line in enumerate(text.splitlines(), 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ConfigError(f"{f}:{lineno}: not a JSON object ({e.msg})") from None
-                    if not isinstance(record, dict) or text_field not in record:
-                        keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-                        raise ConfigError(
-                            f"{f}:{lineno}: no field '{text_field}' (has {keys}); set data.text_field"
-                        )
-                    value = record[text_field]
-                    if value is None:
-                        nulls.append(f"{f}:{lineno}")
-                        self._skip("null")
-                    elif not isinstance(value, str):
-                        raise ConfigError(f"{f}:{lineno}: field '{text_field}' is not a string "
-                                          f"({json.dumps(value)[:40]}); set data.text_field to the text's "
-                                          "field or fix the record")
-                    else:
-                        self._add(value)
-            else:
+        for f, text in read_files(paths):
+            if f.suffix != ".jsonl":
                 self._add(text)
+                continue
+            for where, record in jsonl_records(f, text):
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
+                    raise ConfigError(f"{where}: no field '{text_field}' (has {keys}); set data.text_field")
+                value = record[text_field]
+                if value is None:
+                    nulls.append(where)
+                    self._skip("null")
+                elif not isinstance(value, str):
+                    raise ConfigError(f"{where}: field '{text_field}' is not a string "
+                                      f"({json.dumps(value)[:40]}); set data.text_field to the text's "
+                                      "field or fix the record")
+                else:
+                    self._add(value)
         if nulls:
 
             warn(f"skipped {len(nulls)} record(s) whose \"{text_field}\" is null (the first at {nulls[0]})")
@@ -155,6 +139,93 @@ class FileSource(DocumentSource):
 
     def __getitem__(self, i: int) -> str:
         return self.docs[i]
+
+
+def read_files(paths: str) -> list[tuple[Path, str]]:
+    """(file, text) of every file that ``paths`` (comma-separated paths or globs) names, read once:
+    one line for a pattern that matches nothing, a NUL byte (a binary or UTF-16 file) or bad UTF-8."""
+    files: list[Path] = []
+    for pattern in (p.strip() for p in paths.split(",") if p.strip()):
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matches:
+            raise ConfigError(f"data.path: {pattern!r} matches no file")
+        files += [Path(m) for m in matches if Path(m).is_file()]
+    out = []
+    for f in files:
+        raw = f.read_bytes()
+        if b"\0" in raw:
+            raise ConfigError(f"{f}: a NUL byte at byte {raw.index(0)} (a binary or UTF-16 file?); "
+                              "convert it to UTF-8 text or remove it from data.path")
+        try:
+            out.append((f, raw.decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{f}: not valid UTF-8 at byte {e.start}; convert the file or remove it from data.path"
+            ) from None
+    return out
+
+
+def jsonl_records(f: Path, text: str):
+    """(file:line, record) of each non-blank line of JSONL file ``f`` (its ``text``); one line for a
+    line that is not JSON."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{f}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{f}:{lineno}: not a JSON object ({e.msg})") from None
+
+
+class ChatSource(DocumentSource):
+    """Conversations of local ``.jsonl`` files (``data.format = 'chat'``), rendered by ``template``
+    with ``tokenizer`` and packed whole into windows of ``window`` tokens (torchpar.data.chat): its
+    documents are those windows. Everything is read, checked and rendered up front, so a bad record
+    fails here (one line naming its file and line); a conversation with no assistant turn is
+    skipped and counted. A corpus too large to render at every start is prepared once
+    (``torchpar prepare-data``), and each rank then reads only its windows."""
+
+    def __init__(self, paths: str, field: str, template: ChatTemplate, tokenizer, window: int, too_long: str):
+        super().__init__("chat")
+        conversations = []
+        for f, text in read_files(paths):
+            if f.suffix != ".jsonl":
+                raise ConfigError(f"{f}: data.format = 'chat' reads .jsonl files of conversations; remove it "
+                                  "from data.path")
+            for where, record in jsonl_records(f, text):
+                messages = messages_of(record, field, template, where)
+                if messages is None:
+                    self._skip("no assistant turn")
+                else:
+                    conversations.append(template.render(messages, tokenizer))
+        if not conversations:
+            raise ConfigError(f"data.path {paths!r}: no conversation with an assistant turn (skipped: "
+                              f"{self.skipped})")
+        self.bins, counts = pack(conversations, window, too_long, tokenizer.eos_id | NO_LOSS)
+        if counts["dropped"]:
+            self.skipped["longer than a window"] = counts["dropped"]
+        self.template, self.window, self.too_long = template.name, window, too_long
+        self.conversations, self.truncated = len(conversations) - counts["dropped"], counts["truncated"]
+        tokens = sum(min(len(c), window) for c in conversations)
+        self.padding = 1 - tokens / self.bins.size if self.bins.size else 0.0
+        self.targets = float((self.bins[:, 1:] < NO_LOSS).mean()) if self.bins.size else 0.0
+
+    def fingerprint(self) -> str:
+        return (f"{len(self.bins)} windows of {self.window} tokens ({self.template} template, "
+                f"{self.too_long}), crc {zlib.crc32(self.bins.tobytes()):08x}")
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def tokens(self, i: int, tokenizer) -> list[int]:
+        return self.bins[i].tolist()
+
+    def describe(self) -> str:
+        """The start-up note: what the windows hold."""
+        cut = f", {self.truncated} truncated to a window" if self.truncated else ""
+        left = f", {sum(self.skipped.values())} left out ({self.skipped})" if self.skipped else ""
+        return (f"{self.conversations} conversations ({self.template} template) in {len(self.bins)} windows"
+                f"{cut}{left}; {self.padding:.0%} of the tokens padding, {self.targets:.0%} loss targets")
 
 
 class HFSource(DocumentSource):
@@ -202,19 +273,42 @@ class HFSource(DocumentSource):
         return text or ""
 
 
-def build_source(cfg, seed: int):
-    """``cfg`` is the [data] section (or one of its sources)."""
+def loss_masked(source) -> bool:
+    """Whether ``source``'s tokens may carry NO_LOSS bits: conversations (``format`` 'chat'), read
+    on the fly or prepared (whose documents are windows); None (no source) is not."""
+    return bool(getattr(source, "window", 0))
 
+
+def build_source(cfg, seed: int, tokenizer=None, window: int = 0):
+    """``cfg`` is the [data] section (or one of its sources); conversations (``format`` 'chat')
+    are rendered with ``tokenizer`` and packed into windows of ``window`` tokens."""
+
+    if cfg.dataset == "tokenized" or (cfg.dataset == "files" and is_prepared(cfg.path)):
+        corpus = TokenizedCorpus(cfg.path)
+        if (cfg.format == "chat") != bool(corpus.window):
+            raise ConfigError(f"data.path {cfg.path!r} was prepared with data.format = "
+                              f"{'chat' if corpus.window else 'text'}; set data.format to that, or prepare "
+                              "it again")
+        if corpus.window and corpus.window != window:
+            raise ConfigError(f"data.path {cfg.path!r} holds conversations packed into windows of "
+                              f"{corpus.window} tokens (training.seq_len = {corpus.window - 1}), not "
+                              f"{window}; set training.seq_len to that, or prepare the corpus again with "
+                              "this one")
+        return corpus
+    if cfg.format == "chat":
+        if cfg.dataset != "files":
+            raise ConfigError(f"data.format = 'chat' reads local .jsonl files (data.dataset = 'files') or a "
+                              f"corpus prepared from them, not data.dataset = {cfg.dataset!r}")
+        return ChatSource(cfg.path, cfg.messages_field, TEMPLATES[cfg.chat_template], tokenizer, window,
+                          cfg.chat_too_long)
     if cfg.dataset == "stdlib":
         return StdlibSource(cfg.split, seed)
-    if cfg.dataset == "tokenized" or (cfg.dataset == "files" and is_prepared(cfg.path)):
-        return TokenizedCorpus(cfg.path)
     if cfg.dataset == "files":
         return FileSource(cfg.path, cfg.text_field)
     return HFSource(cfg.path, cfg.split, cfg.text_field)
 
 
-SOURCE_KEYS = ("dataset", "path", "text_field", "split", "weight", "name")
+SOURCE_KEYS = ("dataset", "path", "text_field", "split", "weight", "name", "format", "messages_field")
 
 
 def source_specs(cfg) -> list[tuple[str, object, float]]:
@@ -241,6 +335,8 @@ def source_specs(cfg) -> list[tuple[str, object, float]]:
         if spec.dataset not in ("stdlib", "files", "hf", "tokenized"):
             raise ConfigError(f"{where}.dataset = {spec.dataset!r} is not one of stdlib, files, hf, "
                               "tokenized")
+        if spec.format not in ("text", "chat"):
+            raise ConfigError(f"{where}.format = {spec.format!r} is not 'text' or 'chat'")
         if spec.dataset != "stdlib" and not spec.path:
             raise ConfigError(f"{where}.path is required when its dataset is '{spec.dataset}'")
         name = str(entry.get("name") or (spec.dataset if spec.dataset == "stdlib" else Path(spec.path).name))

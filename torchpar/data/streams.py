@@ -90,8 +90,7 @@ class TextStream:
         self.readers = [self._lane(j, *self.lane_pos[j]) for j in range(lanes)]
 
     def _tokens(self, docs, i: int) -> list[int]:
-        text = self.source[int(docs[i])]
-        return self.tokenizer.encode(text) if text.strip() else []
+        return self.source.tokens(int(docs[i]), self.tokenizer)
 
     def _lane(self, lane: int, epoch: int, doc: int, offset: int):
         """Yield (window, (epoch, doc, offset) after it) forever from one lane."""

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from torchpar.errors import ConfigError
+from torchpar.loss import NO_LOSS
 from torchpar.outputs import replacing, write_text
 
 FORMAT = "torchpar-tokens/1"
@@ -76,6 +77,7 @@ class TokenizedCorpus:
         try:
             self.manifest, self.name, self.tokenizer = m, m["source"], m["tokenizer"]
             self.skipped: dict[str, int] = m["skipped"]
+            self.window = int(m.get("window", 0))  # a chat corpus's: each document is one window
             dtype, per = np.dtype(m["dtype"]), m["docs_per_shard"]
             self.lengths = np.concatenate([np.load(self.folder / f"shard-{i:05d}.lengths.npy")
                                            for i in range(len(m["shards"]))])
@@ -145,12 +147,19 @@ def verify_prepared(corpus: TokenizedCorpus, vocab_size: int, checksums: bool = 
         crc, top = 0, -1
         for a in range(0, data.size, chunk):
             piece = np.asarray(data[a:a + chunk])
-            crc, top = zlib.crc32(piece.tobytes(), crc), max(top, int(piece.max()))
+            crc, top = zlib.crc32(piece.tobytes(), crc), max(top, largest_id(piece))
         if crc != shard["crc"]:
             raise ConfigError(f"{where}: {path.name} fails its CRC32 check (corrupted); {fix}")
         if top >= vocab_size:
             raise ConfigError(f"{where}: {path.name} holds token id {top}, beyond the model's vocab_size "
                               f"{vocab_size}; {fix} with this model's tokenizer")
+
+
+def largest_id(tokens: np.ndarray) -> int:
+    """The largest token id among ``tokens`` (their NO_LOSS bits cleared); -1 for none."""
+    if not tokens.size:
+        return -1
+    return int((tokens % NO_LOSS).max()) if tokens.dtype.itemsize >= 4 else int(tokens.max())
 
 
 # ---------------------------------------------------------------- preparation
@@ -163,8 +172,7 @@ def _prepare_shard(i: int) -> dict:
     before = dict(source.skipped)
     pieces, lengths = [], []
     for d in range(i * per, min((i + 1) * per, len(source))):
-        text = source[d]
-        ids = tokenizer.encode(text) if text.strip() else []  # the on-the-fly path's rule
+        ids = source.tokens(d, tokenizer)  # (the on-the-fly reader's rule)
         pieces.append(np.asarray(ids, dtype=dtype))
         lengths.append(len(ids))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
@@ -176,7 +184,7 @@ def _prepare_shard(i: int) -> dict:
             write(f)
     skipped = {k: v - before.get(k, 0) for k, v in source.skipped.items() if v - before.get(k, 0)}
     info = {"tokens": int(tokens.size), "crc": zlib.crc32(tokens.tobytes()), "skipped": skipped,
-            "max_id": int(tokens.max()) if tokens.size else -1}
+            "max_id": largest_id(tokens)}
     _write_json(stem.with_suffix(".json"), info)
     return info
 
@@ -215,10 +223,13 @@ def prepare(source, tokenizer, folder: Path, processes: int, docs_per_shard: int
     finished, and a rerun goes on from them."""
     global _WORK
     folder.mkdir(parents=True, exist_ok=True)
+    window = getattr(source, "window", 0)  # a chat source's: its documents are windows, masks in bit 31
     identity = {"format": FORMAT, "source": source.name, "documents": source.fingerprint(),
                 "tokenizer": tokenizer.fingerprint, "n_documents": len(source),
                 "docs_per_shard": docs_per_shard,
-                "dtype": "uint16" if tokenizer.n_words <= 2 ** 16 else "uint32"}
+                "dtype": "uint16" if tokenizer.n_words <= 2 ** 16 and not window else "uint32"}
+    if window:
+        identity["window"] = window
     plan = folder / PLAN
     if _format_of(plan) == FORMAT and json.loads(plan.read_text()) != identity:
         raise ConfigError(f"--out {folder} holds a preparation of another corpus, tokenizer or "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from torchpar.loss import add_auxiliary_loss, cross_entropy_sum, depth_term
+from torchpar.loss import add_auxiliary_loss, cross_entropy_sum, depth_term, targets_of, token_ids
 from torchpar.models.common import (
     Documents,
     Mask,
@@ -400,7 +400,8 @@ class Transformer(SeededInit):
         depths = self.args.mtp_depth if ahead is not None else 0
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)  # [b, s, d]
-            read = [self.tok_embeddings(ahead[..., k].clamp(min=0)) for k in range(depths)]  # each [b, s, d]
+            # each [b, s, d] (a position past the window or its document reads token 0: its target is ignored)
+            read = [self.tok_embeddings(token_ids(ahead[..., k]).clamp(min=0)) for k in range(depths)]
         else:
             h, *read = x.chunk(depths + 1, dim=-1) if depths else (x,)
         positions, mask = (document_layout(documents, h.dtype, h.device) if documents is not None
@@ -423,7 +424,7 @@ class Transformer(SeededInit):
         state, weight = h, self.args.mtp_weight / self.args.mtp_depth
         for k, (layer, embedded) in enumerate(zip(self.args.mtp_layers, read), 1):
             state, normed = self.layers[str(layer)](torch.cat([state, embedded], dim=-1), *block_args, mask)
-            ce = cross_entropy_sum(self.output(normed), ahead[..., k])
+            ce = cross_entropy_sum(self.output(normed), targets_of(ahead[..., k]))
             h = add_auxiliary_loss(h, depth_term(k), ce, weight)
         return h
 

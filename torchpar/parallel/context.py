@@ -35,6 +35,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_ring
 
+from torchpar.loss import targets_of, token_ids
 from torchpar.models.common import SequenceShard, attention, document_layout, repeat_kv, with_values_as_wide
 
 
@@ -55,8 +56,9 @@ def shard_sequence(t: torch.Tensor, layout) -> torch.Tensor:
 
 
 def inputs_and_targets(rows: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows [b, S + 1] -> this rank's inputs and targets (each input's next token) [b, S / cp]."""
-    return shard_sequence(rows[:, :-1], layout), shard_sequence(rows[:, 1:], layout)
+    """Windows [b, S + 1] -> this rank's inputs (token ids) and targets (each input's next token,
+    IGNORE where it carries the NO_LOSS bit) [b, S / cp]."""
+    return shard_sequence(token_ids(rows[:, :-1]), layout), shard_sequence(targets_of(rows[:, 1:]), layout)
 
 
 class ContextShard(SequenceShard):

@@ -425,7 +425,7 @@ def _check_buckets_field(par, zero: int, overridden: frozenset) -> None:
 
 
 def layout_features(lay: Layout, model, args, document_masking: bool = False, device: str = "cpu",
-                    z_loss: bool = False, evaluation: bool = False) -> Features:
+                    z_loss: bool = False, evaluation: bool = False, chat: bool = False) -> Features:
     """The facts the composition table (torchpar.composition) reads of a layout of adapter
     ``model`` with ``args``, beside the job's other features."""
     kind = kind_of(lay.optimizer)
@@ -441,6 +441,7 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         replicas=lay.dp_replicate, tp=lay.tp, pp=lay.pp, schedule=schedule,
         split_backward=schedule in SPLIT_BACKWARD, cp=lay.cp, cp_method=lay.cp_method, ep=lay.ep,
         recompute=lay.activation_checkpoint, compile=lay.compile, document_masking=document_masking,
+        chat=chat,
         bf16=lay.param_dtype == "bfloat16", float8=lay.float8, offload=lay.cpu_offload, z_loss=z_loss,
         accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, device=device)
 

@@ -243,21 +243,22 @@ class Pipeline:
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         # scale_grads=False: the loss is already normalized by the global token count.
         self.schedule = cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
-        self._scale, self._sums = 1.0, []
+        self._scales, self._sums = (1.0, 1.0), []
         self.z_loss = 0.0  # [loss] z_loss, set by the trainer
         self._timer = None  # see time_actions
 
     def _loss(self, output, target):
 
         with self._timer("L") if self._timer else contextlib.nullcontext():  # the last stage's work too
-            loss, ce, z = training_loss(output, target, self.z_loss)
+            loss, ce, z = training_loss(output, target, self.z_loss, self._scales)
         self._sums.append((full_value(ce.detach()), None if z is None else z.detach()))
-        return loss * self._scale
+        return loss
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
-        """``kwargs``: the model's other inputs (``documents``), split into microbatches like the
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scales: tuple, **kwargs) -> torch.Tensor:
+        """``scales``: the cross-entropy's and the z term's (:func:`torchpar.loss.training_loss`).
+        ``kwargs``: the model's other inputs (``documents``), split into microbatches like the
         tokens and given to every stage."""
-        self._scale, self._sums = scale, []
+        self._scales, self._sums = scales, []
         target = targets if self.has_last else None
         # return_outputs=False: the last stage would otherwise keep every microbatch's logits until
         # the step ends and concatenate them into a batch-sized copy nobody reads.

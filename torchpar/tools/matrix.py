@@ -46,6 +46,7 @@ VALUES: dict[str, tuple] = {
     "recompute": ("none", "selective", "full", "every2"),
     "compile": (False, True),
     "document_masking": (False, True),
+    "data_format": ("text", "chat"),
     "precision": ("float32", "bfloat16"),
     "float8": ("off", "tensorwise", "rowwise"),
     "offload": (False, True),
@@ -61,8 +62,8 @@ PAIRS_PER_SECOND = 0.3
 GLOBAL_BATCH = 8
 # What the one-process run a cell is compared with shares with it: the dimensions that change the
 # numbers (the others are how the same numbers are computed).
-REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "precision", "float8",
-                  "loss_terms", "evaluation")
+REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "data_format", "precision",
+                  "float8", "loss_terms", "evaluation")
 
 Cell = dict  # dimension -> value
 
@@ -106,9 +107,14 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
                                 "--optimizer.lr", "0.05"],
             "torch.optim.Rprop": ["--optimizer.name", "torch.optim.Rprop"]}[cell["optimizer"]]
     out += ["--optimizer.state_dtype", cell["optimizer_state"]]
-    if cell["document_masking"]:  # short documents: most windows hold several
-        out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs,
-                "--data.document_masking", "true"]
+    if cell["data_format"] == "chat":  # conversations of one exchange (short_chat.jsonl beside docs)
+        chats = str(Path(docs).with_name("short_chat.jsonl"))
+        out += ["--data.dataset", "files", "--data.format", "chat", "--data.path", chats, "--validation.path",
+                chats, "--model.vocab_size", "4104"]  # (the llama3 template's markers follow BOS and EOS)
+    elif cell["document_masking"]:  # short documents: most windows hold several
+        out += ["--data.dataset", "files", "--data.path", docs, "--validation.path", docs]
+    if cell["document_masking"]:
+        out += ["--data.document_masking", "true"]
     out += ["--training.mixed_precision_param", cell["precision"]]
     if cell["float8"] != "off":  # every block's linear layer and routed experts but the routers and
         # the debug flavours' 8-wide rotary key projections (FP8 takes multiples of 16)
@@ -121,7 +127,8 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
 
 def cell_job(cell: Cell, docs: str = "short_docs.jsonl") -> tuple[int, list[str]]:
     """(ranks, config overrides on the self-test's job) of a cell; ``docs``: a .jsonl of short
-    documents for document masking (what it reads; the default names one for the checks alone)."""
+    documents for document masking, with short_chat.jsonl beside it for conversations (what it
+    reads; the default names one for the checks alone)."""
     world = _world(cell)
     zero = cell["zero"]
     replicas, shard = _data_parallel(cell)

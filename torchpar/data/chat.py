@@ -1,0 +1,106 @@
+"""Chat data for supervised fine-tuning: conversations rendered by a chat template, the loss on the
+assistant's turns only, packed whole into training windows.
+
+A conversation is a JSONL record's ``messages``: ``[{"role": "user", "content": "..."}, ...]``,
+the form most fine-tuning sets use. A :class:`ChatTemplate` turns it into token ids; each token
+that is no loss target carries ``loss.NO_LOSS`` (BOS, every turn's header, every turn but the
+assistant's), so the mask travels with the tokens. :class:`Llama3Template` is Llama 3's:
+
+    BOS, then per message: <|start_header_id|> role <|end_header_id|> "\\n\\n" content <|eot_id|>
+
+where an assistant's content and its <|eot_id|> are targets (the model learns to end its turn).
+A fork adds a template by subclassing :class:`ChatTemplate` and naming it in :data:`TEMPLATES`.
+
+Packing (:func:`pack`): conversations in source order fill bins of one training window
+(``training.seq_len + 1`` tokens); one that does not fit a bin's rest starts the next bin, and the
+rest is padding (EOS, no target). Each bin is then one document of exactly one window, so no window
+cuts a conversation, and with ``data.document_masking`` none attends to another (each starts with
+its BOS). A conversation longer than a window is truncated to it or left out
+(``data.chat_too_long``), counted either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchpar.errors import ConfigError
+from torchpar.loss import NO_LOSS
+
+
+class ChatTemplate:
+    """How a conversation becomes token ids. ``roles``: the roles it renders; ``last_special``: the
+    highest special token it uses (so the vocabulary a model needs: its id + 1)."""
+
+    name = ""
+    roles: tuple[str, ...] = ()
+    last_special = ""
+
+    def render(self, messages: list[dict], tokenizer) -> list[int]:
+        """Token ids of the conversation, NO_LOSS set on every token that is no target."""
+        raise NotImplementedError
+
+    def vocab_size(self, tokenizer) -> int:
+        return tokenizer.special(self.last_special) + 1
+
+
+class Llama3Template(ChatTemplate):
+    name = "llama3"
+    roles = ("system", "user", "assistant", "ipython")
+    last_special = "<|eot_id|>"
+
+    def render(self, messages: list[dict], tokenizer) -> list[int]:
+        start, end, eot = (tokenizer.special(s)
+                           for s in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
+        out = [tokenizer.bos_id | NO_LOSS]
+        for m in messages:
+            head = [start, *tokenizer.encode(m["role"], bos=False, eos=False), end,
+                    *tokenizer.encode("\n\n", bos=False, eos=False)]
+            body = [*tokenizer.encode(m["content"].strip(), bos=False, eos=False), eot]
+            out += [t | NO_LOSS for t in head]
+            out += body if m["role"] == "assistant" else [t | NO_LOSS for t in body]
+        return out
+
+
+TEMPLATES: dict[str, ChatTemplate] = {t.name: t for t in (Llama3Template(),)}
+
+
+def messages_of(record, field: str, template: ChatTemplate, where: str) -> list[dict] | None:
+    """The conversation of a JSONL record, checked: one line naming ``where`` (file:line) for a
+    record that is malformed or holds a role ``template`` lacks; None for one with no assistant
+    turn (nothing to learn from: the caller counts it)."""
+    if not isinstance(record, dict) or field not in record:
+        keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f"{where}: no field '{field}' (has {keys}); set data.messages_field")
+    messages = record[field]
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: '{field}' must be a non-empty list of {{\"role\": ..., \"content\": "
+                          f"...}}, got {str(messages)[:40]}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: message {i} is not {{\"role\": \"...\", \"content\": \"...\"}} with "
+                              f"strings ({str(m)[:60]})")
+        if m["role"] not in template.roles:
+            raise ConfigError(f"{where}: message {i}'s role {m['role']!r} is not one the {template.name} "
+                              f"template renders ({', '.join(template.roles)}); fix the record or choose "
+                              "another data.chat_template")
+    return messages if any(m["role"] == "assistant" for m in messages) else None
+
+
+def pack(conversations: list[list[int]], window: int, too_long: str, pad: int) -> tuple[np.ndarray, dict]:
+    """Conversations' ids in bins of ``window`` tokens [bins, window] (uint32, ``pad`` after each
+    bin's last conversation), in order, none split; one longer than a window is cut to it
+    (``too_long`` = 'truncate') or left out ('drop'). Returns the bins and the counts of each."""
+    bins, current, counts = [], [], {"truncated": 0, "dropped": 0}
+    for ids in conversations:
+        if len(ids) > window:
+            if too_long == "drop":
+                counts["dropped"] += 1
+                continue
+            ids, counts["truncated"] = ids[:window], counts["truncated"] + 1
+        if len(current) + len(ids) > window:
+            bins.append(current + [pad] * (window - len(current)))
+            current = []
+        current += ids
+    if current:
+        bins.append(current + [pad] * (window - len(current)))
+    return np.asarray(bins, dtype=np.uint32).reshape(-1, window), counts
