@@ -47,7 +47,8 @@ def conversation(rng: random.Random) -> dict:
 
 def short(rng: random.Random) -> dict:
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    return {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]}
+    return {"messages": [{"role": "user", "content": f"{a}+{b}?"},
+                         {"role": "assistant", "content": str(a + b)}]}
 
 
 def main() -> None:
