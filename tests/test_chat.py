@@ -5,6 +5,7 @@ corpora equal to on-the-fly ones, and (spawned) layouts equal to one process wit
 over the assistant's tokens of the whole step."""
 
 import json
+import re
 import types
 
 import pytest
@@ -69,6 +70,91 @@ def test_the_llama3_template_masks_all_but_the_assistants_turns(tok):
         i += 1
     assert len(runs) == 2 and all(r[-1] == eot for r in runs)
     assert TEMPLATES["llama3"].vocab_size(tok) == tok.n_words + 8
+
+
+# Each template as its model's tokenizer_config.json writes it (Llama 3 8B Instruct's; Qwen's ChatML,
+# which Qwen3 renders the same for turns without reasoning).
+JINJA = {
+    "llama3": "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+              "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] "
+              "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+              "{% endif %}{{ content }}{% endfor %}",
+    "qwen3": "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+             "'<|im_end|>' + '\n'}}{% endfor %}",
+}
+HF_TOKENIZERS = {  # (special tokens, tokenizer_config.json's BOS and EOS)
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>"),
+    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(tmp_path_factory):
+    """A small byte-level BPE tokenizer.json with each template's special tokens, trained here, and
+    its tokenizer_config.json (BOS, EOS, the chat template)."""
+    from tokenizers import Tokenizer as BPE
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    out = {}
+    for name, (specials, bos, eos) in HF_TOKENIZERS.items():
+        folder = tmp_path_factory.mktemp(name)
+        tok = BPE(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        texts = [m["content"] for m in CONVERSATION] * 20
+        tok.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": bos, "eos_token": eos, "chat_template": JINJA[name]}))
+        out[name] = folder
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_each_template_renders_what_its_models_chat_template_renders(hf_tokenizers, name):
+    """With a tokenizers JSON file and its config, the ids equal transformers' apply_chat_template of
+    the model's own Jinja template (Qwen's after the <|endoftext|> that starts each document here,
+    as Qwen names no BOS); the targets are the assistant's content and end token."""
+    transformers = pytest.importorskip("transformers")
+    from torchpar.tokenizer import HFTokenizer, load_tokenizer
+
+    ours = load_tokenizer(str(hf_tokenizers[name]))
+    assert isinstance(ours, HFTokenizer)
+    ids = TEMPLATES[name].render(CONVERSATION, ours)
+    config = json.loads((hf_tokenizers[name] / "tokenizer_config.json").read_text())
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_tokenizers[name] / "tokenizer.json"),
+                                              **config)
+    theirs = list(hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    plain = [t % NO_LOSS for t in ids]
+    assert (plain if name == "llama3" else plain[1:]) == theirs
+    end = ours.special("<|eot_id|>" if name == "llama3" else "<|im_end|>")
+    targets = [t for t in ids if t < NO_LOSS]
+    assert targets == [*ours.encode("5" if name == "llama3" else " 5 ", bos=False, eos=False), end,
+                       *ours.encode("You are welcome.", bos=False, eos=False), end]
+
+
+def test_a_tokenizers_file_reads_like_the_rank_file(hf_tokenizers, tmp_path, tok):
+    """A folder with tokenizer.json alone loads it; special-token text inside a document stays
+    text; a tokenizer whose BOS and EOS are one token (Qwen's <|endoftext|>) separates documents
+    with it once; a template whose markers the tokenizer lacks is one line, either way round."""
+    from torchpar.tokenizer import load_tokenizer
+
+    qwen = load_tokenizer(str(hf_tokenizers["qwen3"]))
+    eot = qwen.special("<|endoftext|>")
+    assert qwen.bos_id == qwen.eos_id == eot
+    ids = qwen.encode("a <|im_end|> b")
+    assert ids[0] == eot and eot not in ids[1:] and qwen.special("<|im_end|>") not in ids
+    assert qwen.decode(ids[1:]) == "a <|im_end|> b"
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    for template, tokenizer, missing in (("qwen3", tok, "<|im_start|>"),
+                                         ("llama3", qwen, "<|start_header_id|>")):
+        message = f"data.chat_template = '{template}': the tokenizer has no special token "
+        message += re.escape(missing)
+        with pytest.raises(ConfigError, match=message):
+            ChatSource(str(path), "messages", TEMPLATES[template], tokenizer, 64, "truncate")
 
 
 def test_packing_never_splits_a_conversation():

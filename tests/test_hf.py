@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import TINY, assert_matches, cli, run_layouts
+from harness import ROOT, TINY, assert_matches, cli, run_layouts
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -242,31 +242,44 @@ def test_config_mismatch_and_damage_are_one_line(tmp_path):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x00" * 64)
     r = run([*check, "--check"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "safetensors" in r.stderr, r.stderr
-    # A folder whose tokenizer is a tokenizers JSON file: one line saying what to do.
+    # A folder whose tokenizers JSON file is damaged: one line naming it.
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     r = run([*check, "--model.tokenizer_path", str(tmp_path / "hf"), "--check"])
-    assert r.returncode == 2 and "holds only tokenizer.json" in r.stderr, r.stderr
+    assert r.returncode == 2 and "tokenizer.json: not a tokenizers JSON file" in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_llama")
     make_hf_llama(folder, "debug", seed=3)
+    # (a model whose vocabulary holds the llama3 chat template's turn markers, as Llama 3's does)
+    make_hf_llama(folder / "chat", "debug", seed=4, vocab_size=4104)
     return folder
+
+
+CHATS = str(ROOT / "tests" / "data" / "short_chat.jsonl")
 
 
 @pytest.mark.slow
 def test_training_from_hf_is_the_same_under_tp_and_pp(hf_folder):
     """Started from the HF model, tp2 (each rank reads only its shards of every tensor) and pp2
-    train exactly like one process — from the HF weights, not a fresh init."""
+    train exactly like one process — from the HF weights, not a fresh init; and so does supervised
+    fine-tuning of an HF model on conversations (the loss on the answers) under ZeRO-3."""
     start = ["--checkpoint.initial_load_path", str(hf_folder)]
-    ref = run_layouts(1, {"one": start})["one"]
+    sft = ["--checkpoint.initial_load_path", str(hf_folder / "chat"), "--data.dataset", "files",
+           "--data.format", "chat", "--data.path", CHATS, "--validation.path", CHATS,
+           "--data.document_masking", "true", "--model.vocab_size", "4104"]
+    ref = run_layouts(1, {"one": start, "sft": sft})
+    ref, sft_ref = ref["one"], ref["sft"]
     runs = run_layouts(
         2,
         {"tp2": [*start, "--parallelism.tensor_parallel_degree", "2"],
          "pp2": [*start, "--parallelism.pipeline_parallel_degree", "2"],
-         "dp2_zero3": [*start, "--parallelism.zero_stage", "3", "--training.local_batch_size", "4"]},
+         "dp2_zero3": [*start, "--parallelism.zero_stage", "3", "--training.local_batch_size", "4"],
+         "sft_dp2_zero3": [*sft, "--parallelism.zero_stage", "3", "--training.local_batch_size", "4"]},
     )
+    assert_matches(runs.pop("sft_dp2_zero3"), sft_ref, param_tol=1e-4,
+                   per_param={"tok_embeddings.weight": 1e-3})
     for name, result in runs.items():
         # The HF token table starts small (std 0.02), so a few rows of rare tokens get tiny gradients
         # that Adam's normalization turns float noise into ~1e-5..1e-4 differences (as the GPT-2 token

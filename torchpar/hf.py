@@ -24,7 +24,7 @@ from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.models.common import Copy, Interleaved, RowsOf, StackRow
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
-from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.tokenizer import TokenizerError, load_tokenizer
 from torchpar.weights import LazyWeight
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -370,7 +370,7 @@ def export_hf(meta: dict, read, out: Path, dtype: torch.dtype, max_shard_mb: flo
     if problem:
         raise ConfigError(f"{problem}; export with --format torchpar")
     try:
-        tok = Tokenizer(resolve_path(meta.get("tokenizer_path", "builtin")))
+        tok = load_tokenizer(meta.get("tokenizer_path", "builtin"))
         ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     except TokenizerError:  # the tokenizer moved since training: the weights still export
         ids = {}

@@ -30,7 +30,7 @@ from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.optim import check_optimizer, param_role
 from torchpar.parallel.layout import Layout, expert_names, layout_features, layout_of, resolve_layout
-from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from torchpar.weights import load_weights
 
 if sys.version_info >= (3, 11):
@@ -71,7 +71,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
              f"sequence's slots (rounded up to whole slots): even perfectly balanced routing drops about "
              f"{1 - capacity:.1%} of them (counted in moe/dropped); 1 to 1.25 is usual, 0 = dropless")
     try:
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     except TokenizerError as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
     if tokenizer.n_words > args.vocab_size:
@@ -102,7 +102,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
         if need > args.vocab_size:
             raise ConfigError(
                 f"data.format = 'chat' with chat_template = {cfg.data.chat_template!r} uses token ids up to "
-                f"{need - 1} (its turn markers follow BOS and EOS, as Llama 3's do), and model flavor "
+                f"{need - 1} (its turn markers), and model flavor "
                 f"{cfg.model.flavor!r} has vocab_size {args.vocab_size}; set model.vocab_size = {need} or "
                 "more")
     for source in prepared_corpora([*sources, val_source]):

@@ -12,12 +12,14 @@ from __future__ import annotations
 import base64
 import binascii
 import heapq
+import json
 import zlib
 from collections import Counter
 from pathlib import Path
 
 import regex
 import tiktoken
+import tokenizers
 
 # Llama 3's pre-tokenization split pattern.
 LLAMA3_PATTERN = (
@@ -37,23 +39,26 @@ class TokenizerError(ValueError):
 
 
 def resolve_path(path: str) -> Path:
-    """'builtin', a tiktoken rank file, or a model folder holding one (a Hugging Face Llama 3
-    folder has it as tokenizer.model or original/tokenizer.model)."""
+    """'builtin', a tiktoken rank file, a Hugging Face ``tokenizers`` file (tokenizer.json), or a
+    model folder holding one (a Hugging Face Llama 3 folder has tokenizer.model, or
+    original/tokenizer.model; a Qwen folder tokenizer.json alone): the rank file first."""
     if path == "builtin":
         return BUILTIN
     p = Path(path).expanduser()
     if not p.is_dir():
         return p
-    for candidate in (p / "tokenizer.model", p / "original" / "tokenizer.model"):
+    for candidate in (p / "tokenizer.model", p / "original" / "tokenizer.model", p / "tokenizer.json"):
         if candidate.is_file():
             return candidate
-    if (p / "tokenizer.json").exists():
-        raise TokenizerError(f"{p} holds only tokenizer.json (a Hugging Face `tokenizers` file); torchpar "
-                             "reads tiktoken BPE rank files: set model.tokenizer_path to the model's "
-                             "tokenizer.model (Llama 3 ships it in original/), or keep 'builtin' for a "
-                             "model trained with torchpar's vocabulary")
-    raise TokenizerError(f"{p} is a folder without tokenizer.model; set model.tokenizer_path to a tiktoken "
-                         "rank file")
+    raise TokenizerError(f"{p} is a folder without tokenizer.model or tokenizer.json; set "
+                         "model.tokenizer_path to a tiktoken rank file or a tokenizers JSON file")
+
+
+def load_tokenizer(path: str):
+    """The tokenizer ``model.tokenizer_path`` names (:func:`resolve_path`): a :class:`Tokenizer`
+    for a tiktoken rank file, an :class:`HFTokenizer` for a tokenizers JSON file."""
+    p = resolve_path(path)
+    return HFTokenizer(p) if p.suffix == ".json" else Tokenizer(p)
 
 
 def load_bpe_ranks(path: str | Path) -> dict[bytes, int]:
@@ -106,10 +111,66 @@ class Tokenizer:
 
     def special(self, name: str) -> int:
         """The id of special token ``name`` (one of :data:`SPECIALS`)."""
+        if name not in SPECIALS:
+            raise TokenizerError(f"the tokenizer has no special token {name} (its own: "
+                                 f"{', '.join(SPECIALS)})")
         return self.encoding.encode_single_token(name)
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` file (tokenizer.json: Qwen's, a Llama 3 folder's) behind
+    :class:`Tokenizer`'s interface. BOS and EOS are tokenizer_config.json's beside it, or
+    <|endoftext|> for one it does not name (Qwen names no BOS): a document is BOS + text + EOS, or
+    BOS + text where the two are one token (the separator once). Special-token text inside a
+    document is encoded as ordinary text, as :class:`Tokenizer` does."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer file not found: {path} (set model.tokenizer_path, or 'builtin')")
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception types
+            first = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+            raise TokenizerError(f"{path}: not a tokenizers JSON file ({first})") from None
+        self.tok.encode_special_tokens = True  # (special-token text in a document stays text)
+        config = path.with_name("tokenizer_config.json")
+        try:
+            names = json.loads(config.read_text()) if config.is_file() else {}
+        except ValueError:
+            raise TokenizerError(f"{config}: not JSON") from None
+
+        def named(key: str, default: str | None) -> int:
+            token = names.get(key) or default
+            token = token.get("content") if isinstance(token, dict) else token
+            found = self.tok.token_to_id(token) if isinstance(token, str) else None
+            if found is None:
+                raise TokenizerError(f"{path}: no {key} (tokenizer_config.json's {key}, or {default}); a "
+                                     "document needs one to start and end with")
+            return found
+
+        self.bos_id = named("bos_token", "<|endoftext|>")
+        eot = self.tok.token_to_id("<|endoftext|>")
+        self.eos_id = eot if eot is not None else named("eos_token", None)
+        self.n_words = self.tok.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = f"{self.n_words} tokens, crc {zlib.crc32(path.read_bytes()):08x}"
+
+    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        end = [self.eos_id] if eos and not (bos and self.eos_id == self.bos_id) else []
+        return ([self.bos_id] if bos else []) + ids + end
+
+    def special(self, name: str) -> int:
+        found = self.tok.token_to_id(name)
+        if found is None or name not in {t.content for t in self.tok.get_added_tokens_decoder().values()}:
+            raise TokenizerError(f"the tokenizer has no special token {name}")
+        return found
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------- training (scripts/train_tokenizer.py)

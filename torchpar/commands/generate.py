@@ -10,7 +10,7 @@ from torchpar.console import ArgumentParser, at_least
 from torchpar.device import local_device
 from torchpar.errors import ConfigError
 from torchpar.generate import sample
-from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.tokenizer import TokenizerError, load_tokenizer
 from torchpar.weights import load_model
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     at_least("--top-k", a.top_k, 0)  # 0 = no top-k cut
     model, meta = load_model(a.checkpoint)
     try:
-        tokenizer = Tokenizer(resolve_path(a.tokenizer or meta.get("tokenizer_path", "builtin")))
+        tokenizer = load_tokenizer(a.tokenizer or meta.get("tokenizer_path", "builtin"))
     except TokenizerError as e:
         raise ConfigError(f"--tokenizer: {e}") from None
     model.to(local_device())

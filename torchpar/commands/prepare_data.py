@@ -11,7 +11,7 @@ from torchpar.data.sources import build_source, source_specs
 from torchpar.data.tokenized import TokenizedCorpus, _shard_done, is_own_folder, n_shards, prepare
 from torchpar.errors import ConfigError
 from torchpar.outputs import add_overwrite, claim
-from torchpar.tokenizer import Tokenizer, TokenizerError, resolve_path
+from torchpar.tokenizer import TokenizerError, load_tokenizer
 
 
 def _data_to_prepare(data, name: str | None):
@@ -58,7 +58,7 @@ def prepare_main(argv: list[str]) -> int:
     if data.dataset == "tokenized":
         raise ConfigError("data.dataset = 'tokenized' is already prepared; name the raw corpus to prepare")
     try:
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     except TokenizerError as e:
         raise ConfigError(f"model.tokenizer_path: {e}") from None
     folder = claim("--out", args.out, folder=True, overwrite=args.overwrite, own=is_own_folder)

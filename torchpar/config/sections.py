@@ -43,7 +43,8 @@ class Model:
     flavor: str = opt("debug", "Size preset of the family (FLAVORS in torchpar/models/<family>.py).")
     tokenizer_path: str = opt(
         "builtin",
-        "tiktoken BPE rank file (Llama-3 tokenizer.model format); 'builtin' = the 4k vocabulary shipped in "
+        "tiktoken BPE rank file (Llama-3 tokenizer.model format), a Hugging Face tokenizers file "
+        "(tokenizer.json: Qwen's), or a model folder holding one; 'builtin' = the 4k vocabulary shipped in "
         "torchpar/assets, trained by scripts/train_tokenizer.py.",
     )
     # Shape overrides: 0 keeps the flavour's value.
@@ -165,8 +166,8 @@ class Data:
     messages_field: str = opt("messages", "'chat': key of the conversation in .jsonl records.")
     chat_template: str = opt(
         "llama3", "'chat': how a conversation becomes tokens: 'llama3' (Llama 3's headers and <|eot_id|>; "
-        "its turn markers follow BOS and EOS, so a model needs vocab_size >= the tokenizer's + 8).",
-        ("llama3",))
+        "its turn markers follow BOS and EOS, so with the builtin vocabulary a model needs vocab_size >= "
+        "4104), 'qwen3' (Qwen's <|im_start|> / <|im_end|>: a Qwen tokenizer.json).", ("llama3", "qwen3"))
     chat_too_long: str = opt(
         "truncate", "'chat': a conversation longer than a window (training.seq_len + 1 tokens): 'truncate' "
         "keeps its first window of tokens, 'drop' leaves it out; counted either way.", ("truncate", "drop"))

@@ -8,8 +8,9 @@ assistant's), so the mask travels with the tokens. :class:`Llama3Template` is Ll
 
     BOS, then per message: <|start_header_id|> role <|end_header_id|> "\\n\\n" content <|eot_id|>
 
-where an assistant's content and its <|eot_id|> are targets (the model learns to end its turn).
-A fork adds a template by subclassing :class:`ChatTemplate` and naming it in :data:`TEMPLATES`.
+where an assistant's content and its <|eot_id|> are targets (the model learns to end its turn);
+:class:`Qwen3Template` is Qwen's ChatML form. A fork adds a template by subclassing
+:class:`ChatTemplate` and naming it in :data:`TEMPLATES`.
 
 Packing (:func:`pack`): conversations in source order fill bins of one training window
 (``training.seq_len + 1`` tokens); one that does not fit a bin's rest starts the next bin, and the
@@ -25,28 +26,35 @@ import numpy as np
 
 from torchpar.errors import ConfigError
 from torchpar.loss import NO_LOSS
+from torchpar.tokenizer import TokenizerError
 
 
 class ChatTemplate:
-    """How a conversation becomes token ids. ``roles``: the roles it renders; ``last_special``: the
-    highest special token it uses (so the vocabulary a model needs: its id + 1)."""
+    """How a conversation becomes token ids. ``roles``: the roles it renders; ``specials``: the
+    special tokens it uses, which the tokenizer must have."""
 
     name = ""
     roles: tuple[str, ...] = ()
-    last_special = ""
+    specials: tuple[str, ...] = ()
 
     def render(self, messages: list[dict], tokenizer) -> list[int]:
         """Token ids of the conversation, NO_LOSS set on every token that is no target."""
         raise NotImplementedError
 
     def vocab_size(self, tokenizer) -> int:
-        return tokenizer.special(self.last_special) + 1
+        """The vocabulary a model needs for it with ``tokenizer``: one line (ConfigError) for a
+        tokenizer without its special tokens."""
+        try:
+            return max(tokenizer.special(s) for s in self.specials) + 1
+        except TokenizerError as e:
+            raise ConfigError(f"data.chat_template = {self.name!r}: {e}; use the tokenizer of the model the "
+                              "template belongs to (model.tokenizer_path), or another template") from None
 
 
 class Llama3Template(ChatTemplate):
     name = "llama3"
     roles = ("system", "user", "assistant", "ipython")
-    last_special = "<|eot_id|>"
+    specials = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
     def render(self, messages: list[dict], tokenizer) -> list[int]:
         start, end, eot = (tokenizer.special(s)
@@ -61,7 +69,30 @@ class Llama3Template(ChatTemplate):
         return out
 
 
-TEMPLATES: dict[str, ChatTemplate] = {t.name: t for t in (Llama3Template(),)}
+class Qwen3Template(ChatTemplate):
+    """Qwen's ChatML form: per message <|im_start|> role "\n" content <|im_end|> "\n", the content as
+    given; an assistant's content and its <|im_end|> are targets. Conversations without reasoning
+    blocks (Qwen3's template renders those as they are too). Qwen has no BOS: the tokenizer's
+    (<|endoftext|>) starts each conversation, no target, so documents stay apart."""
+
+    name = "qwen3"
+    roles = ("system", "user", "assistant", "tool")
+    specials = ("<|im_start|>", "<|im_end|>")
+
+    def render(self, messages: list[dict], tokenizer) -> list[int]:
+        start, end = tokenizer.special("<|im_start|>"), tokenizer.special("<|im_end|>")
+        newline = tokenizer.encode("\n", bos=False, eos=False)
+        out = [tokenizer.bos_id | NO_LOSS]
+        for m in messages:
+            head = [start, *tokenizer.encode(m["role"] + "\n", bos=False, eos=False)]
+            body = [*tokenizer.encode(m["content"], bos=False, eos=False), end]
+            out += [t | NO_LOSS for t in head]
+            out += body if m["role"] == "assistant" else [t | NO_LOSS for t in body]
+            out += [t | NO_LOSS for t in newline]
+        return out
+
+
+TEMPLATES: dict[str, ChatTemplate] = {t.name: t for t in (Llama3Template(), Qwen3Template())}
 
 
 def messages_of(record, field: str, template: ChatTemplate, where: str) -> list[dict] | None:

@@ -187,6 +187,7 @@ class ChatSource(DocumentSource):
 
     def __init__(self, paths: str, field: str, template: ChatTemplate, tokenizer, window: int, too_long: str):
         super().__init__("chat")
+        template.vocab_size(tokenizer)  # (one line for a tokenizer without the template's markers)
         conversations = []
         for f, text in read_files(paths):
             if f.suffix != ".jsonl":
