@@ -18,9 +18,9 @@ import sys
 import torchpar.train as t
 from torchpar.commands.train import main
 plain, calls = t.training_loss, [0]
-def poisoned(logits, targets, z_loss=0.0):
+def poisoned(logits, targets, z_loss=0.0, scales=(1.0, 1.0)):
     calls[0] += 1
-    loss, ce, z = plain(logits, targets, z_loss)
+    loss, ce, z = plain(logits, targets, z_loss, scales)
     nan = float("nan") if calls[0] == 3 else 1.0
     return loss * nan, ce * nan, z
 t.training_loss = poisoned
