@@ -28,6 +28,10 @@ LEDGER_LAYOUTS = {
     "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                      "false", "--parallelism.loss_parallel", "false"],
     "pp2": [Z, "0", "--parallelism.pipeline_parallel_degree", "2"],  # rank 0: the first stage's sends
+    # Conversations: each step all-reduces the count of its loss targets (an int64) beside the loss.
+    "dp2_zero3_chat": [Z, "3", "--training.local_batch_size", "4", "--data.dataset", "files", "--data.format",
+                       "chat", "--data.path", str(ROOT / "tests" / "data" / "short_chat.jsonl"),
+                       "--model.vocab_size", "4104"],
     # Context parallelism: all-to-alls around attention (twice over for the recomputed blocks), or
     # the ring's key/value passes and their gradients' passes back.
     "cp2": [Z, "0", *CP2],

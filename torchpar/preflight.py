@@ -20,7 +20,7 @@ from torchpar.checkpoint import checkpoint_root, find_resume, read_manifest, sav
 from torchpar.composition import Features
 from torchpar.config import JobConfig
 from torchpar.console import progress, warn
-from torchpar.data import build_source, data_identity, loss_masked, resume_notes, source_specs
+from torchpar.data import build_source, chat_data, data_identity, loss_masked, resume_notes, source_specs
 from torchpar.data.chat import TEMPLATES
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
@@ -88,7 +88,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
              "beta2 <= 0.99 or state_dtype = 'float32'")
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
-                            cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize)
+                            cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize,
+                            loss_mask=chat_data(cfg.data))
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:

@@ -17,7 +17,7 @@ from torchpar.breakdown import StepBreakdown
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, to_toml
 from torchpar.console import StartupClock, progress, tee_output, warn
-from torchpar.data import build_dataloader, document_ids, loss_masked
+from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
@@ -92,7 +92,7 @@ class Trainer:
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every position a real token: windows are full
         # Conversations carry loss masks: a step's targets are counted, not assumed (global_targets).
-        self.masked = any(loss_masked(s) for s in pre.sources)
+        self.masked = lay.loss_mask
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,

@@ -8,12 +8,12 @@ from torchpar.data.sources import (
                                    HFSource,
                                    StdlibSource,
                                    build_source,
+                                   chat_data,
                                    loss_masked,
                                    source_specs,
 )
 from torchpar.data.tokenized import TokenizedCorpus
 
 __all__ = ["ChatSource", "DocumentSource", "FileSource", "HFSource", "PackedWindows", "StdlibSource",
-           "TokenizedCorpus",
-           "build_dataloader", "build_source", "data_identity", "document_ids", "loss_masked", "resume_notes",
-           "source_specs"]
+           "TokenizedCorpus", "build_dataloader", "build_source", "chat_data", "data_identity",
+           "document_ids", "loss_masked", "resume_notes", "source_specs"]

@@ -274,6 +274,12 @@ class HFSource(DocumentSource):
         return text or ""
 
 
+def chat_data(cfg) -> bool:
+    """Whether the [data] section ``cfg`` reads conversations (some source's ``format`` is 'chat'):
+    its tokens then carry loss masks."""
+    return any(spec.format == "chat" for _, spec, _ in source_specs(cfg))
+
+
 def loss_masked(source) -> bool:
     """Whether ``source``'s tokens may carry NO_LOSS bits: conversations (``format`` 'chat'), read
     on the fly or prepared (whose documents are windows); None (no source) is not."""

@@ -382,6 +382,8 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     sent.add("world", "all_reduce", 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args)),
              lay.world)
     sent.add("world", "all_reduce", 4, lay.world)
+    if lay.loss_mask:  # the step's loss targets, counted (an int64), with loss masks
+        sent.add("world", "all_reduce", 8, lay.world)
     starts = [0, *itertools.accumulate(split)]
     blocks = [i for s in stages for i in range(starts[s], starts[s + 1])]  # this rank's, global indices
     depths = model.prediction_depths(args)  # (their blocks on the last stage; the head runs 1 + depths times)

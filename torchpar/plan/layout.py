@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from torchpar.config import JobConfig
+from torchpar.data import chat_data
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
 from torchpar.optim import kind_of, param_role
@@ -81,7 +82,8 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     args = model_args(cfg.model)
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
-                         cfg.data.document_masking, device, cfg.overridden, cfg.quantize)
+                         cfg.data.document_masking, device, cfg.overridden, cfg.quantize,
+                         chat_data(cfg.data))
     return lay, model, args
 
 
@@ -89,7 +91,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
 # outside the step: the search prices thousands of layouts that differ in these alone.
 _NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activation_checkpoint",
                         "activation_checkpoint_every", "compile", "reduce_every_microstep", "cp_method",
-                        "sequence_parallel", "loss_parallel", "optimizer", "quantize"})
+                        "sequence_parallel", "loss_parallel", "optimizer", "quantize", "loss_mask"})
 
 
 _STATE_FIELDS = tuple(f.name for f in fields(Layout)
