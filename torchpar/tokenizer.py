@@ -137,6 +137,7 @@ class HFTokenizer:
             first = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
             raise TokenizerError(f"{path}: not a tokenizers JSON file ({first})") from None
         self.tok.encode_special_tokens = True  # (special-token text in a document stays text)
+        self.specials = {t.content for t in self.tok.get_added_tokens_decoder().values()}
         config = path.with_name("tokenizer_config.json")
         try:
             names = json.loads(config.read_text()) if config.is_file() else {}
@@ -164,10 +165,9 @@ class HFTokenizer:
         return ([self.bos_id] if bos else []) + ids + end
 
     def special(self, name: str) -> int:
-        found = self.tok.token_to_id(name)
-        if found is None or name not in {t.content for t in self.tok.get_added_tokens_decoder().values()}:
+        if name not in self.specials:
             raise TokenizerError(f"the tokenizer has no special token {name}")
-        return found
+        return self.tok.token_to_id(name)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

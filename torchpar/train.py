@@ -91,8 +91,6 @@ class Trainer:
         self.source_names = pre.source_names
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
         self.global_tokens = self.global_batch * tr.seq_len  # every position a real token: windows are full
-        # Conversations carry loss masks: a step's targets are counted, not assumed (global_targets).
-        self.masked = lay.loss_mask
         self.train_state = TrainState()
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,
@@ -204,7 +202,8 @@ class Trainer:
         phase = self.breakdown.phase  # times the phases of logged steps
         with phase("data"):
             hosts = [next(batches) for _ in range(self.layout.accum)]
-        targets = self.global_targets(sum(target_count(h) for h in hosts), self.masked)
+        # (conversations carry loss masks: their targets are counted, not assumed)
+        targets = self.global_targets(sum(target_count(h) for h in hosts), self.layout.loss_mask)
         # Gradients of the globally normalized loss: the average over dp x cp taken by the
         # reduction undoes the factor here. The cross-entropy is a mean over the step's targets,
         # the other terms over its tokens.

@@ -10,7 +10,8 @@ assistant's), so the mask travels with the tokens. :class:`Llama3Template` is Ll
 
 where an assistant's content and its <|eot_id|> are targets (the model learns to end its turn);
 :class:`Qwen3Template` is Qwen's ChatML form. A fork adds a template by subclassing
-:class:`ChatTemplate` and naming it in :data:`TEMPLATES`.
+:class:`ChatTemplate` (its ``turn``: a message's header, content and what follows) and naming it
+in :data:`TEMPLATES`.
 
 Packing (:func:`pack`): conversations in source order fill bins of one training window
 (``training.seq_len + 1`` tokens); one that does not fit a bin's rest starts the next bin, and the
@@ -37,9 +38,21 @@ class ChatTemplate:
     roles: tuple[str, ...] = ()
     specials: tuple[str, ...] = ()
 
-    def render(self, messages: list[dict], tokenizer) -> list[int]:
-        """Token ids of the conversation, NO_LOSS set on every token that is no target."""
+    def turn(self, message: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+        """One message's ids: (its header, its content with its end token — the targets when the
+        assistant speaks —, what follows)."""
         raise NotImplementedError
+
+    def render(self, messages: list[dict], tokenizer) -> list[int]:
+        """Token ids of the conversation (BOS, then each turn), NO_LOSS set on every token that is
+        no target."""
+        out = [tokenizer.bos_id | NO_LOSS]
+        for m in messages:
+            head, body, tail = self.turn(m, tokenizer)
+            out += [t | NO_LOSS for t in head]
+            out += body if m["role"] == "assistant" else [t | NO_LOSS for t in body]
+            out += [t | NO_LOSS for t in tail]
+        return out
 
     def vocab_size(self, tokenizer) -> int:
         """The vocabulary a model needs for it with ``tokenizer``: one line (ConfigError) for a
@@ -56,17 +69,11 @@ class Llama3Template(ChatTemplate):
     roles = ("system", "user", "assistant", "ipython")
     specials = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
-    def render(self, messages: list[dict], tokenizer) -> list[int]:
-        start, end, eot = (tokenizer.special(s)
-                           for s in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
-        out = [tokenizer.bos_id | NO_LOSS]
-        for m in messages:
-            head = [start, *tokenizer.encode(m["role"], bos=False, eos=False), end,
-                    *tokenizer.encode("\n\n", bos=False, eos=False)]
-            body = [*tokenizer.encode(m["content"].strip(), bos=False, eos=False), eot]
-            out += [t | NO_LOSS for t in head]
-            out += body if m["role"] == "assistant" else [t | NO_LOSS for t in body]
-        return out
+    def turn(self, message: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+        start, end, eot = (tokenizer.special(s) for s in self.specials)
+        head = [start, *tokenizer.encode(message["role"], bos=False, eos=False), end,
+                *tokenizer.encode("\n\n", bos=False, eos=False)]
+        return head, [*tokenizer.encode(message["content"].strip(), bos=False, eos=False), eot], []
 
 
 class Qwen3Template(ChatTemplate):
@@ -79,30 +86,20 @@ class Qwen3Template(ChatTemplate):
     roles = ("system", "user", "assistant", "tool")
     specials = ("<|im_start|>", "<|im_end|>")
 
-    def render(self, messages: list[dict], tokenizer) -> list[int]:
-        start, end = tokenizer.special("<|im_start|>"), tokenizer.special("<|im_end|>")
-        newline = tokenizer.encode("\n", bos=False, eos=False)
-        out = [tokenizer.bos_id | NO_LOSS]
-        for m in messages:
-            head = [start, *tokenizer.encode(m["role"] + "\n", bos=False, eos=False)]
-            body = [*tokenizer.encode(m["content"], bos=False, eos=False), end]
-            out += [t | NO_LOSS for t in head]
-            out += body if m["role"] == "assistant" else [t | NO_LOSS for t in body]
-            out += [t | NO_LOSS for t in newline]
-        return out
+    def turn(self, message: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
+        start, end = (tokenizer.special(s) for s in self.specials)
+        head = [start, *tokenizer.encode(message["role"] + "\n", bos=False, eos=False)]
+        body = [*tokenizer.encode(message["content"], bos=False, eos=False), end]
+        return head, body, tokenizer.encode("\n", bos=False, eos=False)
 
 
 TEMPLATES: dict[str, ChatTemplate] = {t.name: t for t in (Llama3Template(), Qwen3Template())}
 
 
-def messages_of(record, field: str, template: ChatTemplate, where: str) -> list[dict] | None:
-    """The conversation of a JSONL record, checked: one line naming ``where`` (file:line) for a
-    record that is malformed or holds a role ``template`` lacks; None for one with no assistant
-    turn (nothing to learn from: the caller counts it)."""
-    if not isinstance(record, dict) or field not in record:
-        keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-        raise ConfigError(f"{where}: no field '{field}' (has {keys}); set data.messages_field")
-    messages = record[field]
+def messages_of(messages, field: str, template: ChatTemplate, where: str) -> list[dict] | None:
+    """A JSONL record's conversation (its ``field``), checked: one line naming ``where``
+    (file:line) for one that is malformed or holds a role ``template`` lacks; None for one with no
+    assistant turn (nothing to learn from: the caller counts it)."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: '{field}' must be a non-empty list of {{\"role\": ..., \"content\": "
                           f"...}}, got {str(messages)[:40]}")

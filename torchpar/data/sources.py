@@ -102,11 +102,7 @@ class FileSource(DocumentSource):
             if f.suffix != ".jsonl":
                 self._add(text)
                 continue
-            for where, record in jsonl_records(f, text):
-                if not isinstance(record, dict) or text_field not in record:
-                    keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-                    raise ConfigError(f"{where}: no field '{text_field}' (has {keys}); set data.text_field")
-                value = record[text_field]
+            for where, value in jsonl_records(f, text, text_field, "data.text_field"):
                 if value is None:
                     nulls.append(where)
                     self._skip("null")
@@ -165,16 +161,22 @@ def read_files(paths: str) -> list[tuple[Path, str]]:
     return out
 
 
-def jsonl_records(f: Path, text: str):
-    """(file:line, record) of each non-blank line of JSONL file ``f`` (its ``text``); one line for a
-    line that is not JSON."""
+def jsonl_records(f: Path, text: str, field: str, setting: str):
+    """(file:line, the record's ``field``) of each non-blank line of JSONL file ``f`` (its
+    ``text``); one line for a line that is not JSON or a record without the field (``setting``
+    names the config field that chooses it)."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{f}:{lineno}"
         try:
-            yield f"{f}:{lineno}", json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{f}:{lineno}: not a JSON object ({e.msg})") from None
+            raise ConfigError(f"{where}: not a JSON object ({e.msg})") from None
+        if not isinstance(record, dict) or field not in record:
+            keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
+            raise ConfigError(f"{where}: no field '{field}' (has {keys}); set {setting}")
+        yield where, record[field]
 
 
 class ChatSource(DocumentSource):
@@ -193,8 +195,8 @@ class ChatSource(DocumentSource):
             if f.suffix != ".jsonl":
                 raise ConfigError(f"{f}: data.format = 'chat' reads .jsonl files of conversations; remove it "
                                   "from data.path")
-            for where, record in jsonl_records(f, text):
-                messages = messages_of(record, field, template, where)
+            for where, value in jsonl_records(f, text, field, "data.messages_field"):
+                messages = messages_of(value, field, template, where)
                 if messages is None:
                     self._skip("no assistant turn")
                 else:
