@@ -83,6 +83,11 @@ def fp8_gain(name: str) -> float:
     return GPU_FP8_PEAKS[key] / bf16 if key and bf16 else 0.0
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of CUDA ``device``; None for any other device."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def float8_matmuls() -> str | None:
     """Why this machine's device cannot run FP8 matmuls (torch._scaled_mm), or None when it can: a
     CUDA GPU needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); ROCm's and the

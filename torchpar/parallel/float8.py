@@ -29,6 +29,7 @@ from fnmatch import fnmatch
 import torch
 from torch import nn
 
+from torchpar.device import cuda_capability
 from torchpar.errors import ConfigError
 from torchpar.parallel.tensor import submodule
 
@@ -204,7 +205,8 @@ def _float8_run(run, stack: type):
 def grouped_float8(device: torch.device) -> bool:
     """Whether torchao's grouped FP8 GEMM runs the experts here: CUDA, compute capability 9.0 or
     later (``torch._scaled_grouped_mm``'s); elsewhere a loop of FP8 matmuls, one per expert."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    capability = cuda_capability(device)
+    return capability is not None and capability >= (9, 0)
 
 
 class Float8Stack(torch.Tensor):
