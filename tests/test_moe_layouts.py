@@ -29,6 +29,9 @@ BIAS_ONLY = ["--model.balance_coeff", "0"]
 BALANCE_ONLY = ["--model.bias_rate", "0"]
 EP = "--parallelism.expert_parallel_degree"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+# LoRA on the attention and shared-expert linear layers; the routed experts (stacks, no linear layers)
+# and the routers stay frozen
+LORA = ["--lora.rank", "4", "--lora.alpha", "8"]
 
 
 def pp(schedule, *more):
@@ -69,6 +72,8 @@ WORLD2 = {
     "ep2_gptoss": [LB, "4", Z, "3", EP, "2", *GPTOSS],
     "tp2_gptoss": [Z, "3", *TP2, *GPTOSS],
     "cp2_alltoall_gptoss_bias_only": [*CP2, Z, "1", *GPTOSS, *BIAS_ONLY],
+    # frozen experts dispatched over 2 ranks, FSDP2 units with nothing to reduce
+    "ep2_lora": [LB, "4", Z, "3", EP, "2", *LORA],
 }
 WORLD4 = {
     "ep2_dp_shard4": [LB, "2", Z, "3", EP, "2"],  # each expert sharded by ZeRO-3 over 2 ranks
@@ -89,7 +94,7 @@ def layouts(table: dict) -> dict:
 
 
 def ref_name(name: str) -> str:
-    kinds = [k for k in ("deepseek", "gptoss", "docmask", "capacity", "bias_only", "balance_only")
+    kinds = [k for k in ("deepseek", "gptoss", "docmask", "capacity", "bias_only", "balance_only", "lora")
              if k in name]
     return "_".join(["ref", *kinds])
 
@@ -104,7 +109,8 @@ def refs():
                                    "ref_deepseek_docmask_bias_only": [Z, "0", *DEEPSEEK, *BIAS_ONLY, *DOCS],
                                    "ref_balance_only": [Z, "0", *BALANCE_ONLY],
                                    "ref_gptoss": [Z, "0", *GPTOSS],
-                                   "ref_gptoss_bias_only": [Z, "0", *GPTOSS, *BIAS_ONLY]}))
+                                   "ref_gptoss_bias_only": [Z, "0", *GPTOSS, *BIAS_ONLY],
+                                   "ref_lora": [Z, "0", *LORA]}))
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,21 @@ class TrainState:
 
 class ModelState:
     """The fp32 weights of a rank's model parts (pipeline stages), by the unsplit model's names:
-    the ZeRO engine's master, whatever the compute dtype."""
+    the ZeRO engine's master, whatever the compute dtype. ``left_out``: names a checkpoint does not
+    hold (LoRA's frozen base, rebuilt at a resume from where it came from)."""
 
-    def __init__(self, state: ZeroState):
-        self.state = state
+    def __init__(self, state: ZeroState, left_out: frozenset[str] = frozenset()):
+        self.state, self.left_out = state, left_out
+
+    def _kept(self, sd: dict) -> dict:
+        return {k: v for k, v in sd.items() if k not in self.left_out} if self.left_out else sd
 
     def state_dict(self) -> dict:
-        return self.state.model_state_dict()
+        return self._kept(self.state.model_state_dict())
 
     def load_template(self) -> dict:
         """What a resume loads into (a save may write only part of what this rank holds)."""
-        return self.state.model_load_template()
+        return self._kept(self.state.model_load_template())
 
     def load_state_dict(self, sd: dict) -> None:
         self.state.load_model_state_dict(sd)

@@ -26,7 +26,7 @@ from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.context import inputs_and_targets, shard_sequence
-from torchpar.parallel.zero import clip_grad_norm, full_value
+from torchpar.parallel.zero import clip_grad_norm, frozen_names, full_value
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
 from torchpar.signals import StopSignals
@@ -148,7 +148,9 @@ class Trainer:
 
     def stateful_parts(self) -> dict:
         """Everything a checkpoint saves and restores: one entry per part."""
-        parts = {"model": ModelState(self.model.state), "optimizer": OptimizerState(self.model.state),
+        lora = self.cfg.lora
+        base = frozen_names(self.model.parts) if lora.rank and not lora.save_base else frozenset()
+        parts = {"model": ModelState(self.model.state, base), "optimizer": OptimizerState(self.model.state),
                  "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
                  "dataloader": self.dataloader, "rng": RNGState(self.rank)}
         if self.routing is not None:

@@ -242,7 +242,11 @@ def validate(cfg: JobConfig) -> None:
             ("model.bias_rate", m.bias_rate, m.bias_rate >= 0, ">= 0 (0 = no bias balancing)"),
             ("model.mtp_weight", m.mtp_weight, 0 <= m.mtp_weight <= 10, "in [0, 10] (0 = the flavour's 0.3)"),
             ("model.swiglu_limit", m.swiglu_limit, 0 <= m.swiglu_limit <= 1e4, "in [0, 1e4] (gpt-oss: 7)"),
-            ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)")):
+            ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)"),
+            ("lora.rank", cfg.lora.rank, 0 <= cfg.lora.rank <= 65536,
+             "in [0, 65536] (0 = off; 8 to 64 is usual)"),
+            ("lora.alpha", cfg.lora.alpha, 0 < cfg.lora.alpha <= 1e6, "in (0, 1e6] (often 2 x rank)"),
+            ("lora.dropout", cfg.lora.dropout, 0 <= cfg.lora.dropout < 1, "in [0, 1)")):
         if not ok:
             raise ConfigError(f"{name} must be {rule}, got {value}")
     p = cfg.parallelism

@@ -318,6 +318,27 @@ class Quantize:
 
 
 @dataclass
+class Lora:
+    rank: int = opt(
+        0, "LoRA's rank r. Each adapted linear layer W [out, in] gains trainable A [r, in] and B [out, r] "
+        "and computes x W^T + (alpha / r) x A^T B^T; every other parameter is frozen (no gradient, no "
+        "optimizer state, no gradient reduction). A starts normal (std 1/sqrt(in)), B at zero: training "
+        "starts from the base model. 0 = off (every parameter trained).")
+    alpha: float = opt(16.0, "The adapters' scale numerator: their product is multiplied by alpha / rank.")
+    dropout: float = opt(0.0, "Dropout probability on the adapters' input in training (0 <= p < 1).")
+    modules: list = opt(["layers.*"], "Linear layers to adapt, as shell patterns (fnmatch) over their "
+                                      "names ('layers.*.attention.*', 'layers.*.feed_forward.w2'); the "
+                                      "embedding and the output head never are, nor a mixture of "
+                                      "experts' stacked routed experts (no linear layers).")
+    exclude: list = opt(["*.gate"], "Patterns of layers left unadapted among those modules match "
+                                    "(default: a mixture of experts' routers).")
+    save_base: bool = opt(
+        False, "Checkpoints hold the adapters alone (and their optimizer state): a resume rebuilds the "
+               "frozen base from checkpoint.initial_load_path, or from training.seed without one. true: "
+               "also the base weights (in the compute dtype), so a resume needs neither.")
+
+
+@dataclass
 class Loss:
     z_loss: float = opt(
         0.0, "Coefficient of the z-loss, added to the cross-entropy: z_loss x logsumexp(logits)^2 per "
@@ -517,6 +538,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     quantize: Quantize = field(default_factory=Quantize)
+    lora: Lora = field(default_factory=Lora)
     loss: Loss = field(default_factory=Loss)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpar.console import warn
+from torchpar.models.lora import adapter_init, is_adapter
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -383,7 +384,9 @@ class SeededInit(nn.Module):
         """The full tensor, made on ``device`` by that device's generator: the same numbers for
         every layout on one kind of device (a GPU's differ from a CPU's), and no CPU thread
         generating a large model's weights one after another."""
-        std = self.init_std(name)
+        std = adapter_init(name, shape)  # (a LoRA adapter's: the same for every model)
+        if std is None:
+            std = self.init_std(name)
         if std == "ones":
             return torch.ones(shape, device=device)
         if std == "zeros":
@@ -400,12 +403,13 @@ class SeededInit(nn.Module):
         ``local_part(param, full) -> (dst, src)`` lets parallel code map the full value onto the
         piece of a sharded parameter this process holds; by default the whole tensor.
         ``values`` (by canonical name: full tensors, or lazy weights with ``read(index)`` that read
-        only the part asked for) replaces the random init. ``device``: where values are made
+        only the part asked for) replaces the random init (of all but LoRA's adapters, which a base
+        model's weights do not hold). ``device``: where values are made
         (default: each parameter's own).
         """
         for name, p in self.named_parameters():
             name = canonical_name(name)
-            full = (values[name] if values is not None
+            full = (values[name] if values is not None and not (is_adapter(name) and name not in values)
                     else self.initial_value(name, tuple(p.shape), seed, device or p.device))
             if local_part is not None:
                 dst, src = local_part(p, full)

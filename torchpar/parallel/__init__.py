@@ -1,6 +1,7 @@
 """One parallelize path for every model family and layout.
 
-Order (as in torchtitan): build on the meta device -> FP8 layers ([quantize]) -> pipeline split ->
+Order (as in torchtitan): build on the meta device -> FP8 layers ([quantize]) -> LoRA adapters
+([lora]: the rest frozen) -> pipeline split ->
 per stage: context parallel (a forward pre-hook) -> tensor parallel -> experts split over ep (and
 tp) ranks -> activation checkpointing -> compile ->
 ZeRO-3 (FSDP2) -> materialize on the real device with ``init_weights`` -> ZeRO 0-2 engine or
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchpar.models.lora import add_adapters, freeze_base
 from torchpar.parallel import float8
 from torchpar.parallel.context import apply_context_parallel
 from torchpar.parallel.experts import apply_experts
@@ -67,6 +69,8 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         module = model.build(args)
     if layout.float8 != "off":
         float8.convert(module, model, layout.quantize, layout.float8_all_gather)
+    if layout.lora_rank:
+        add_adapters(module, model, layout.lora)
     if layout.pp > 1:
         parts = split_model(module, model, layout)
     else:
@@ -78,6 +82,8 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
                 part, model, args, layout.submesh("tp"), layout.sequence_parallel, layout.loss_parallel
             )
         experts = apply_experts(part, model, layout)
+        if layout.lora_rank:
+            freeze_base(part)
         apply_recompute(part, layout.activation_checkpoint, layout.activation_checkpoint_every)
         if layout.compile:
             for block in part.layers.values():
@@ -115,7 +121,7 @@ def materialize(parts: list[nn.Module], layout: Layout, device: torch.device, se
         part.to_empty(device="cpu" if layout.cpu_offload else device)
         part.tie_weights()
         part.init_weights(seed, local_part=_local_part, buffer_device=device, values=initial_weights)
-    items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts))]
+    items = [(name, p, p) for name, p in zip(param_names(parts), unique_params(parts)) if p.requires_grad]
     after_update = (lambda: float8.precompute_scales(parts)) if layout.float8_all_gather else None
     if after_update is not None:
         after_update()  # (the first forward's scales too)

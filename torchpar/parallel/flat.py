@@ -111,10 +111,15 @@ class FlatZero(FlatCheckpoints):
         the master) and is dropped, so start-up never holds more than the engine's own buffers and
         one parameter's initial value."""
         self.stage, self.layout, self.parts = layout.zero_stage, layout, model_parts
-        params = zero.unique_params(model_parts)
-        self.names = zero.param_names(model_parts)
-        if {p.dtype for p in params} != {torch.float32}:
-            raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {({p.dtype for p in params})}")
+        everything = zero.unique_params(model_parts)
+        dtypes = {p.dtype for p in everything}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"zero stages 0-2 start from fp32 parameters; got {dtypes}")
+        # Only trained parameters enter the buffer; frozen ones (a LoRA base) get one of their own
+        # in the compute dtype: no master, no gradient, no bucket, no gather.
+        params = [p for p in everything if p.requires_grad]
+        self.names = [n for n, p in zip(zero.param_names(model_parts), everything) if p.requires_grad]
+        frozen = [p for p in everything if not p.requires_grad]
         self.compute_dtype = getattr(torch, layout.param_dtype)
         self.grad_dtype = getattr(torch, layout.reduce_dtype)
         self.shards = n = flat_shards(layout)
@@ -155,12 +160,21 @@ class FlatZero(FlatCheckpoints):
                 self._zero_gaps(m, lo)
         else:
             self.masters = [self.flat[a:b] for a, b in self.owned]
+        frozen_sizes = [local(p).numel() for p in frozen]
+        self.frozen = torch.empty(sum(frozen_sizes), dtype=self.compute_dtype, device=device)
+        frozen_at = dict(zip(map(id, frozen), itertools.accumulate([0, *frozen_sizes])))
         index = {id(p): i for i, p in enumerate(params)}
         for part in model_parts:
             for p, _, value in initial_values(part):
-                self._fill(index[id(p)], value.reshape(-1))
+                if id(p) in index:
+                    self._fill(index[id(p)], value.reshape(-1))
+                else:
+                    at = frozen_at[id(p)]
+                    self.frozen[at: at + local(p).numel()].copy_(value.reshape(-1))
                 del value  # before the next one is made
-        self.params = self._alias(params)
+        views = [self.flat[start:end] for start, end, _ in self.segments]
+        views += [self.frozen[frozen_at[id(p)]: frozen_at[id(p)] + n] for p, n in zip(frozen, frozen_sizes)]
+        self.params = self._alias([*params, *frozen], views)[: len(params)]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}  # parameter -> its position
         self.runs = self._runs()
         self.optimizer = build_optimizer([(self.names[i], p, t) for i, p in enumerate(self.params)
@@ -214,17 +228,18 @@ class FlatZero(FlatCheckpoints):
             out.append(runs)
         return out
 
-    def _alias(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """New parameters over the buffer (in the compute dtype), put in place of the old ones in
-        every module that holds them (tied weights stay tied)."""
+    def _alias(self, params: list[nn.Parameter], views: list[torch.Tensor]) -> list[nn.Parameter]:
+        """New parameters over ``views`` (flat pieces of the buffers, in the compute dtype), put in
+        place of the old ones in every module that holds them (tied weights stay tied)."""
         new = {}
-        for p, (start, end, _) in zip(params, self.segments):
-            view = self.flat[start:end].view(local(p).shape)
+        for p, view in zip(params, views):
+            view = view.view(local(p).shape)
             if isinstance(p, DTensor):
                 view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                           shape=p.shape, stride=p.stride())
             new[id(p)] = q = nn.Parameter(view, requires_grad=p.requires_grad)
-            q.grad_dtype = torch.float32  # bf16 parameters: micro-steps accumulate their gradients in fp32
+            if q.requires_grad:  # bf16 parameters: micro-steps accumulate their gradients in fp32
+                q.grad_dtype = torch.float32
         for module in (m for part in self.parts for m in part.modules()):
             for name, p in module._parameters.items():
                 if p is not None and id(p) in new:
@@ -426,7 +441,8 @@ class FlatZero(FlatCheckpoints):
         grads = nbytes(self.grad_flat) + nbytes(self.grad_shard)
         grads += sum(nbytes(g) for g in self.grads or () if g.dtype != self.grad_dtype)
         master = nbytes(self.master) if self.separate_master else 0
-        return {"param_bytes": nbytes(self.flat), "grad_bytes": grads,  # (the buffer: padding included)
+        # (the buffer: padding included; and the frozen parameters' own)
+        return {"param_bytes": nbytes(self.flat) + nbytes(self.frozen), "grad_bytes": grads,
                 "optim_bytes": zero.optimizer_state_bytes(self.optimizer) + master}
 
 

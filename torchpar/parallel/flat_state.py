@@ -115,9 +115,11 @@ class FlatCheckpoints:
         return FlatPiece(p.shape, values[0].dtype, chunks)
 
     def _all_names(self) -> list[tuple[str, int]]:
-        """(canonical name, parameter index) for every name of every parameter (tied ones: two)."""
+        """(canonical name, parameter index) for every name of every trained parameter (tied ones:
+        two); frozen ones are the parts' other entries."""
         return [(canonical_name(n), self.index_of[id(p)])
-                for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)]
+                for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)
+                if id(p) in self.index_of]
 
     def _model_dict(self, saving: bool) -> dict:
         """The fp32 master under every parameter name, beside the parts' other entries."""

@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchpar.errors import ConfigError
 from torchpar.models.common import WHOLE_STYLES
+from torchpar.models.lora import A, B
 
 
 def loss_context(enabled: bool):
@@ -145,6 +147,26 @@ def _split_parameters(module, plan: dict[str, str], tp_mesh) -> None:
                 distribute_tensor(p.data, tp_mesh, [Shard(0)], src_data_rank=None), p.requires_grad))
 
 
+def _place_adapters(block) -> None:
+    """LoRA's adapters split as their layer's weight is (each computed by the rank holding the part
+    it meets): a column-wise W [out, in] Shard(0) gives B [out, r] its rows and A [r, in] whole on
+    every rank (the input is whole); a row-wise one, Shard(1), gives A its columns (each rank's part
+    of the input) and B whole — ``x A^T`` is then a partial sum, which the layer's own output
+    reduction adds up with ``x W^T``'s. A replicated weight, replicated adapters."""
+    for layer in block.modules():
+        w, a, b = (getattr(layer, n, None) for n in ("weight", A, B))
+        if a is None or not isinstance(w, DTensor):
+            continue
+        split = next((p.dim for p in w.placements if isinstance(p, Shard)), None)
+        places = {0: ([Replicate()], [Shard(0)]), 1: ([Shard(1)], [Replicate()])}.get(split,
+                                                                                      ([Replicate()],) * 2)
+        for name, t, place in ((A, a, places[0]), (B, b, places[1])):
+            # (on the meta device: a new empty tensor of the full shape, split with no communication)
+            full = torch.empty(t.shape, device="meta")
+            layer.register_parameter(name, nn.Parameter(
+                distribute_tensor(full, w.device_mesh, place, src_data_rank=None), t.requires_grad))
+
+
 def submodule(module, name: str):
     """``module``'s submodule ``name``, or None where it has none (a pipeline stage lacks some
     top-level modules; a block may lack optional ones)."""
@@ -184,6 +206,7 @@ def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool,
         plan = model.layer_plan(args, int(layer))
         parallelize_module(block, tp_mesh, _plan(block, plan, sequence_parallel, loss_parallel))
         _split_parameters(block, plan, tp_mesh)
+        _place_adapters(block)
     # parallelize_module replaces each weight with a new DTensor parameter, which unties a tied
     # head; both are Shard(0) over the vocabulary, so tying them again is exact.
     module.tie_weights()

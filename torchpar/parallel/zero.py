@@ -142,6 +142,12 @@ def param_names(model_parts: list[nn.Module]) -> list[str]:
     return out
 
 
+def frozen_names(model_parts: list[nn.Module]) -> frozenset[str]:
+    """Canonical names (every alias) of the parameters nothing trains (LoRA's base)."""
+    return frozenset(canonical_name(n) for part in model_parts
+                     for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad)
+
+
 def merged_view(model_parts: list[nn.Module]) -> nn.Module:
     """One module whose parameter names are the unsplit model's, over a rank's pipeline stages
     (the state-dict helpers map an optimizer's parameters to names through one module)."""
@@ -166,10 +172,17 @@ def parts_state_dict(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def load_parts_state_dict(model_parts: list[nn.Module], sd: dict[str, torch.Tensor]) -> None:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    """``sd``'s entries into the parts that hold them (a checkpoint without LoRA's frozen base
+    leaves those weights as they are)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     for part in model_parts:
-        set_model_state_dict(part, {k: sd[k] for k in get_model_state_dict(part)})
+        mine = {k: sd[k] for k in get_model_state_dict(part) if k in sd}
+        set_model_state_dict(part, mine, options=StateDictOptions(strict=False))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -83,7 +83,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
                          cfg.data.document_masking, device, cfg.overridden, cfg.quantize,
-                         chat_data(cfg.data))
+                         chat_data(cfg.data), cfg.lora)
     return lay, model, args
 
 
@@ -91,7 +91,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
 # outside the step: the search prices thousands of layouts that differ in these alone.
 _NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activation_checkpoint",
                         "activation_checkpoint_every", "compile", "reduce_every_microstep", "cp_method",
-                        "sequence_parallel", "loss_parallel", "optimizer", "quantize", "loss_mask"})
+                        "sequence_parallel", "loss_parallel", "optimizer", "quantize", "loss_mask", "lora"})
 
 
 _STATE_FIELDS = tuple(f.name for f in fields(Layout)

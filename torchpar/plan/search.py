@@ -45,14 +45,15 @@ def _degrees(model, args, cluster: Cluster, global_batch: int, seq: int, device:
 
 
 def _layouts(model, args, tp: int, pp: int, cp: int, method: str, dp: int, per_dp: int, param_dtype: str,
-             left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda", quantize=None):
+             left_out: list, offload_too: bool = True, optimizer=None, device: str = "cuda", quantize=None,
+             lora=None):
     """Every layout of these degrees that the composition table lets run (on ``device``): ZeRO
     stage, its shard group (HSDP) and (``offload_too``) offload, expert parallelism (a mixture of
     experts), recomputation, micro-batch and, with a pipeline, the schedule. Pipeline layouts of more
     than MAX_MICROBATCHES microbatches are left out (their schedules take too long to build) and
     counted in ``left_out``."""
     for lay in _every_layout(model, args, tp, pp, cp, method, dp, per_dp, param_dtype, left_out, offload_too,
-                             job_fields(optimizer, quantize)):
+                             job_fields(optimizer, quantize, lora=lora)):
         if not refusals(layout_features(lay, model, args, device=device)):
             yield lay
 
@@ -97,15 +98,15 @@ def _every_layout(model, args, tp: int, pp: int, cp: int, method: str, dp: int, 
 
 def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
            efficiency: float = 0.5, device: str = "cuda", optimizer=None, offload: bool = True,
-           quantize=None) -> list[Plan]:
+           quantize=None, lora=None) -> list[Plan]:
     """Every layout of adapter ``model`` with ``args`` that divides the world and the model,
     ranked by estimated tokens/s (layouts that fit first); for a job on ``device`` (CPU offload
     with ``offload``, on GPUs only) with ``optimizer`` (the [optimizer] section; None: AdamW) and
-    ``quantize`` (the [quantize] section, FP8; None: off)."""
+    ``quantize`` (the [quantize] section, FP8; None: off) and ``lora`` (the [lora] section; None: off)."""
 
     left_out: list[int] = []
     every = layouts(model, args, cluster, global_batch, seq, param_dtype, device, optimizer, offload,
-                    left_out, quantize)
+                    left_out, quantize, lora)
     plans = [plan(model, args, lay, cluster, seq, efficiency) for lay in every]
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
@@ -115,13 +116,13 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
 
 def layouts(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
             device: str = "cuda", optimizer=None, offload: bool = True, left_out: list | None = None,
-            quantize=None):
+            quantize=None, lora=None):
     """The layouts :func:`search` prices, one at a time (pipeline layouts it leaves out counted in
     ``left_out``)."""
     left_out = [] if left_out is None else left_out
     for tp, pp, cp, method, dp in _degrees(model, args, cluster, global_batch, seq, device):
         yield from _layouts(model, args, tp, pp, cp, method, dp, global_batch // dp, param_dtype, left_out,
-                            offload and device == "cuda", optimizer, device, quantize)
+                            offload and device == "cuda", optimizer, device, quantize, lora)
 
 
 def check_microbatches(lay: Layout) -> None:

@@ -133,7 +133,8 @@ def plan_candidates(cfg: JobConfig, world: int, cluster: Cluster, keep: int = SH
     not fit). CPU offload only with ``offload`` (and on GPUs). ConfigError naming the memory
     needed when none fits."""
     model, args, device, dtype, batch, seq = _job(cfg, world)
-    plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer, offload, cfg.quantize)
+    plans = search(model, args, cluster, batch, seq, dtype, 1.0, device, cfg.optimizer, offload, cfg.quantize,
+                   cfg.lora)
     if not plans:
         raise _none_divides(world, batch)
     out, refused = [], []

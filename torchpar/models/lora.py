@@ -1,0 +1,122 @@
+"""LoRA: low-rank adapters on a model's linear layers, the rest of the model frozen.
+
+An adapted layer ``W`` [out, in] keeps its weight (now frozen) and gains two trainable matrices,
+``lora_a`` [r, in] and ``lora_b`` [out, r]; its output becomes
+
+    y = x W^T (+ bias) + (alpha / r) * dropout(x) A^T B^T
+
+``A`` starts random (normal, std 1/sqrt(in)) and ``B`` at zero, so training starts from the base
+model exactly. The adapters are parameters of the layer itself (``layers.0.attention.wq.lora_a``)
+and the extra term is a forward hook, so the layer stays the module it was — an ``nn.Linear``, or
+torchao's ``Float8Linear`` under FP8 (its matmul in FP8, the adapters' in the compute dtype) — and
+the tensor-parallel plans, the ZeRO engines, the checkpoints and the Hugging Face mapping see the
+names they know. Parallelism is applied from outside: tensor parallelism splits ``B`` with a
+column-wise weight's output and ``A`` with a row-wise weight's input (``parallel/tensor.py``).
+
+Merging folds the adapters into the weight, ``W + (alpha / r) B A``: the model a merged export
+holds, equal to the adapted one up to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatch
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+A, B = "lora_a", "lora_b"  # the adapters' parameter names on an adapted layer
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a (canonical) parameter name is one of LoRA's."""
+    return name.rpartition(".")[2] in (A, B)
+
+
+def adapter_init(name: str, shape: tuple[int, ...]) -> float | str | None:
+    """How an adapter starts, in ``SeededInit.init_std``'s words (the std of a normal init, or
+    "zeros"); None for a parameter that is no adapter. ``B`` = 0: the adapted model starts as the
+    base; ``A``'s std 1/sqrt(in) keeps ``x A^T`` near unit scale, so ``B``'s first gradients are."""
+    leaf = name.rpartition(".")[2]
+    if leaf == A:
+        return shape[1] ** -0.5
+    if leaf == B:
+        return "zeros"
+    return None
+
+
+def scale(lora) -> float:
+    """The adapters' product is multiplied by alpha / r ([lora] ``lora``)."""
+    return lora.alpha / lora.rank
+
+
+def targets(module: nn.Module, model, lora) -> list[tuple[str, nn.Linear]]:
+    """The linear layers of ``module`` (of adapter ``model``) that [lora] ``lora`` adapts: named by a
+    pattern of ``modules`` and none of ``exclude``; never the embedding or the output head (the
+    adapter's first_stage and last_stage modules), which stay whole and frozen."""
+    keep_out = (*model.first_stage, *model.last_stage)
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and name.split(".")[0] not in keep_out
+            and any(fnmatch(name, p) for p in lora.modules)
+            and not any(fnmatch(name, p) for p in lora.exclude)]
+
+
+def _adapted(layer: nn.Linear, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    """The forward hook of an adapted layer: its output plus the scaled low-rank term."""
+    x = F.dropout(inputs[0], layer.lora_dropout, layer.training) if layer.lora_dropout else inputs[0]
+    return out + F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
+
+
+def add_adapters(module: nn.Module, model, lora) -> list[str]:
+    """Adapt the layers :func:`targets` names, in place (on the meta model, before any parallelism);
+    :func:`freeze_base` freezes the rest once the parallel styles have made their parameters.
+    Returns the adapted layers' names."""
+    names = []
+    for name, layer in targets(module, model, lora):
+        w = layer.weight
+        layer.register_parameter(A, nn.Parameter(torch.empty(lora.rank, w.shape[1], device=w.device)))
+        layer.register_parameter(B, nn.Parameter(torch.empty(w.shape[0], lora.rank, device=w.device)))
+        layer.lora_scale, layer.lora_dropout = scale(lora), lora.dropout
+        layer.register_forward_hook(_adapted)
+        names.append(name)
+    return names
+
+
+def freeze_base(module: nn.Module) -> None:
+    """Every parameter but the adapters stops requiring gradients. (Called after tensor
+    parallelism: some of torch's styles make new parameters that forget ``requires_grad``.)"""
+    for name, p in module.named_parameters():
+        p.requires_grad_(is_adapter(name))
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: float) -> torch.Tensor:
+    """``weight + factor * b @ a`` in fp32, in ``weight``'s dtype: a layer with the adapters folded in."""
+    return (weight.float() + factor * (b.float() @ a.float())).to(weight.dtype)
+
+
+def merge_weights(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    """Full weights by canonical name with every adapted layer's adapters merged into its weight
+    and left out: the plain model's weights."""
+    out = {k: v for k, v in weights.items() if not is_adapter(k)}
+    for name in weights:
+        if name.endswith("." + A):
+            layer = name[: -len(A) - 1]
+            out[f"{layer}.weight"] = merged(weights[f"{layer}.weight"], weights[name],
+                                            weights[f"{layer}.{B}"], factor)
+    return out
+
+
+def adapter_elements(model, args, lora) -> int:
+    """Elements of every adapter of a model of adapter ``model`` with ``args`` (none with LoRA off)."""
+    if lora is None or lora.rank == 0:
+        return 0
+    with torch.device("meta"):
+        module = model.build(args)
+    return sum(lora.rank * (m.in_features + m.out_features) for _, m in targets(module, model, lora))
+
+
+def smallest_width(module: nn.Module, model, lora) -> int:
+    """The smallest in or out width of the layers LoRA adapts (a rank above it adds nothing)."""
+    widths = (min(m.in_features, m.out_features) for _, m in targets(module, model, lora))
+    return min(widths, default=math.inf)
