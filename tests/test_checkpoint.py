@@ -29,6 +29,7 @@ MOE = ["--model.name", "moe", "--model.bias_rate", "0.01", "--model.balance_coef
 BF16M = ["--optimizer.state_dtype", "bfloat16"]
 # FP8 (tensorwise: weights all-gathered in FP8, their scales recomputed after a load)
 FP8 = ["--quantize.float8", "tensorwise", "--quantize.skip_small", "false"]
+LORA = ["--lora.rank", "4", "--lora.alpha", "8"]  # (its checkpoints: the adapters alone)
 
 
 def save(folder, *layout):
@@ -78,6 +79,12 @@ LAYOUTS = {  # name: (world, overrides)
     "muon_bf16m_dp2_tp2": (4, [*MUON, *BF16M, LB, "4", *TP2, Z, "3"]),
     "fp8_dp2_zero3": (2, [*FP8, LB, "4", Z, "3"]),
     "fp8_pp2_dp2": (4, [*FP8, *PP2, LB, "4", Z, "3"]),
+    # LoRA: the adapters and their optimizer state saved, the frozen base rebuilt from the seed
+    "lora_single": (1, [*LORA, Z, "0"]),
+    "lora_dp2_zero3": (2, [*LORA, LB, "4", Z, "3"]),
+    "lora_dp2_zero1": (2, [*LORA, LB, "4", Z, "1"]),
+    "lora_tp2": (2, [*LORA, *TP2, Z, "0"]),
+    "lora_base_pp2": (2, [*LORA, "--lora.save_base", "true", *PP2, Z, "2"]),  # the base saved too
 }
 # (saved under, resumed under): exact pairs keep the layout, the rest reshard.
 EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
@@ -85,7 +92,8 @@ EXACT = [("single", "single"), ("dp2_zero3", "dp2_zero3"), ("pp2", "pp2"),
          ("adafactor_dp2_zero2", "adafactor_dp2_zero2"), ("cp2", "cp2"), ("moe_dp2_zero3", "moe_dp2_zero3"),
          ("moe_ep2", "moe_ep2"), ("bf16m_dp2_zero1", "bf16m_dp2_zero1"),
          ("bf16m_dp2_zero3", "bf16m_dp2_zero3"), ("fp8_dp2_zero3", "fp8_dp2_zero3"),
-         ("fp8_pp2_dp2", "fp8_pp2_dp2")]
+         ("fp8_pp2_dp2", "fp8_pp2_dp2"), ("lora_dp2_zero3", "lora_dp2_zero3"),
+         ("lora_dp2_zero1", "lora_dp2_zero1"), ("lora_base_pp2", "lora_base_pp2")]
 RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("dp2_zero1", "dp2_zero3"),
            ("dp2_zero3", "dp4"), ("dp4", "dp2_zero1"), ("dp2_zero0", "dp4"), ("hsdp_zero2", "single"),
            ("dp2_tp2_zero1", "dp2_zero1"), ("muon_dp2_zero1", "muon_dp2_tp2"),
@@ -96,7 +104,8 @@ RESHARD = [("dp4", "dp2_tp2"), ("dp2_tp2", "pp2_dp2"), ("pp2_tp2", "single"), ("
            # (optim.rounding_drift; AdamW's 4.7e-5, under the 1e-4 of every pair; Muon's 7e-4 at its
            # lr 0.02); moments not loaded at all put the weights ~lr apart.
            ("bf16m_dp2_zero3", "bf16m_dp2_zero1"), ("dp2_zero3", "bf16m_dp2_zero1"),
-           ("bf16m_dp2_zero1", "dp4"), ("muon_dp2_zero1", "muon_bf16m_dp2_tp2")]
+           ("bf16m_dp2_zero1", "dp4"), ("muon_dp2_zero1", "muon_bf16m_dp2_tp2"),
+           ("lora_dp2_zero3", "lora_tp2"), ("lora_dp2_zero1", "lora_single")]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +160,25 @@ def test_resume_under_another_layout(runs, src, dst):
     after = windows(resumed)
     assert max((before + after).values()) == 1
     assert before + after == windows(full)
+
+
+def test_lora_checkpoints_hold_the_adapters_alone(runs):
+    """Without lora.save_base a checkpoint holds the adapters and their optimizer state, none of the
+    frozen base (rebuilt at a resume); with it, the base weights too."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from torchpar.checkpoint import complete_checkpoints
+
+    def keys(name):
+        folder = complete_checkpoints(runs["root"] / name)[3]
+        return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+    alone, with_base = keys("lora_dp2_zero3"), keys("lora_base_pp2")
+    adapter = "model.layers.0.attention.wq.lora_a"
+    assert adapter in alone and adapter in with_base
+    assert not any(k.startswith("model.") and not k.endswith(("lora_a", "lora_b")) for k in alone)
+    assert not any(k.startswith("optimizer.") and ".lora_" not in k and "state." in k for k in alone)
+    assert "model.layers.0.attention.wq.weight" in with_base and "model.tok_embeddings.weight" in with_base
 
 
 def test_each_rank_checksums_its_files_and_the_manifest_has_all(runs):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from torchpar import device as dev
 from torchpar.data import ChatSource, TokenizedCorpus
+from torchpar.models.lora import adapted_layers
+from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel import float8
 
 
@@ -189,6 +191,13 @@ def describe_run(trainer) -> str:
     if lay.float8 != "off":
         experts = trainer.model_family.experts(trainer.args) > 0
         line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts, trainer.device)}"
+    if lay.lora_rank:
+        lora = cfg.lora
+        adapted = adapted_layers(trainer.model_family, trainer.args, lora_spec(lora))
+        trained = sum(lora.rank * (a + b) for a, b in adapted.values())
+        line += (f"\ntorchpar: LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {len(adapted)} linear layers: "
+                 f"{trained / 1e6:.3f}M trained parameters ({trained / n:.2%}), the rest frozen; checkpoints "
+                 + ("hold the base weights too" if lora.save_base else "hold the adapters alone"))
     pipeline = trainer.model.pipeline
     return line if pipeline is None else f"{line}\n{pipeline.describe()}"
 

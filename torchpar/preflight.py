@@ -124,6 +124,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             warn(note)
         for note in resume_changes(cfg, resume, manifest):
             warn(note)
+        if base_from_start(cfg) and cfg.checkpoint.initial_load_path:  # (the checkpoint holds no base)
+            weights = initial_weights(cfg, model, args)
     elif cfg.checkpoint.initial_load_path:
         weights = initial_weights(cfg, model, args)
     return Preflight(model, args, tokenizer, layout, sources, shares, [n for n, _, _ in specs], val_source,
@@ -170,15 +172,15 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
         raise ConfigError(f"training.steps = {cfg.training.steps}, but the checkpoint {path} is at step "
                           f"{step}, so there is nothing left to train; raise training.steps above {step} to "
                           "go on, or choose a new job.dump_folder to start over")
-    try:
-        saved = tomllib.loads(manifest.get("config", "")).get("optimizer", {}).get("name")
-    except tomllib.TOMLDecodeError:
-        saved = None
+    saved = saved_config(manifest).get("optimizer", {}).get("name")
     if saved is not None and saved.lower() != cfg.optimizer.name.lower():
         raise ConfigError(f"optimizer.name = {cfg.optimizer.name!r}, but the checkpoint {path} was trained "
                           f"with {saved!r}, whose state the new optimizer cannot take; resume with "
                           f"optimizer.name = {saved!r}, or start the new optimizer from its weights: "
                           "checkpoint.initial_load_path = that folder, in a new job.dump_folder")
+    problem = lora_resume_problem(cfg, saved_config(manifest))
+    if problem:
+        raise ConfigError(f"the checkpoint {path}: {problem}")
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -189,19 +191,62 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
                           "checkpoint, or set checkpoint.load_step") from None
 
 
+def saved_config(manifest: dict) -> dict:
+    """The config snapshot a checkpoint's manifest holds, as a table ({} where it cannot be read:
+    it then tells nothing, and the manifest's own fields were checked)."""
+    try:
+        return tomllib.loads(manifest.get("config", ""))
+    except tomllib.TOMLDecodeError:
+        return {}
+
+
+def base_from_start(cfg: JobConfig) -> bool:
+    """Whether this job's checkpoints leave out the frozen base (LoRA, lora.save_base = false): a
+    resume then rebuilds it as the run began, from checkpoint.initial_load_path or the seed."""
+    return cfg.lora.rank > 0 and not cfg.lora.save_base
+
+
+def lora_resume_problem(cfg: JobConfig, saved: dict) -> str | None:
+    """Why a checkpoint trained with the [lora] of config snapshot ``saved`` cannot resume under
+    ``cfg``'s (adapters of other shapes or scale, a base rebuilt from elsewhere), or None."""
+    was = saved.get("lora", {})
+    rank, now = int(was.get("rank", 0)), cfg.lora
+    if not saved or rank == now.rank == 0:
+        return None
+    if rank == 0:
+        return (f"it trained every parameter, and lora.rank = {now.rank} trains adapters on a frozen base; "
+                "export it and start LoRA from its weights (checkpoint.initial_load_path = the export) in a "
+                "new job.dump_folder, or resume with lora.rank = 0")
+    if now.rank == 0:
+        return (f"it holds LoRA adapters of rank {rank}; resume with lora.rank = {rank}, or export it merged "
+                "(torchpar export) and train every parameter from that in a new job.dump_folder")
+    for key in ("rank", "alpha", "modules", "exclude", "save_base"):
+        if key in was and was[key] != getattr(now, key):
+            return (f"it was trained with lora.{key} = {was[key]!r}, here {getattr(now, key)!r}; resume "
+                    f"with lora.{key} = {was[key]!r} (the adapters and their base must be the ones trained)")
+    if not was.get("save_base", False):  # the base comes back from where the run began
+        path = saved.get("checkpoint", {}).get("initial_load_path", "")
+        if path != cfg.checkpoint.initial_load_path:
+            return (f"its LoRA base came from checkpoint.initial_load_path = {path!r}, here "
+                    f"{cfg.checkpoint.initial_load_path!r}; the checkpoint holds the adapters alone, so "
+                    f"resume with initial_load_path = {path!r}")
+        seed = saved.get("training", {}).get("seed", cfg.training.seed)
+        if not path and seed != cfg.training.seed:
+            return (f"its LoRA base was initialized from training.seed = {seed}, here {cfg.training.seed}; "
+                    f"the checkpoint holds the adapters alone, so resume with training.seed = {seed}")
+    return None
+
+
 def resume_changes(cfg: JobConfig, path: Path, manifest: dict) -> list[str]:
     """Settings a resume honours but that differ from what the checkpoint was trained with or
     that it overrides: a line for each (the manifest's config snapshot tells what they were)."""
     notes = []
     step, ck = manifest["step"], cfg.checkpoint
-    if ck.initial_load_path:
+    if ck.initial_load_path and not base_from_start(cfg):
         notes.append(f"checkpoint.initial_load_path = {ck.initial_load_path!r} is not read: the run resumes "
                      f"from the checkpoint {path} (step {step}), whose weights win; initial weights apply "
                      "only to a checkpoint folder without checkpoints")
-    try:
-        saved = tomllib.loads(manifest.get("config", "")).get("data", {})
-    except tomllib.TOMLDecodeError:
-        saved = {}  # a snapshot torchpar cannot read tells nothing; the manifest's own fields were checked
+    saved = saved_config(manifest).get("data", {})
     masking = saved.get("document_masking")
     if masking is not None and masking != cfg.data.document_masking:
         effect = ("attention stays inside each document and positions restart at each one"

@@ -23,6 +23,8 @@ from torchpar.evaluate import evaluate
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
+from torchpar.models.lora import flops_per_token as lora_flops
+from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import OptimizerFactory, build_lr_scheduler
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.context import inputs_and_targets, shard_sequence
@@ -112,7 +114,7 @@ class Trainer:
                                                            tr.tf32, cfg.metrics.peak_tflops)
         if self.peak_flops is None:
             warn(self.peak_source)
-        self.flops_per_token = pre.model.flops_per_token(self.args, tr.seq_len)
+        self.flops_per_token = lora_flops(pre.model, self.args, tr.seq_len, lora_spec(cfg.lora))
         # The auxiliary loss terms every rank logs, in one order (the same on every rank).
         self.loss_terms = (Z_LOSS,) * (cfg.loss.z_loss > 0) + pre.model.auxiliary_terms(self.args)
         # The routers' loads, balancing bias and figures (a mixture of experts), or None.

@@ -19,7 +19,9 @@ holds, equal to the adapted one up to rounding.
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from fnmatch import fnmatch
 
 import torch
@@ -107,13 +109,50 @@ def merge_weights(weights: dict[str, torch.Tensor], factor: float) -> dict[str, 
     return out
 
 
-def adapter_elements(model, args, lora) -> int:
-    """Elements of every adapter of a model of adapter ``model`` with ``args`` (none with LoRA off)."""
-    if lora is None or lora.rank == 0:
-        return 0
+def spec(lora) -> tuple | None:
+    """What of [lora] ``lora`` fixes the adapters' shapes, hashable (None: LoRA off)."""
+    return (lora.rank, tuple(lora.modules), tuple(lora.exclude)) if lora is not None and lora.rank else None
+
+
+@functools.lru_cache(maxsize=32)
+def adapted_layers(model, args, lora_spec: tuple) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each layer LoRA adapts in a model of adapter ``model`` with ``args``,
+    by name, for :func:`spec` ``lora_spec`` (one meta model per job, which the planner reads)."""
+    rank, modules, exclude = lora_spec
     with torch.device("meta"):
         module = model.build(args)
-    return sum(lora.rank * (m.in_features + m.out_features) for _, m in targets(module, model, lora))
+    lora = types.SimpleNamespace(rank=rank, modules=modules, exclude=exclude)
+    return {name: (m.out_features, m.in_features) for name, m in targets(module, model, lora)}
+
+
+def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
+    """Training FLOPs per token of a model of adapter ``model`` (``model.flops_per_token``), with
+    LoRA (``lora_spec``, :func:`spec`): frozen weights get no weight gradient, so their matmuls
+    cost 2 x forward instead of 3 x; each adapter's two small matmuls cost 3 x forward."""
+    full = model.flops_per_token(args, seq_len)
+    if lora_spec is None:
+        return full
+    adapters = sum(lora_spec[0] * (n + k) for n, k in adapted_layers(model, args, lora_spec).values())
+    return full - 2 * model.matmul_weights(args) + 6 * adapters
+
+
+def with_adapters(entries: list, layer: int, adapted: dict, rank: int) -> list:
+    """Block ``layer``'s parameter entries (the adapter's ``block_params``: name, (rows, cols),
+    TP-split dimension) with each adapted layer's A and B after its own (its weight, then its bias),
+    as the layer registers them: A (r, in) split over tp with a row-wise weight's columns, B
+    (out, r) with a column-wise weight's rows."""
+    out, weights = [], {}
+    for i, (name, shape, tp_dim) in enumerate(entries):
+        out.append((name, shape, tp_dim))
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight":
+            weights[module] = shape, tp_dim
+        after = entries[i + 1][0].rpartition(".")[0] if i + 1 < len(entries) else None
+        if module in weights and after != module and f"layers.{layer}.{module}" in adapted:
+            (rows, cols), split = weights[module]
+            out += [(f"{module}.{A}", (rank, cols), 1 if split == 1 else None),
+                    (f"{module}.{B}", (rows, rank), 0 if split == 0 else None)]
+    return out
 
 
 def smallest_width(module: nn.Module, model, lora) -> int:

@@ -30,6 +30,8 @@ from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.device import device_type, float8_matmuls, group_timeout
 from torchpar.errors import ConfigError
+from torchpar.models.lora import adapted_layers, is_adapter, with_adapters
+from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
 from torchpar.parallel.float8 import check_float8
@@ -572,10 +574,28 @@ def split_of(model, args, lay: Layout) -> list[int]:
 
 
 def stage_entries(model, args, split: list[int] | tuple[int, ...],
-                  stage: int) -> list[tuple[str, tuple[int, int], int | None]]:
-    """The adapter's parameter entries (``stage_params``) of pipeline stage ``stage`` of ``split``."""
+                  stage: int, lora: tuple | None = None) -> list[tuple[str, tuple[int, int], int | None]]:
+    """The adapter's parameter entries (``stage_params``) of pipeline stage ``stage`` of ``split``,
+    with LoRA's adapters where ``lora`` (``models.lora.spec``) puts them."""
     start = sum(split[:stage])
-    return model.stage_params(args, stage == 0, stage == len(split) - 1, range(start, start + split[stage]))
+    layers = range(start, start + split[stage])
+    entries = model.stage_params(args, stage == 0, stage == len(split) - 1, layers)
+    if lora is None:
+        return entries
+    # (a stage's entries: its first-stage modules', each block's, then its last-stage modules')
+    adapted = adapted_layers(model, args, lora)
+    at = len(model.stage_params(args, stage == 0, False, range(0)))
+    out = entries[:at]
+    for layer in layers:
+        block = model.block_params(args, layer)
+        out += with_adapters(block, layer, adapted, lora[0])
+        at += len(block)
+    return out + entries[at:]
+
+
+def trained(name: str, lora: tuple | None) -> bool:
+    """Whether the parameter entry ``name`` is trained (with LoRA, only the adapters are)."""
+    return lora is None or is_adapter(name)
 
 
 def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> list[tuple[int, int]]:
@@ -585,21 +605,21 @@ def rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0) -> li
     return list(params_at(model, args, rank_key(model, args, lay, pp_rank), lay.ep, lay.tp, tp_index))
 
 
-def rank_key(model, args, lay: Layout, pp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def rank_key(model, args, lay: Layout, pp_rank: int) -> tuple:
     """What of a layout fixes the parameters of the rank at ``pp_rank``: (layers per stage, its
-    stages). The planner's search prices thousands of layouts that share a few of these, so what
-    is computed from them is cached by them (:func:`params_at`, :func:`names_at`)."""
-    return tuple(split_of(model, args, lay)), tuple(lay.stage_ids(pp_rank))
+    stages, LoRA's ``spec``). The planner's search prices thousands of layouts that share a few of
+    these, so what is computed from them is cached by them (:func:`params_at`, :func:`names_at`)."""
+    return tuple(split_of(model, args, lay)), tuple(lay.stage_ids(pp_rank)), lora_spec(lay.lora)
 
 
 @functools.lru_cache(maxsize=4096)
 def params_at(model, args, key: tuple, ep: int, tp: int, tp_index: int) -> tuple[tuple[int, int], ...]:
     """:func:`rank_params` of the rank :func:`rank_key` ``key`` names, at ``ep``, ``tp``, ``tp_index``."""
-    split, stages = key
+    split, stages, lora = key
     experts = expert_names(model) if ep > 1 else set()
     out = []
     for s in stages:
-        for name, (rows, cols), tp_dim in stage_entries(model, args, split, s):
+        for name, (rows, cols), tp_dim in stage_entries(model, args, split, s, lora):
             if name in experts:
                 rows //= ep
             if tp > 1 and tp_dim == 0:
@@ -623,8 +643,8 @@ def rank_param_names(model, args, lay: Layout, pp_rank: int) -> list[str]:
 @functools.lru_cache(maxsize=4096)
 def names_at(model, args, key: tuple) -> tuple[str, ...]:
     """:func:`rank_param_names` of the rank that :func:`rank_key` ``key`` names."""
-    split, stages = key
-    return tuple(name for s in stages for name, _, _ in stage_entries(model, args, split, s))
+    split, stages, lora = key
+    return tuple(name for s in stages for name, _, _ in stage_entries(model, args, split, s, lora))
 
 
 def _check_buckets(layout: Layout, model, args) -> None:

@@ -7,6 +7,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from torchpar.models.lora import flops_per_token as lora_flops
+from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel.bubble import schedule_actions, simulate
 from torchpar.parallel.flat import IN_FLIGHT, flat_shards
 from torchpar.parallel.float8 import float8_weights, gathered_in_float8
@@ -184,7 +186,7 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     memory, fits = memory_of(model, args, lay, cluster, seq, headroom, actions)
     comm = communication(model, args, lay, cluster, seq)
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
-    per_token = model.flops_per_token(args, seq)
+    per_token = lora_flops(model, args, seq, lora_spec(lay.lora))
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
     # FP8 layers' matmuls (forward and both backward products: 6 FLOPs per weight element and token)
     # at the FP8 peak, where the device has one

@@ -11,6 +11,7 @@ from torchpar.config import JobConfig
 from torchpar.data import chat_data
 from torchpar.device import compute_dtype
 from torchpar.models import adapter, model_args
+from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import kind_of, param_role
 from torchpar.optim import state_bytes as opt_state_bytes
 from torchpar.parallel.flat import bucket_elements, flat_layout, flat_shards
@@ -26,6 +27,7 @@ from torchpar.parallel.layout import (
     resolve_layout,
     split_of,
     stage_entries,
+    trained,
 )
 
 
@@ -125,6 +127,7 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     optimizer's state from its declaration (torchpar.optim.state_bytes) per piece it updates."""
     pp, tp = coords.get("pp", 0), coords.get("tp", 0)
     local = rank_params(model, args, lay, pp, tp)
+    lora = lora_spec(lay.lora)  # (with LoRA only the adapters have gradients and optimizer state)
     if lay.zero_stage == 3:  # FSDP2: dim 0 of each (TP-local) parameter split over dp_shard x cp
         # (an expert stack's, its ep-local experts, over the ranks holding the same experts)
         experts = expert_names(model)
@@ -133,15 +136,21 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         pieces = [((chunk(r, *split[name in experts]), c), role, name) for (r, c), role, name in
                   zip(local, _roles(model, args, lay, pp, tp), rank_param_names(model, args, lay, pp))]
         n = sum(r * c for (r, c), _, _ in pieces)
+        learned = sum(r * c for (r, c), _, name in pieces if trained(name, lora))
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s, model, args, name), role)
-                    for s, role, name in pieces)
-        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optim}
+                    for s, role, name in pieces if trained(name, lora))
+        return {"param_bytes": 4 * n, "grad_bytes": 4 * learned, "optim_bytes": optim}
     # ZeRO 0-2 (the flat engine): the compute copy whole (its buffer, padding included); the reduced
     # gradient whole (0, 1) or its owned N-th (2) in the reduction dtype — in bf16 replaced by the
     # fp32 copy the optimizer takes; the optimizer's state of the pieces it updates and, when the
-    # compute copy is not fp32, the fp32 master of the owned N-th.
+    # compute copy is not fp32, the fp32 master of the owned N-th. Frozen parameters (LoRA's base)
+    # are outside the buffer, in the compute dtype, whole.
     n = flat_shards(lay)
     rank = lay.shard_index(coords) if n > 1 else 0
+    names = rank_param_names(model, args, lay, pp)
+    learned = [trained(name, lora) for name in names]
+    frozen = sum(r * c for (r, c), t in zip(local, learned) if not t)
+    local, names = [s for s, t in zip(local, learned) if t], [name for name, t in zip(names, learned) if t]
     roles, whole, starts, bounds = flat_rank_layout(model, args, lay, pp, tp)
     shard = bounds[-1] // n
     held = shard if lay.zero_stage == 2 else shard * n
@@ -155,12 +164,11 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         m = (padded - last) // n
         mine = padded // n - m + max(0, min(sliced, last + (rank + 1) * m) - (last + rank * m))
         optim += opt_state_bytes(lay.optimizer, (mine,), "vector") if mine else 0
-    names = rank_param_names(model, args, lay, pp)
     for (r, c), role, start, w, name in zip(local, roles, starts, whole, names):  # whole ones in this N-th
         k = bisect.bisect_right(bounds, start) - 1
         if w and (start - bounds[k]) // ((bounds[k + 1] - bounds[k]) // n) == rank:
             optim += opt_state_bytes(lay.optimizer, _shape((r, c), model, args, name), role)
-    return {"param_bytes": lay.param_dtype_bytes * bounds[-1], "grad_bytes": grads,
+    return {"param_bytes": lay.param_dtype_bytes * (bounds[-1] + frozen), "grad_bytes": grads,
             "optim_bytes": optim + master}
 
 
@@ -175,7 +183,10 @@ def flat_rank_layout(model, args, lay: Layout, pp_rank: int, tp_index: int = 0):
 @functools.lru_cache(maxsize=4096)  # (the search prices thousands of layouts with a few buffers)
 def _flat_rank_layout(model, args, at: tuple, whole_rule, shards: int, bucket: int):
     # (``at``: the rank's rank_key, ep, tp, tp index; ``whole_rule``: the optimizer's Kind.whole)
-    local, roles = params_at(model, args, *at), _roles_of(model, args, *at)
+    # The buffer holds the trained parameters alone (with LoRA, the adapters).
+    learned = [trained(name, at[0][2]) for name in names_at(model, args, at[0])]
+    local = [s for s, t in zip(params_at(model, args, *at), learned) if t]
+    roles = tuple(r for r, t in zip(_roles_of(model, args, *at), learned) if t)
     whole = [whole_rule is not None and whole_rule(role, 1 if c == 1 else 2)
              for (_, c), role in zip(local, roles)]
     starts, bounds = flat_layout([r * c for r, c in local], shards, bucket, whole)
