@@ -557,6 +557,22 @@ CASES = [
                            "[training]\nglobal_batch_size = 4096\n"}),
     Case("schedule: too many microbatches", "schedule --pp 2 --microbatches 100000", "--microbatches 100000",
          "beyond the 256"),
+    # --- LoRA
+    Case("LoRA rank negative", CHECK + " --lora.rank -1", "lora.rank must be in [0, 65536]"),
+    Case("LoRA alpha not finite", CHECK + " --lora.rank 4 --lora.alpha nan", "lora.alpha",
+         "not a finite number"),
+    Case("LoRA dropout of 1", CHECK + " --lora.dropout 1", "lora.dropout must be in [0, 1)"),
+    Case("LoRA rank above a layer's width", CHECK + " --lora.rank 100",
+         "lora.rank = 100 exceeds the 64 features of layers.0.attention.wk", "lora.rank <= 64"),
+    Case("LoRA patterns naming no linear layer", CHECK + " --lora.rank 4 --lora.modules output",
+         "lora.modules = ['output']", "names no linear layer"),
+    Case("LoRA dropout under TP on a CPU", CHECK + " --lora.rank 4 --lora.dropout 0.1"
+         " --parallelism.tensor_parallel_degree 2", "lora.dropout = 0.1 with tensor_parallel_degree = 2",
+         world=2),
+    Case("LoRA resuming a full checkpoint", CKPT + " --lora.rank 4", "it trained every parameter",
+         "checkpoint.initial_load_path", run=True),
+    Case("PEFT export of a full checkpoint", EXPORT + "--format peft --out {t}/adapter",
+         "holds no LoRA adapters", run=True),
     # --- data edge cases
     Case("JSONL text not a string", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
          "a.jsonl:2: field 'text' is not a string (3)", files={"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}),

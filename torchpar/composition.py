@@ -3,7 +3,7 @@
 Every feature of a job is a value on a dimension (:data:`DIMENSIONS`): the model family, the
 optimizer and the dtype of its state, the ZeRO stage, tensor, pipeline, context and expert
 parallelism, recomputation, compile, document masking, precision, FP8, CPU offload, the loss terms,
-accumulation, evaluation. Any values run together and train what one process trains, except
+accumulation, evaluation, LoRA. Any values run together and train what one process trains, except
 where a rule of :data:`RULES` says otherwise, in the one line a user reads (naming the fields and
 the way out).
 
@@ -66,6 +66,7 @@ class Features:
     z_loss: bool = False
     accumulation: bool = False  # more than one micro-step per optimizer step (pp 1)
     evaluation: bool = False  # [validation] enabled
+    lora: bool = False  # LoRA adapters trained on a frozen base (lora.rank > 0)
     device: str = "cpu"
 
 
@@ -90,6 +91,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "loss_terms": ("z_loss", "sequence_terms"),
     "accumulation": ("accumulation",),
     "evaluation": ("evaluation",),
+    "lora": ("lora",),
 }
 
 

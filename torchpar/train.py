@@ -183,6 +183,7 @@ class Trainer:
                        "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "zero_stage": lay.zero_stage},
             "data": self.data_identity,
             "run_id": self.logger.run_id,  # a resumed run goes on logging under it
+            "device": self.device.type,  # (whose generator a seeded init used: a LoRA base is made again)
             "config": to_toml(cfg),
         }
 

@@ -123,7 +123,11 @@ def load_model(path: str | Path):
 def open_model(path: str | Path):
     """:func:`load_model`'s model and metadata, and the state beside the parameters the source
     holds (:func:`extra_state`; the model's routers already follow it), read once."""
-    meta, read = open_source(path)
+    return model_from(*open_source(path))
+
+
+def model_from(meta: dict, read):
+    """:func:`open_model` of a source already opened (:func:`open_source`'s metadata and ``read``)."""
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     args = family.args_class(**meta["model_args"])
     extra = extra_state(family, args, read)

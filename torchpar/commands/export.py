@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from torchpar.adapters import is_own_peft, open_merged, write_peft
 from torchpar.checkpoint import (
     MANIFEST,
 )
@@ -13,7 +14,7 @@ from torchpar.console import ArgumentParser, at_least
 from torchpar.errors import ConfigError
 from torchpar.hf import export_hf, is_own_export
 from torchpar.outputs import add_overwrite, claim
-from torchpar.weights import meta_path, open_model, open_source, save_weights
+from torchpar.weights import meta_path, model_from, save_weights
 
 
 def _refuse_checkpoint_target(out: Path) -> None:
@@ -35,7 +36,9 @@ def export_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", required=True,
                     help="step folder, checkpoint folder or dump folder (latest step), or an export file")
     ap.add_argument("--out", required=True, help="output file (e.g. model.pt), or folder with --format hf")
-    ap.add_argument("--format", default="torchpar", choices=("torchpar", "hf"))
+    ap.add_argument("--format", default="torchpar", choices=("torchpar", "hf", "peft"),
+                    help="torchpar: one weights file; hf: a Hugging Face folder; peft: a LoRA checkpoint's "
+                         "adapters alone, as PEFT loads them (hf and torchpar merge them into the weights)")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--max-shard-mb", type=float, default=5 * 1024,
                     help="--format hf: start a new safetensors file above this size (default 5 GiB, as HF)")
@@ -43,19 +46,23 @@ def export_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     at_least("--max-shard-mb", a.max_shard_mb, 0, exclusive=True)
-    hf = a.format == "hf"
+    hf, folder = a.format == "hf", a.format in ("hf", "peft")
     _refuse_checkpoint_target(Path(a.out).expanduser())  # even with --overwrite
-    out = claim("--out", a.out, folder=hf, overwrite=a.overwrite, own=is_own_export if hf else None)
-    if not hf:
+    own = {"hf": is_own_export, "peft": is_own_peft}.get(a.format)
+    out = claim("--out", a.out, folder=folder, overwrite=a.overwrite, own=own)
+    if not folder:
         claim("--out", meta_path(out), overwrite=a.overwrite)  # the metadata written beside it
+    if a.format == "peft":
+        print(f"torchpar: wrote {a.out}: {write_peft(a.checkpoint, out, dtype)}")
+        return 0
     if hf:
-        meta, read = open_source(a.checkpoint)
+        meta, read = open_merged(a.checkpoint)
         what = export_hf(meta, read, out, dtype, a.max_shard_mb)
         print(f"torchpar: wrote {a.out}: {what} (step {meta.get('step')})")
         return 0
     if out.exists() and out.resolve() == Path(a.checkpoint).expanduser().resolve():
         raise ConfigError(f"--out {out} is the --checkpoint being exported; choose another file")
-    model, meta, extra = open_model(a.checkpoint)
+    model, meta, extra = model_from(*open_merged(a.checkpoint))
     state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     state.update(extra)  # (the routers' balancing bias, in fp32: a few numbers)
     keys = ("model_name", "model_flavor", "model_args", "tokenizer_path", "step", "tokens_seen")

@@ -6,12 +6,13 @@ import sys
 
 import torch
 
+from torchpar.adapters import open_merged
 from torchpar.console import ArgumentParser, at_least
 from torchpar.device import local_device
 from torchpar.errors import ConfigError
 from torchpar.generate import sample
 from torchpar.tokenizer import TokenizerError, load_tokenizer
-from torchpar.weights import load_model
+from torchpar.weights import model_from
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     at_least("--max-new-tokens", a.max_new_tokens, 0)
     at_least("--temperature", a.temperature, 0)  # 0 = greedy
     at_least("--top-k", a.top_k, 0)  # 0 = no top-k cut
-    model, meta = load_model(a.checkpoint)
+    model, meta, _ = model_from(*open_merged(a.checkpoint))  # (a LoRA checkpoint: its adapters merged)
     try:
         tokenizer = load_tokenizer(a.tokenizer or meta.get("tokenizer_path", "builtin"))
     except TokenizerError as e:

@@ -1,6 +1,6 @@
 """Typed job configuration: the sections (``sections.py``) and their loading (``load.py``)."""
 
-from torchpar.config.load import help_text, load_config, parse_overrides, to_toml, validate
+from torchpar.config.load import config_from_text, help_text, load_config, parse_overrides, to_toml, validate
 from torchpar.config.sections import (
     DTYPES,
     Checkpoint,
@@ -19,6 +19,7 @@ from torchpar.config.sections import (
 )
 
 __all__ = [
+    "config_from_text",
     "DTYPES",
     "Checkpoint",
     "Data",

@@ -178,20 +178,36 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Build the job config: defaults <- file chain <- command-line overrides."""
     cfg = JobConfig()
     if path is not None:
-        origin = str(path)
-        for section, values in _read_toml(Path(path), []).items():
-            if not isinstance(values, dict):
-                raise ConfigError(
-                    f"{origin}: top-level key '{section}' must be a [section] "
-                    f"table.{did_you_mean(section, _sections())}"
-                )
-            for key, value in values.items():
-                _apply(cfg, section, key, value, from_cli=False, origin=origin)
+        _apply_table(cfg, _read_toml(Path(path), []), str(path))
     pairs = parse_overrides(overrides or [])
     for dotted, value in pairs:
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, from_cli=True, origin="command line")
     cfg.overridden = frozenset(dotted for dotted, _ in pairs)
+    validate(cfg)
+    return cfg
+
+
+def _apply_table(cfg: JobConfig, table: dict, origin: str) -> None:
+    for section, values in table.items():
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{origin}: top-level key '{section}' must be a [section] "
+                f"table.{did_you_mean(section, _sections())}"
+            )
+        for key, value in values.items():
+            _apply(cfg, section, key, value, from_cli=False, origin=origin)
+
+
+def config_from_text(text: str, origin: str) -> JobConfig:
+    """A config held as TOML text (the snapshot :func:`to_toml` wrote into a checkpoint), checked
+    like a file; ``origin`` names it in errors."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML ({e})") from None
+    cfg = JobConfig()
+    _apply_table(cfg, table, origin)
     validate(cfg)
     return cfg
 

@@ -449,7 +449,8 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         recompute=lay.activation_checkpoint, compile=lay.compile, document_masking=document_masking,
         chat=chat,
         bf16=lay.param_dtype == "bfloat16", float8=lay.float8, offload=lay.cpu_offload, z_loss=z_loss,
-        accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, device=device)
+        accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, lora=lay.lora_rank > 0,
+        device=device)
 
 
 def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None) -> dict:
@@ -512,6 +513,8 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     _check_recompute(layout, args)
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
+    if layout.lora_rank:
+        _check_lora(model, args, layout.lora, layout.tp, device)
     if layout.float8 != "off":
         why = float8_matmuls() if device == "cuda" else None  # (this machine's GPU, where it has one)
         if why:
@@ -520,6 +523,29 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
             warn(f"quantize.float8 = {layout.float8!r} converts no layer: none of {list(quantize.modules)} "
                  "is a linear layer large enough to gain (quantize.skip_small) outside quantize.exclude")
     return layout
+
+
+def _check_lora(model, args, lora, tp: int, device: str) -> None:
+    """LoRA's patterns must name linear layers, and its rank stay below their widths; its dropout
+    under TP needs one mask on every tp rank for the input they share (a replicated DTensor), which
+    torch's DTensor random ops draw on CUDA devices only (elsewhere each rank its own: the replicated
+    A's copies would drift apart)."""
+    if lora.dropout > 0 and tp > 1 and device != "cuda":
+        raise ConfigError(f"lora.dropout = {lora.dropout:g} with tensor_parallel_degree = {tp} on {device}: "
+                          "the tp ranks must draw one dropout mask for the input they share, which torch's "
+                          "DTensor random ops do on CUDA only; set lora.dropout = 0 or "
+                          "tensor_parallel_degree = 1")
+    adapted = adapted_layers(model, args, lora_spec(lora))
+    if not adapted:
+        stacks = " (a mixture of experts' routed experts are stacks, not linear layers: they stay frozen)"
+        raise ConfigError(f"lora.modules = {list(lora.modules)} (less lora.exclude = {list(lora.exclude)}) "
+                          f"names no linear layer of the blocks{stacks if model.expert_plan else ''}; name "
+                          "some, e.g. 'layers.*.attention.*'")
+    narrowest = min(min(shape) for shape in adapted.values())
+    if lora.rank > narrowest:
+        name = next(n for n, shape in adapted.items() if min(shape) == narrowest)
+        raise ConfigError(f"lora.rank = {lora.rank} exceeds the {narrowest} features of {name} (an adapter "
+                          f"of rank r adds nothing past min(in, out)); use lora.rank <= {narrowest}")
 
 
 def _check_experts(model, args, lay: Layout) -> None:
@@ -582,11 +608,12 @@ def stage_entries(model, args, split: list[int] | tuple[int, ...],
     entries = model.stage_params(args, stage == 0, stage == len(split) - 1, layers)
     if lora is None:
         return entries
-    # (a stage's entries: its first-stage modules', each block's, then its last-stage modules')
+    # (a stage's entries: its first-stage modules', each block's — the last stage's prediction depths'
+    # after its own —, then its last-stage modules')
     adapted = adapted_layers(model, args, lora)
     at = len(model.stage_params(args, stage == 0, False, range(0)))
     out = entries[:at]
-    for layer in layers:
+    for layer in [*layers, *(model.depth_blocks(args) if stage == len(split) - 1 else ())]:
         block = model.block_params(args, layer)
         out += with_adapters(block, layer, adapted, lora[0])
         at += len(block)

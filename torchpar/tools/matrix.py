@@ -53,6 +53,7 @@ VALUES: dict[str, tuple] = {
     "loss_terms": (False, True),
     "accumulation": (False, True),
     "evaluation": (False, True),
+    "lora": (False, True),
 }
 assert tuple(VALUES) == tuple(DIMENSIONS), "the matrix's dimensions are the composition table's"
 MAX_WORLD = 8  # the most ranks a cell starts (tiny models: 8 processes share this machine's cores)
@@ -63,7 +64,7 @@ GLOBAL_BATCH = 8
 # What the one-process run a cell is compared with shares with it: the dimensions that change the
 # numbers (the others are how the same numbers are computed).
 REFERENCE_DIMS = ("family", "optimizer", "optimizer_state", "document_masking", "data_format", "precision",
-                  "float8", "loss_terms", "evaluation")
+                  "float8", "loss_terms", "evaluation", "lora")
 
 Cell = dict  # dimension -> value
 
@@ -122,6 +123,8 @@ def _numbers(cell: Cell, docs: str) -> list[str]:
                 "*.gate,*.wk_rope"]
     if cell["evaluation"]:
         out += ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+    if cell["lora"]:  # adapters on every block's linear layer but the routers, the rest frozen
+        out += ["--lora.rank", "4", "--lora.alpha", "8"]
     return out + ["--training.steps", str(STEPS), "--training.global_batch_size", str(GLOBAL_BATCH)]
 
 
