@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -52,9 +51,9 @@ def at_scale(rank: int, seq: int) -> None:
     print(f"{'layout':16} {'tuning':12} {'params':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'peak':>8}")
     for name, (flavor, world, overrides) in AT_SCALE.items():
         for tuning, extra in (("full", []), (f"LoRA r{rank}", lora_args(rank))):
-            cfg = load_config(BASE, ["--model.flavor", flavor, "--training.seq_len",
-                                     str(seq), "--training.mixed_precision_param", "bfloat16",
-                                     "--training.local_batch_size", "1", *overrides, *extra])
+            cfg = load_config(BASE, ["--model.flavor", flavor, "--parallelism.bucket_mb", "25",
+                                     "--training.seq_len", str(seq), "--training.mixed_precision_param",
+                                     "bfloat16", "--training.local_batch_size", "1", *overrides, *extra])
             lay, model, args = layout_from_config(cfg, world, "cuda")
             mem = rank_memory(model, args, lay, seq, 0)
             figures = [mem[k] / GIB for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes",
@@ -69,8 +68,9 @@ def _measure(rank, world, out, table):
         peak = step_peak_check(cfg)
         lay, model, args = layout_from_config(cfg, world, "cpu")
         predicted = state_bytes(model, args, lay, lay.rank_coords(rank))
-        # (a fresh trainer's engine holds the same bytes as the one the peak check measured)
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg)  # (a step, then what its engine holds: gradients and optimizer state exist)
+        trainer.train_state.step = 1
+        trainer.train_step(iter(trainer.dataloader))
         measured = trainer.model.state.state_bytes()
         trainer.close()
         results[name] = {"measured": measured, "predicted": predicted, **peak}
@@ -84,9 +84,8 @@ def _measure(rank, world, out, table):
 def here(rank: int) -> None:
     table = {f"{name} {tuning}": [*overrides, *extra] for name, overrides in HERE.items()
              for tuning, extra in (("full", []), (f"LoRA r{rank}", lora_args(rank)))}
-    out = tempfile.mkdtemp(prefix="lora_bench_")
+    out = spawn_ranks(_measure, 2, table)
     try:
-        spawn_ranks(_measure, 2, out, table)
         gathered = torch.load(f"{out}/results.pt", weights_only=False)
     finally:
         shutil.rmtree(out, ignore_errors=True)

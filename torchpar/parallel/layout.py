@@ -677,8 +677,11 @@ def names_at(model, args, key: tuple) -> tuple[str, ...]:
 def _check_buckets(layout: Layout, model, args) -> None:
     """ZeRO 0-2 cut each rank's gradients into buckets of ``bucket_mb``: a count beyond
     MAX_BUCKETS is refused by arithmetic, before anything is built."""
-    n = flat_shards(layout)
-    held = max(sum(r * c for r, c in rank_params(model, args, layout, p)) for p in range(layout.pp))
+    n, lora = flat_shards(layout), lora_spec(layout.lora)
+    # (the buffer holds the trained parameters alone)
+    held = max(sum(r * c for (r, c), name in zip(rank_params(model, args, layout, p),
+                                                 rank_param_names(model, args, layout, p))
+                   if trained(name, lora)) for p in range(layout.pp))
     elements = math.ceil(held / n) * n
     buckets = math.ceil(elements / bucket_elements(layout))
     if buckets > MAX_BUCKETS:
