@@ -14,12 +14,14 @@ from harness import ROOT, TINY, assert_matches, cli, run_layouts
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
+PeftModel = pytest.importorskip("peft").PeftModel
 
+from torchpar.adapters import open_merged  # noqa: E402
 from torchpar.errors import ConfigError  # noqa: E402
 from torchpar.hf import HFWeights, write_hf  # noqa: E402
 from torchpar.models import MODELS  # noqa: E402
 from torchpar.outputs import MARKER  # noqa: E402
-from torchpar.weights import build_from  # noqa: E402
+from torchpar.weights import build_from, model_from  # noqa: E402
 
 LLAMA = MODELS["llama3"]
 MOE = MODELS["moe"]
@@ -339,13 +341,29 @@ def test_a_moe_flavour_without_a_hf_form_is_refused():
 @pytest.mark.slow
 def test_training_from_qwen3_moe_is_the_same_under_expert_parallelism(tmp_path):
     """Started from the HF model, each rank reading only its experts (and, with ZeRO-3 over the
-    ranks holding them, its shard of them): ep 2 with 2 such ranks and ep 4 train like one process."""
-    make_hf_qwen3_moe(tmp_path, seed=3)
-    start = ["--model.name", "moe", "--checkpoint.initial_load_path", str(tmp_path),
+    ranks holding them, its shard of them): ep 2 with 2 such ranks and ep 4 train like one process;
+    so do LoRA adapters on it under ep 2 (the experts frozen), whose checkpoint exports as PEFT
+    adapters that PEFT applies to the transformers model, as torchpar's merged model computes."""
+    hf = make_hf_qwen3_moe(tmp_path / "base", seed=3)
+    start = ["--model.name", "moe", "--checkpoint.initial_load_path", str(tmp_path / "base"),
              "--parallelism.zero_stage", "3"]
-    ref = run_layouts(1, {"ref": start})["ref"]
-    runs = run_layouts(4, {f"ep{ep}": [*start, "--training.local_batch_size", "2",
-                                       "--parallelism.expert_parallel_degree", str(ep)] for ep in (2, 4)})
+    # (the attention's layers: PEFT takes a mixture of experts' MLP projections for its fused experts)
+    lora = [*start, "--lora.rank", "4", "--lora.alpha", "8", "--lora.modules", "layers.*.attention.*"]
+    refs = run_layouts(1, {"ref": start, "ref_lora": lora})
+    ref = refs["ref"]
+    ep = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree"]
+    runs = run_layouts(4, {**{f"ep{n}": [*start, *ep, str(n)] for n in (2, 4)},
+                           "ep2_lora": [*lora, *ep, "2", "--checkpoint.enable", "true", "--checkpoint.folder",
+                                        str(tmp_path / "ckpt")]})
+    assert_matches(runs.pop("ep2_lora"), refs["ref_lora"])
+    done = run(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "peft", "--out",
+                str(tmp_path / "peft")])
+    assert done.returncode == 0, done.stderr
+    ours, _, _ = model_from(*open_merged(tmp_path / "ckpt"))
+    tokens = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with_peft = PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+        assert (ours(tokens) - with_peft(tokens).logits).abs().max() <= 1e-4
     for result in runs.values():
         # (the token table's rarely seen rows: Adam turns float noise in tiny gradients into ~1e-3,
         # as in the Llama case above; the losses agree within 1e-5)

@@ -84,6 +84,17 @@ def test_planner_entries_are_the_models_parameters(family):
         assert all(s == p or len(s) > 2 for (_, s), (_, p) in zip(real, planned)), family
 
 
+def test_peft_format_refuses_what_peft_would_apply_elsewhere():
+    """PEFT takes a mixture of experts' MLP projection names for its fused experts: adapters on a
+    dense block's MLP of such a model are refused in one line naming the layer and the way out."""
+    from torchpar.errors import ConfigError
+
+    moe = MODELS["moe"]
+    args = moe.args("debug")
+    with pytest.raises(ConfigError, match=r"layers\.0\.feed_forward\.w1 is model\.layers\.0\.mlp\.gate_proj"):
+        peft_adapters(moe, args, spec(lora()), ALPHA, 0.0, lambda name: torch.zeros(1))
+
+
 def test_adapters_start_at_the_base_and_merge_into_its_weights():
     """With B = 0 (the init) the adapted model is the base; with trained adapters, the plain model
     holding W + (alpha / r) B A gives its logits."""
@@ -143,7 +154,7 @@ def test_lora_fine_tuning_from_hf_resumes_and_exports_to_transformers_and_peft(t
     ranks trains as one process; a resume rebuilds the frozen base from the HF folder and goes on
     bitwise; the checkpoint (adapters alone) exports as a merged HF folder transformers reads, and
     as PEFT adapters PEFT applies to the original model, both giving the logits torchpar's merged
-    model gives."""
+    model gives; the merged folder imports back as that model."""
     base = tmp_path / "base"
     make_hf_llama(base, seed=5, vocab_size=4104)  # (its vocabulary holds the chat template's markers)
     job = ["--checkpoint.initial_load_path", str(base), "--model.vocab_size", "4104", "--data.dataset",
@@ -175,3 +186,11 @@ def test_lora_fine_tuning_from_hf_resumes_and_exports_to_transformers_and_peft(t
         assert (logits - merged(tokens).logits).abs().max() <= 1e-4
         with_peft = peft.PeftModel.from_pretrained(original, tmp_path / "peft").eval()
         assert (logits - with_peft(tokens).logits).abs().max() <= 1e-4
+        # ...and the merged export imports back as the model it holds (a plain model now)
+        args = LLAMA.args("debug", vocab_size=4104)
+        again = build_from(LLAMA, args, HFWeights(tmp_path / "hf", LLAMA, args, "debug"))
+        assert (logits - again(tokens)).abs().max() <= 1e-5
+        # ...and the merged export imports back as the model it holds (a plain model now)
+        args = LLAMA.args("debug", vocab_size=4104)
+        again = build_from(LLAMA, args, HFWeights(tmp_path / "hf", LLAMA, args, "debug"))
+        assert (logits - again(tokens)).abs().max() <= 1e-5

@@ -26,6 +26,9 @@ from torchpar.preflight import initial_weights
 from torchpar.weights import open_source
 
 PEFT_COMMAND = "torchpar export --format peft"
+# PEFT (0.21, with transformers 5) reads targets of these names in a mixture of experts as the fused
+# experts' stacked parameters, whatever layer they name: a dense block's MLP adapters would be lost.
+MOE_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -94,17 +97,26 @@ def peft_adapters(family, args, lora_spec: tuple, alpha: float, dropout: float, 
     if problem:
         raise ConfigError(f"{problem}; export the merged model with --format torchpar")
     by_weight = {tp: (hf, how) for tp, hf, how in family.hf_tensors(args)}
-    tensors, targets = {}, []
+    layers = {}  # torchpar layer -> (its HF module, how its rows are laid out); every one checked first
     for layer in adapted_layers(family, args, lora_spec):
         hf, how = by_weight.get(f"{layer}.weight", (None, None))
         if hf is None or not (how is None or isinstance(how, int)):
             raise ConfigError(f"{layer}'s weight is part of a fused Hugging Face tensor ({hf}), which PEFT "
                               "adapts as one; export the merged model with --format hf")
         module = hf.removesuffix(".weight")
-        targets.append(module)
+        if family.experts(args) and module.rpartition(".")[2] in MOE_EXPERT_NAMES:
+            raise ConfigError(f"{layer} is {module} in Hugging Face's form, and PEFT reads a mixture of "
+                              f"experts' {'/'.join(MOE_EXPERT_NAMES)} targets as its fused experts, so "
+                              "these adapters would be applied elsewhere; adapt the attention alone for a "
+                              "PEFT export (lora.modules = ['layers.*.attention.*']), or export the merged "
+                              "model with --format hf")
+        layers[layer] = module, how
+    tensors = {}
+    for layer, (module, how) in layers.items():
         b = read(f"{layer}.{B}")
         tensors[f"base_model.model.{module}.lora_A.weight"] = read(f"{layer}.{A}")
         tensors[f"base_model.model.{module}.lora_B.weight"] = family.to_hf(b, how) if how is not None else b
+    targets = [module for module, _ in layers.values()]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_spec[0], "lora_alpha": alpha,
               "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
