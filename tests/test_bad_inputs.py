@@ -573,6 +573,12 @@ CASES = [
          "checkpoint.initial_load_path", run=True),
     Case("PEFT export of a full checkpoint", EXPORT + "--format peft --out {t}/adapter",
          "holds no LoRA adapters", run=True),
+    # --- replica groups (torchft)
+    Case("fault tolerance without a lighthouse", CHECK + " --fault_tolerance.enable true",
+         "needs the torchft lighthouse's address", "TORCHFT_LIGHTHOUSE"),
+    Case("a replica id beyond the groups", CHECK + " --fault_tolerance.enable true"
+         " --fault_tolerance.replica_groups 2 --fault_tolerance.replica_id 2", "replica_id = 2",
+         "0 <= replica_id < replica_groups"),
     # --- data edge cases
     Case("JSONL text not a string", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
          "a.jsonl:2: field 'text' is not a string (3)", files={"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}),
@@ -615,7 +621,7 @@ def test_the_table_has_sixty_cases_or_more():
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_one_line(case, trained, tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHFT_LIGHTHOUSE"):
         monkeypatch.delenv(key, raising=False)
     if case.world:
         monkeypatch.setenv("WORLD_SIZE", str(case.world))

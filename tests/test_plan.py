@@ -32,6 +32,10 @@ LEDGER_LAYOUTS = {
     "dp2_zero3_chat": [Z, "3", "--training.local_batch_size", "4", "--data.dataset", "files", "--data.format",
                        "chat", "--data.path", str(ROOT / "tests" / "data" / "short_chat.jsonl"),
                        "--model.vocab_size", "4104"],
+    # LoRA: FSDP2 reduce-scatters the adapters' gradients alone (its units still gather the frozen
+    # base); the flat engine's buckets hold the adapters alone
+    "dp2_zero3_lora": [Z, "3", "--training.local_batch_size", "4", "--lora.rank", "4"],
+    "dp2_zero2_lora": [Z, "2", "--training.local_batch_size", "4", "--lora.rank", "4"],
     # Context parallelism: all-to-alls around attention (twice over for the recomputed blocks), or
     # the ring's key/value passes and their gradients' passes back.
     "cp2": [Z, "0", *CP2],

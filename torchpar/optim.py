@@ -698,6 +698,34 @@ def check_optimizer(cfg, kinds=(("matrix", 2), ("vector", 1))) -> None:
         raise ConfigError(f"[optimizer] name = {cfg.name!r} with kwargs {cfg.kwargs}: {e}") from None
 
 
+def local_state(optimizer: torch.optim.Optimizer) -> list:
+    """Every value of the optimizer's state in a fixed order (by parameter group, parameter and key):
+    this rank's pieces of its tensors (a DTensor's local shard), and its numbers — what the same
+    rank of another replica group of the same layout loads with :func:`load_local_state`."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            out += [v.to_local() if isinstance(v, DTensor) else v for _, v in sorted(state.items())]
+    return out
+
+
+@torch.no_grad()
+def load_local_state(optimizer: torch.optim.Optimizer, values: list) -> None:
+    """:func:`local_state`'s values into this optimizer's state (made, as the other's was)."""
+    ensure_state(optimizer)
+    at = iter(values)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            for key, v in sorted(state.items()):
+                theirs = next(at)
+                if torch.is_tensor(v):
+                    (v.to_local() if isinstance(v, DTensor) else v).copy_(theirs)
+                else:
+                    state[key] = theirs
+
+
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily made state now (a checkpoint is loaded into it before any step):
     one step with zero gradients and lr 0, which leaves the parameters exactly as they are."""

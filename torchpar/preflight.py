@@ -26,6 +26,7 @@ from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype, device_type
 from torchpar.errors import ConfigError
+from torchpar.fault_tolerance import check_fault_tolerance
 from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.optim import check_optimizer, param_role
@@ -80,6 +81,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
             f"vocab_size {args.vocab_size}; use a matching tokenizer or flavour"
         )
     check_optimizer(cfg.optimizer, param_kinds(model, args))
+    check_fault_tolerance(cfg.fault_tolerance)
     o = cfg.optimizer
     if o.state_dtype == "bfloat16" and 1 - o.beta2 < 2 ** -7:
         warn(f"optimizer.beta2 = {o.beta2:g} with state_dtype = 'bfloat16': a step moves AdamW's second "

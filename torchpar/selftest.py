@@ -244,7 +244,8 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
         gathered = [None] * world
         dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
         if rank == 0:
-            results[name] = _merge(gathered, losses, trainer, Path(f"{out}/{name}/metrics.jsonl"))
+            metrics = Path(trainer.cfg.job.dump_folder) / "metrics.jsonl"  # (a replica group's: its own)
+            results[name] = _merge(gathered, losses, trainer, metrics)
             results[name]["seconds"] = time.perf_counter() - start  # (building and training it)
         dist.barrier()  # every rank finished this layout
         if rank == 0:

@@ -20,15 +20,16 @@ from torchpar.console import StartupClock, progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
+from torchpar.fault_tolerance import ReplicaGroups, for_replica
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.models.lora import flops_per_token as lora_flops
 from torchpar.models.lora import spec as lora_spec
-from torchpar.optim import OptimizerFactory, build_lr_scheduler
+from torchpar.optim import OptimizerFactory, build_lr_scheduler, ensure_state, load_local_state, local_state
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.context import inputs_and_targets, shard_sequence
-from torchpar.parallel.zero import clip_grad_norm, frozen_names, full_value
+from torchpar.parallel.zero import clip_grad_norm, frozen_names, full_value, local
 from torchpar.preflight import claim_folders, preflight
 from torchpar.profiling import Profiler
 from torchpar.signals import StopSignals
@@ -48,6 +49,7 @@ class Trainer:
         which runs while the device is still empty);
         ``check_layout(cfg, layout, model, args)``: raises ConfigError for a layout it refuses,
         before any collective (``torchpar train`` passes the planner's memory cap)."""
+        cfg = for_replica(cfg)  # (a replica group of several: its own folders)
         self.cfg, self.on_first_step, self.on_logged_step = cfg, on_first_step, on_logged_step
         self.startup = clock = StartupClock()
         tr = cfg.training
@@ -76,6 +78,9 @@ class Trainer:
             self.grad_device = torch.device("cpu") if lay.cpu_offload else self.device
             dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
+            # One of several replica groups: this rank's torchft manager (the lighthouse's quorum).
+            ft = cfg.fault_tolerance
+            self.replicas = ReplicaGroups(ft, self.rank, world) if ft.enable else None
         if on_process_group is not None:
             with clock.phase("machine probe"):
                 on_process_group(cfg, lay, pre.model, pre.args)
@@ -87,8 +92,10 @@ class Trainer:
                 OptimizerFactory(cfg.optimizer, pre.model), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         with clock.phase("data"):
+            shard, shards = (self.replicas.data_shard(lay.dp_rank, lay.dp) if self.replicas
+                             else (lay.dp_rank, lay.dp))
             self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
-                                               lay.dp_rank, lay.dp, tr.seed, cfg.data.num_workers,
+                                               shard, shards, tr.seed, cfg.data.num_workers,
                                                cfg.data.lanes, self.device.type == "cuda", pre.shares)
         self.source_names = pre.source_names
         self.global_batch = tr.local_batch_size * lay.accum * lay.dp
@@ -99,6 +106,8 @@ class Trainer:
                                        experts_view=lay.experts_view, views=lay.views)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
+        self.uncommitted = 0  # steps the replica groups' quorum did not commit
+        self.recovered = 0  # times this replica group took a healthy group's state
         self.losses: list[float] = []  # every step's global loss, as the host reads them
         self.settled = (float("nan"), float("nan"))  # (loss, grad norm) of the last step read
         self.settled_terms: dict[str, float] = {}  # its auxiliary loss terms, per token
@@ -127,6 +136,13 @@ class Trainer:
             self.model.pipeline.z_loss = cfg.loss.z_loss
         with clock.phase("checkpoint"):
             self._restore(pre.resume, pre.resume_manifest)
+        self.batches = None  # the data's iterator, made when training starts
+        if self.replicas is not None:
+            # A group that joins late recovers this state live from a healthy group's same rank.
+            ensure_state(self.model.state.optimizer)  # (its lazily made state, which recovery fills)
+            self.model.state.zero_grad()
+            self._snapshot_position()
+            self.replicas.serve(self._recovery_state, self._recover)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
         self.watchdog = None
         if world > 1 and cfg.comm.watchdog_s > 0:
@@ -205,6 +221,8 @@ class Trainer:
         """One optimizer step. Its figures are read by the host later (:meth:`_settle`)."""
         state, step = self.model.state, self.train_state.step
         phase = self.breakdown.phase  # times the phases of logged steps
+        if self.replicas is not None:
+            self.replicas.start_step()  # (the quorum is computed while the step runs)
         with phase("data"):
             hosts = [next(batches) for _ in range(self.layout.accum)]
         # (conversations carry loss masks: their targets are counted, not assumed)
@@ -218,9 +236,18 @@ class Trainer:
             loss_sum = self._forward_backward(hosts, scales, phase)
         with phase("reduce_clip"):
             state.reduce_gradients()
+            if self.replicas is not None:  # ...and over the replica groups of this step's quorum
+                pieces = [g for g, _ in state.grad_pieces()]
+                if self.replicas.fingerprint is None:
+                    shapes = [tuple(g.shape) for g in pieces]
+                    self.replicas.describe(f"{self.layout.to_dict()}, pieces {shapes}")
+                self.replicas.average(pieces)
             grad_norm = clip_grad_norm(state, self.cfg.training.max_norm, self.grad_device)
             routed = self.routing.take() if self.routing is not None else None
             summed = self.global_figures(loss_sum, terms.values(loss_sum), routed)
+            if self.replicas is not None:  # (the figures of the whole quorum: each group's, averaged)
+                self.replicas.average([summed])
+                committed = self.replicas.commit()
             n = 2 + len(self.loss_terms)
             loss, stopping, term_sums = summed[0], summed[1], summed[2:n]
             # (the balancing bias moves here, before the next step's forwards)
@@ -232,7 +259,9 @@ class Trainer:
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
-        if step not in self._settle(step - 1 if on_device else step):
+        if self.replicas is not None and not committed:
+            self._uncommitted(step)
+        elif step not in self._settle(step - 1 if on_device else step):
             with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
                 state.step()
         self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
@@ -287,6 +316,61 @@ class Trainer:
             else:
                 self.guard.in_a_row = 0
         return rejected
+
+    def _snapshot_position(self) -> None:
+        """Where this group is after a step, as a recovering group takes it: the step, the data
+        position, the schedule, the routers' bias (copies: the next step changes them before a peer
+        reads them); the weights and optimizer state are read live (torchft holds the next update
+        back until a transfer is done)."""
+        self.position = {"train_state": self.train_state.state_dict(), "data": self.dataloader.state_dict(),
+                         "lr_scheduler": self.lr_scheduler.state_dict(),
+                         "routing": {k: v.clone() for k, v in self.routing.state_dict().items()}
+                         if self.routing is not None else None}
+
+    def _recovery_state(self) -> dict:
+        """This rank's training state for the same rank of a recovering replica group (torchft calls
+        it in its quorum thread)."""
+        state = self.model.state
+        return {"weights": [local(w) for w in state.weights()], "optimizer": local_state(state.optimizer),
+                **self.position}
+
+    def _recover(self, sd: dict) -> None:
+        """Take a healthy group's state (torchft calls it on every rank of this group as the step
+        commits): weights, optimizer state, step, schedule and data position. This group trains from
+        the next step on, at the data position after this one (its share of this step is skipped:
+        its gradients, from stale weights, did not count)."""
+        state = self.model.state
+        state.wait_params()
+        with torch.no_grad():
+            for mine, theirs in zip(state.weights(), sd["weights"]):
+                local(mine).copy_(theirs)
+        load_local_state(state.optimizer, sd["optimizer"])
+        state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
+        self.train_state.load_state_dict(sd["train_state"])
+        self.train_state.step += 1  # (the step committing now)
+        self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if self.routing is not None:
+            self.routing.load_state_dict(sd["routing"])
+        self.dataloader.load_state_dict(sd["data"])
+        self.batches = iter(self.dataloader)
+        for _ in range(self.layout.accum):  # (this step's windows of this group's share)
+            next(self.batches)
+        self.recovered += 1
+        self.logger.log({"step": self.train_state.step, "event": "recovered", "recoveries": self.recovered})
+        if self.rank == 0:
+            print(f"torchpar: replica group {self.cfg.fault_tolerance.replica_id} recovered the weights and "
+                  f"optimizer state of step {self.train_state.step - 1} from a healthy group; training on",
+                  flush=True)
+
+    def _uncommitted(self, step: int) -> None:
+        """A step the replica groups' quorum did not commit (a group failed in it, or fewer than
+        fault_tolerance.min_replicas took part): its update is not applied, here as everywhere."""
+        self.uncommitted += 1
+        present = self.replicas.participants()
+        self.logger.log({"step": step, "uncommitted_steps": self.uncommitted, "replica_groups": present})
+        warn(f"step {step} not committed by the replica groups (participants: {present}, "
+             f"fault_tolerance.min_replicas = {self.cfg.fault_tolerance.min_replicas}); its update is "
+             "dropped")
 
     def _diverged(self, step: int, problem: str) -> None:
         """A step that was not applied: stop with one line, or skip it (counted and logged) unless
@@ -357,7 +441,7 @@ class Trainer:
         cfg, tr, ts = self.cfg, self.cfg.training, self.train_state
         if self.rank == 0:
             print(self.startup.line() + "\n" + describe_run(self), flush=True)
-        batches = iter(self.dataloader)
+        self.batches = iter(self.dataloader)
         dev.reset_peak_memory()
         first = ts.step + 1  # > 1 after a resume
         self.throughput = Throughput(self.global_tokens, first, tr.steps)
@@ -371,8 +455,10 @@ class Trainer:
             # (the first step's traffic includes one-time set-up: counted from the second on)
             with self.breakdown.step(logged and cfg.metrics.log_step_breakdown,
                                      logged and cfg.metrics.log_communication and ts.step > first):
-                self.train_step(batches)
+                self.train_step(self.batches)
             self.profiler.step(ts.step)
+            if self.replicas is not None:
+                self._snapshot_position()
             ts.tokens_seen += self.global_tokens
             self.throughput.steps += 1
             # The host waits for the device only where it must: to log, evaluate, save or stop.
@@ -407,6 +493,8 @@ class Trainer:
             self.watchdog.stop()
         self.logger.close()
         self.signals.restore()
+        if self.replicas is not None:
+            self.replicas.close()
         if self.run_lock is not None:
             self.run_lock.release()
 

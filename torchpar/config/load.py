@@ -277,6 +277,13 @@ def validate(cfg: JobConfig) -> None:
     if m.mtp_depth >= t.seq_len:
         raise ConfigError(f"model.mtp_depth = {m.mtp_depth} needs training.seq_len > {m.mtp_depth} (got "
                           f"{t.seq_len}): depth k predicts the token k + 1 ahead inside the window")
+    ft = cfg.fault_tolerance
+    if ft.enable and not (1 <= ft.min_replicas <= ft.replica_groups and 0 <= ft.replica_id < ft.replica_groups
+                          and ft.replica_groups <= 4096 and 1 <= ft.timeout_s <= 86400):
+        raise ConfigError(
+            f"fault_tolerance: replica_groups = {ft.replica_groups}, replica_id = {ft.replica_id}, "
+            f"min_replicas = {ft.min_replicas}, timeout_s = {ft.timeout_s:g}; need 1 <= min_replicas <= "
+            "replica_groups <= 4096, 0 <= replica_id < replica_groups and timeout_s in [1, 86400]")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
         raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)

@@ -525,6 +525,23 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = opt(
+        False, "Train as one of several replica groups through torchft: each group is a job of any layout, "
+        "their gradients averaged every step over a process group torchft manages, a step committed by "
+        "the groups a quorum holds; a lost group costs the others no restart. Needs torchft and its "
+        "lighthouse (torchft_lighthouse).")
+    replica_id: int = opt(0, "This replica group's index, 0 to replica_groups - 1 (its share of the data).")
+    replica_groups: int = opt(1, "How many replica groups train together (the data is split among them).")
+    min_replicas: int = opt(1, "The fewest replica groups a step commits with; with fewer it is not applied.")
+    lighthouse: str = opt(
+        "", "The torchft lighthouse's address (http://host:port); empty = the TORCHFT_LIGHTHOUSE variable.")
+    timeout_s: float = opt(
+        60.0, "Seconds torchft waits for a quorum, a cross-group collective or a commit before the step "
+              "fails and is retried without the groups that did not answer.")
+
+
+@dataclass
 class JobConfig:
     # (not a field: no TOML key) The dotted keys the command line set, filled by load_config. A
     # file's value is a base every layout built on the file shares (the self-test's bucket size
@@ -546,4 +563,5 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     profiling: Profiling = field(default_factory=Profiling)

@@ -610,14 +610,19 @@ def stage_entries(model, args, split: list[int] | tuple[int, ...],
         return entries
     # (a stage's entries: its first-stage modules', each block's — the last stage's prediction depths'
     # after its own —, then its last-stage modules')
-    adapted = adapted_layers(model, args, lora)
     at = len(model.stage_params(args, stage == 0, False, range(0)))
     out = entries[:at]
     for layer in [*layers, *(model.depth_blocks(args) if stage == len(split) - 1 else ())]:
-        block = model.block_params(args, layer)
-        out += with_adapters(block, layer, adapted, lora[0])
-        at += len(block)
+        at += len(model.block_params(args, layer))
+        out += block_entries(model, args, layer, lora)
     return out + entries[at:]
+
+
+def block_entries(model, args, layer: int, lora: tuple | None = None) -> list:
+    """Block ``layer``'s parameter entries (the adapter's ``block_params``), with LoRA's adapters
+    where ``lora`` (``models.lora.spec``) puts them."""
+    block = model.block_params(args, layer)
+    return with_adapters(block, layer, adapted_layers(model, args, lora), lora[0]) if lora else block
 
 
 def trained(name: str, lora: tuple | None) -> bool:

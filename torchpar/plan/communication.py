@@ -9,16 +9,19 @@ import itertools
 import math
 
 from torchpar.models.common import WHOLE_STYLES, planned_under
+from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
 from torchpar.parallel.float8 import gathered_in_float8
 from torchpar.parallel.layout import (
     Layout,
+    block_entries,
     expert_names,
     rank_param_names,
     rank_params,
     split_of,
     stage_entries,
+    trained,
 )
 from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD
@@ -203,19 +206,22 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
           layers: list[int], first: bool) -> None:
     """FSDP2 units: each block, and the root (first- and last-stage modules); under expert
     parallelism a block's experts are a unit of their own over the ranks holding the same experts
-    (efsdp). A unit's collectives carry every parameter padded to a multiple of its shard ranks."""
-    r, act = lay.dp_replicate, lay.param_dtype_bytes
+    (efsdp). A unit's collectives carry every parameter padded to a multiple of its shard ranks; its
+    reduce-scatters, the trained ones (with LoRA, the adapters)."""
+    r, act, lora = lay.dp_replicate, lay.param_dtype_bytes, lora_spec(lay.lora)
     n_first = len(model.stage_params(args, True, False, range(0))) if first else 0
-    ends = list(itertools.accumulate((len(model.block_params(args, i)) for i in layers), initial=n_first))
+    ends = list(itertools.accumulate((len(block_entries(model, args, i, lora)) for i in layers),
+                                     initial=n_first))
     experts = expert_names(model) if lay.ep > 1 else set()
     fp8 = gathered_in_float8(model, args, lay)
     blocks, expert_units = [], []
     for layer, a, b in zip(layers, ends, ends[1:]):
-        entries = [(*rc, 1 if f"layers.{layer}.{name}" in fp8 else act, name)
+        entries = [(*rc, 1 if f"layers.{layer}.{name}" in fp8 else act, trained(name, lora), name)
                    for rc, name in zip(local[a:b], names[a:b])]
-        blocks.append([e[:3] for e in entries if e[3] not in experts])
-        expert_units.append([e[:3] for e in entries if e[3] in experts])
-    root = [(*rc, act) for rc in local[:n_first] + local[ends[-1]:]]
+        blocks.append([e[:4] for e in entries if e[4] not in experts])
+        expert_units.append([e[:4] for e in entries if e[4] in experts])
+    root = [(*rc, act, trained(name, lora)) for rc, name in zip(local[:n_first] + local[ends[-1]:],
+                                                                 names[:n_first] + names[ends[-1]:])]
     _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r)
     # FP8 gathers' scales, after each step: one all-reduce of the weights' absolute maxima (fp32),
     # over each dimension that splits them
@@ -231,9 +237,11 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
 def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim: str, r: int) -> None:
     """The collectives of FSDP2 units sharded over ``n`` ranks of ``dim``: one per block, the
     root's, and HSDP's all-reduce over ``r`` replicas. A unit: (rows, cols, bytes per gathered
-    element: the compute dtype's, or 1 for a weight gathered in FP8) of each parameter."""
+    element: the compute dtype's, or 1 for a weight gathered in FP8; whether it is trained) of each
+    parameter; gradients (fp32) are reduced for the trained ones alone."""
     def unit_bytes(shapes, dtype_bytes=None):
-        return sum((dtype_bytes or gathered) * math.ceil(a / n) * n * b for a, b, gathered in shapes)
+        return sum((dtype_bytes or gathered) * math.ceil(a / n) * n * b for a, b, gathered, learned in shapes
+                   if learned or dtype_bytes is None)
 
     # Without a pipeline each micro-step gathers every unit, and the blocks but the last (where
     # backward starts) again for backward; under a pipeline nothing reshards until the step ends.
@@ -243,12 +251,12 @@ def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim:
     for i, unit in enumerate(blocks):
         again = lay.pp == 1 and i < len(blocks) - 1
         sent.add(dim, "all_gather", unit_bytes(unit), n, 2 * gathers if again else gathers)
-        sent.add(dim, "reduce_scatter", unit_bytes(unit, 4), n, reduces)
     if root:
         sent.add(dim, "all_gather", unit_bytes(root), n, gathers)
-        sent.add(dim, "reduce_scatter", unit_bytes(root, 4), n, reduces)
     for unit in blocks + ([root] if root else []):
-        sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
+        if unit_bytes(unit, 4):  # (a unit of frozen parameters reduces nothing)
+            sent.add(dim, "reduce_scatter", unit_bytes(unit, 4), n, reduces)
+            sent.add("dp_replicate", "all_reduce", unit_bytes(unit, 4) / n, r, reduces)
 
 
 def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[int, ...], str, int | None]]:
@@ -260,10 +268,12 @@ def _whole_matrices(model, args, lay: Layout, pp_rank: int) -> list[tuple[tuple[
     only TP's split of its width is gathered."""
     if not kind_of(lay.optimizer).gathers_shards:
         return []
-    split, stacks = split_of(model, args, lay), expert_names(model)
+    split, stacks, lora = split_of(model, args, lay), expert_names(model), lora_spec(lay.lora)
     out = []
     for s in lay.stage_ids(pp_rank):
-        for name, (r, c), tp_dim in stage_entries(model, args, split, s):
+        for name, (r, c), tp_dim in stage_entries(model, args, split, s, lora):
+            if not trained(name, lora):
+                continue  # (a frozen weight is never updated)
             shape = (r, c)
             if name in stacks and model.stack_shape(args, name) is not None:  # (not a stack of biases)
                 experts, m, n = model.stack_shape(args, name)

@@ -1,0 +1,139 @@
+"""Replica groups through torchft: several jobs of one layout train as one, and a lost group costs
+the others a step at most, not a restart.
+
+Each replica group is a torchpar job of its own (its own ranks, process group, mesh and layout:
+ZeRO-3, TP, PP, CP or EP inside it). Rank r of every group also joins a process group that torchft
+manages across the groups' rank r, and a torchft ``Manager`` (one per rank; group rank 0's talks to
+the lighthouse) decides each step's quorum: which groups take part. A step then runs as usual
+inside each group; once a group has reduced its gradients, each rank averages its pieces of them
+(the ZeRO engine's own: an FSDP2 shard, the flat engine's owned pieces) with the same pieces of the
+other groups, and the optimizer steps only if the step commits — every group in the quorum got
+through it (``should_commit``). A group that dies drops out of the next quorum; the others go on.
+
+The data is split over every group's data-parallel ranks: group g's rank of data-parallel index i
+reads shard ``g x dp + i`` of ``replica_groups x dp``, so with every group present a step trains
+on what one job of ``replica_groups`` times the data-parallel ranks would (and equals it, as the
+tests check); a step some group misses trains on the others' shards alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import zlib
+from pathlib import Path
+
+import torch
+
+from torchpar.errors import ConfigError
+
+try:  # (an optional dependency: only a job with [fault_tolerance] enable = true needs it)
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+except ImportError:  # pragma: no cover - the check below says what to install
+    Manager = ProcessGroupGloo = None
+
+
+def for_replica(cfg):
+    """``cfg`` as replica group ``fault_tolerance.replica_id`` runs it: in a dump folder (and, if
+    absolute, a checkpoint folder) of its own, ``replica_<id>`` inside the given one."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return cfg
+    own = f"replica_{ft.replica_id}"
+    folder = cfg.checkpoint.folder
+    checkpoint = (dataclasses.replace(cfg.checkpoint, folder=str(Path(folder) / own))
+                  if Path(folder).is_absolute() else cfg.checkpoint)
+    job = dataclasses.replace(cfg.job, dump_folder=str(Path(cfg.job.dump_folder) / own))
+    out = dataclasses.replace(cfg, job=job, checkpoint=checkpoint)
+    out.overridden = cfg.overridden
+    return out
+
+
+def lighthouse_of(ft) -> str:
+    """The lighthouse's address: [fault_tolerance] lighthouse, else TORCHFT_LIGHTHOUSE; one line if none."""
+    address = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise ConfigError("fault_tolerance.enable = true needs the torchft lighthouse's address: set "
+                          "fault_tolerance.lighthouse = 'http://host:port' or TORCHFT_LIGHTHOUSE (start one "
+                          "with torchft_lighthouse --min_replicas 1)")
+    return address
+
+
+def check_fault_tolerance(ft) -> None:
+    """What fault tolerance needs before any process group: torchft and a lighthouse."""
+    if not ft.enable:
+        return
+    if Manager is None:
+        raise ConfigError("fault_tolerance.enable = true needs torchft: pip install torchft")
+    lighthouse_of(ft)
+
+
+class ReplicaGroups:
+    """This rank's place among the replica groups: its torchft manager and the data shard it reads."""
+
+    def __init__(self, ft, group_rank: int, group_world: int):
+        timeout = datetime.timedelta(seconds=ft.timeout_s)
+        self.replica_id, self.groups = ft.replica_id, ft.replica_groups
+        self.fingerprint, self.described = None, ""
+        # The groups' ranks of one position average their gradients over gloo (on GPUs too, the
+        # pieces are copied to the host: torchft's NCCL groups are its own, not yet torchpar's).
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=ft.min_replicas,
+            load_state_dict=None, state_dict=None, replica_id=f"torchpar_{ft.replica_id}",
+            lighthouse_addr=lighthouse_of(ft), rank=group_rank, world_size=group_world,
+            # every group starts from the same seeded (or loaded) weights: nothing to send at step 0
+            init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+
+    def serve(self, state_dict, load_state_dict) -> None:
+        """What a recovering group's rank receives from this one (``state_dict()``), and how this
+        rank takes it when recovering (``load_state_dict(sd)``, called as the step commits)."""
+        self.manager.register_state_dict_fn("torchpar", load_state_dict, state_dict)
+
+    def data_shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """(the shard, of how many) that data-parallel rank ``dp_rank`` of ``dp`` reads."""
+        return self.replica_id * dp + dp_rank, self.groups * dp
+
+    def start_step(self) -> None:
+        """The quorum of this step, computed while the step's forward runs."""
+        self.manager.start_quorum()
+
+    def describe(self, what: str) -> None:
+        """What this group's ranks must share with the same ranks of the others (its layout and
+        this rank's gradient pieces, described): pieces are averaged position by position."""
+        x = zlib.crc32(what.encode()) / 2**32
+        self.fingerprint, self.described = torch.tensor([x, x * x]), what
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        """Each tensor averaged in place with its counterparts in the other groups of the quorum, in
+        one collective per dtype (a rank's own pieces, flattened: never more than it holds). With
+        the fp32 ones goes :meth:`describe`'s fingerprint, x and x^2 of its CRC32: both averages
+        equal this rank's only if every group's is the same (the others', for a group that is
+        recovering and does not count) — one line on every rank otherwise."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {torch.float32: []}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, group in by_dtype.items():
+            check = [self.fingerprint] if dtype == torch.float32 and self.fingerprint is not None else []
+            flat = torch.cat([t.detach().reshape(-1).cpu() for t in group] + check)
+            self.manager.allreduce(flat).wait()
+            at = 0
+            for t in group:
+                t.copy_(flat[at: at + t.numel()].view_as(t))
+                at += t.numel()
+            if check and not torch.allclose(flat[at:], self.fingerprint, rtol=1e-5, atol=0):
+                raise ConfigError(f"replica group {self.replica_id} runs a layout the other groups do not "
+                                  f"({self.described}); every group of fault_tolerance.replica_groups must "
+                                  "run the same layout and model")
+
+    def commit(self) -> bool:
+        """Whether this step's update is applied: every group of the quorum got through it (the same
+        answer on every rank of this group)."""
+        return self.manager.should_commit()
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
