@@ -712,8 +712,12 @@ def local_state(optimizer: torch.optim.Optimizer) -> list:
 
 @torch.no_grad()
 def load_local_state(optimizer: torch.optim.Optimizer, values: list) -> None:
-    """:func:`local_state`'s values into this optimizer's state (made, as the other's was)."""
+    """:func:`local_state`'s values into this optimizer's state (made first, as the other's was, if
+    this one has not stepped yet; its parameters' gradients are kept)."""
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
     ensure_state(optimizer)
+    for p, g in grads:
+        p.grad = g
     at = iter(values)
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -26,7 +26,7 @@ from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, to
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
 from torchpar.models.lora import flops_per_token as lora_flops
 from torchpar.models.lora import spec as lora_spec
-from torchpar.optim import OptimizerFactory, build_lr_scheduler, ensure_state, load_local_state, local_state
+from torchpar.optim import OptimizerFactory, build_lr_scheduler, load_local_state, local_state
 from torchpar.parallel import build_parallel_model, compute_context
 from torchpar.parallel.context import inputs_and_targets, shard_sequence
 from torchpar.parallel.zero import clip_grad_norm, frozen_names, full_value, local
@@ -139,8 +139,6 @@ class Trainer:
         self.batches = None  # the data's iterator, made when training starts
         if self.replicas is not None:
             # A group that joins late recovers this state live from a healthy group's same rank.
-            ensure_state(self.model.state.optimizer)  # (its lazily made state, which recovery fills)
-            self.model.state.zero_grad()
             self._snapshot_position()
             self.replicas.serve(self._recovery_state, self._recover)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
