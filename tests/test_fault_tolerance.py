@@ -111,7 +111,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-STEPS = 200  # (long enough for the killed group to start again and rejoin while the other trains)
+STEPS = 120  # (about 0.1 s each: the other group trains on through the killed one's start-up, ~8 s)
 
 
 def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
@@ -120,7 +120,9 @@ def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
     joins the next quorum, takes group 0's weights, optimizer state, step and data position live (no
     checkpoint to read: it saves none before the end), and both end with the same weights, bit for
     bit."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=10)
+    # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=10,
+                                  heartbeat_timeout_ms=1000)
     runs = tmp_path / "runs"
 
     def start(i: int) -> subprocess.Popen:
@@ -131,7 +133,7 @@ def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
                "--checkpoint.async_mode", "off", "--fault_tolerance.enable", "true",
                "--fault_tolerance.replica_groups", "2", "--fault_tolerance.min_replicas", "1",
                "--fault_tolerance.replica_id", str(i), "--fault_tolerance.lighthouse", lighthouse.address(),
-               "--fault_tolerance.timeout_s", "10"]
+               "--fault_tolerance.timeout_s", "5"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=open(tmp_path / f"group{i}.err", "ab"))
@@ -143,7 +145,6 @@ def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
         _kill_tree(second.pid)
         second.wait()
         at_kill = len(_steps(groups[0]))
-        _wait(lambda: len(_steps(groups[0])) >= at_kill + 5, 120, "group 0 to train on alone")
         second = start(1)
         assert first.wait(timeout=300) == 0, (tmp_path / "group0.err").read_text()[-3000:]
         assert second.wait(timeout=300) == 0, (tmp_path / "group1.err").read_text()[-3000:]
@@ -156,7 +157,8 @@ def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
     assert steps == sorted(steps) and steps[-1] == STEPS  # never back, never restarted
     recovered = [json.loads(line) for line in (groups[1] / "metrics.jsonl").read_text().splitlines()
                  if '"recovered"' in line]
-    assert recovered and recovered[-1]["step"] > at_kill
+    # (it rejoined at a step group 0 had reached training alone, through its start-up)
+    assert recovered and recovered[-1]["step"] > at_kill + 5
     (meta0, read0), (meta1, read1) = (open_source(g / "checkpoint") for g in groups.values())
     assert meta0["step"] == meta1["step"] == STEPS
     a, b = model_from(meta0, read0)[0], model_from(meta1, read1)[0]
