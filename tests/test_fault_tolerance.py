@@ -18,6 +18,8 @@ from harness import ROOT, TINY, assert_matches, run_group, run_layouts
 pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
+from torchpar.config import load_config  # noqa: E402
+from torchpar.plan import PRESETS, communication, layout_from_config  # noqa: E402
 from torchpar.weights import model_from, open_source  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
@@ -62,6 +64,13 @@ def test_replica_groups_train_as_one_job(reference, name):
     for results, error in run_replica_groups([(world, overrides)] * 2):
         assert error is None, error
         assert_matches(results["group"], reference)
+        # ...and each step's payload across the groups is the planner's (2 groups: a ring all-reduce
+        # sends its payload once)
+        cfg = load_config(TINY, [*overrides, "--fault_tolerance.enable", "true",
+                                 "--fault_tolerance.replica_groups", "2"])
+        lay, model, args = layout_from_config(cfg, world)
+        predicted = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len)["replicas"]
+        assert results["group"]["step1"]["replica_bytes"] == predicted["bytes"]
 
 
 def test_groups_of_different_layouts_are_one_line():

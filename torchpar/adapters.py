@@ -22,7 +22,7 @@ from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.models.lora import A, B, adapted_layers, merged, scale, spec
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
-from torchpar.preflight import initial_weights
+from torchpar.preflight import initial_weights, saved_config
 from torchpar.weights import open_source
 
 PEFT_COMMAND = "torchpar export --format peft"
@@ -64,9 +64,9 @@ def open_merged(path: str | Path) -> tuple[dict, object]:
     ``read(name)`` gives the merged model's tensors (an adapted layer's weight with its adapters
     folded in; the base's others as they were; the adapters themselves under their own names)."""
     meta, read = open_source(path)
+    if not saved_config(meta).get("lora", {}).get("rank", 0):
+        return meta, read  # (no adapters: the checkpoint is the model; its config is not even read)
     cfg = saved_job(meta, str(path))
-    if cfg is None or cfg.lora.rank == 0:
-        return meta, read
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     args = family.args_class(**meta["model_args"])
     adapted = adapted_layers(family, args, spec(cfg.lora))

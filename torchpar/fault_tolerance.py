@@ -51,6 +51,11 @@ def for_replica(cfg):
     return out
 
 
+def replica_groups(ft) -> int:
+    """How many replica groups train the job ([fault_tolerance]; 1 without it)."""
+    return ft.replica_groups if ft.enable else 1
+
+
 def lighthouse_of(ft) -> str:
     """The lighthouse's address: [fault_tolerance] lighthouse, else TORCHFT_LIGHTHOUSE; one line if none."""
     address = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -77,6 +82,7 @@ class ReplicaGroups:
         timeout = datetime.timedelta(seconds=ft.timeout_s)
         self.replica_id, self.groups = ft.replica_id, ft.replica_groups
         self.fingerprint, self.described = None, ""
+        self.payload = 0  # bytes this rank averaged with the other groups in this step
         # The groups' ranks of one position average their gradients over gloo (on GPUs too, the
         # pieces are copied to the host: torchft's NCCL groups are its own, not yet torchpar's).
         self.manager = Manager(
@@ -98,6 +104,7 @@ class ReplicaGroups:
     def start_step(self) -> None:
         """The quorum of this step, computed while the step's forward runs."""
         self.manager.start_quorum()
+        self.payload = 0
 
     def describe(self, what: str) -> None:
         """What this group's ranks must share with the same ranks of the others (its layout and
@@ -118,6 +125,7 @@ class ReplicaGroups:
             check = [self.fingerprint] if dtype == torch.float32 and self.fingerprint is not None else []
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group] + check)
             self.manager.allreduce(flat).wait()
+            self.payload += flat.numel() * flat.element_size()
             at = 0
             for t in group:
                 t.copy_(flat[at: at + t.numel()].view_as(t))

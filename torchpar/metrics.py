@@ -191,6 +191,11 @@ def describe_run(trainer) -> str:
     if lay.float8 != "off":
         experts = trainer.model_family.experts(trainer.args) > 0
         line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts, trainer.device)}"
+    if trainer.replicas is not None:
+        ft = cfg.fault_tolerance
+        line += (f"\ntorchpar: replica group {ft.replica_id} of {ft.replica_groups} (torchft; a step commits "
+                 f"with {ft.min_replicas} or more): gradients averaged with the other groups every step, "
+                 f"the data split over their {ft.replica_groups * lay.dp} data-parallel ranks")
     if lay.lora_rank:
         lora = cfg.lora
         adapted = adapted_layers(trainer.model_family, trainer.args, lora_spec(lora))
@@ -222,6 +227,8 @@ def log_step(trainer, loss: float, grad_norm: float, lr: float, first: int) -> N
               else trainer.flops_per_token * tps / (trainer.peak_flops * lay.world),
               "tokens_seen": trainer.train_state.tokens_seen,
               **trainer.settled_terms, **dict(zip(memory, peak.tolist())), **trainer.breakdown.record()}
+    if trainer.replicas is not None:  # replica groups: this rank's payload averaged with theirs last step
+        record.update(replica_groups=trainer.replicas.participants(), replica_bytes=trainer.replicas.payload)
     if len(trainer.source_names) > 1:  # a mixture: tokens read from each source so far (global)
         seen = trainer.dataloader.position()["source_tokens"]
         record.update({f"tokens_seen/{name}": n for name, n in zip(trainer.source_names, seen)})

@@ -26,7 +26,7 @@ from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype, device_type
 from torchpar.errors import ConfigError
-from torchpar.fault_tolerance import check_fault_tolerance
+from torchpar.fault_tolerance import check_fault_tolerance, replica_groups
 from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
 from torchpar.optim import check_optimizer, param_role
@@ -91,7 +91,8 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
     layout = resolve_layout(cfg.parallelism, cfg.training, model, args, world,
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
                             cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize,
-                            loss_mask=chat_data(cfg.data), lora=cfg.lora)
+                            loss_mask=chat_data(cfg.data), lora=cfg.lora,
+                            replica_groups=replica_groups(cfg.fault_tolerance))
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:

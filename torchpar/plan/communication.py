@@ -187,6 +187,19 @@ def _own_params(model, args, first: bool, last: bool) -> list:
     return entries[:start] + entries[start + sum(len(model.block_params(args, i)) for i in depths):]
 
 
+def _owned_elements(model, args, lay: Layout, pp_rank: int, shard_rank: int = 0) -> int:
+    """Parameter elements (padding left out) in the flat engine's pieces that shard rank
+    ``shard_rank`` owns: the r-th N-th of every bucket (all of it under stage 0)."""
+    n = flat_shards(lay)
+    local = [r * c for (r, c), name in zip(rank_params(model, args, lay, pp_rank),
+                                           rank_param_names(model, args, lay, pp_rank))
+             if trained(name, lora_spec(lay.lora))]
+    _, _, starts, bounds = flat_rank_layout(model, args, lay, pp_rank)
+    owned = [(lo + shard_rank * (hi - lo) // n, lo + (shard_rank + 1) * (hi - lo) // n)
+             for lo, hi in zip(bounds, bounds[1:])]
+    return sum(max(0, min(s + size, b) - max(s, a)) for s, size in zip(starts, local) for a, b in owned)
+
+
 def _flat_zero(sent: _Sent, lay: Layout, bounds: list[int]) -> None:
     """ZeRO 0-2: the padded buffer's gradients (``bounds[-1]`` elements) reduced once per step,
     bucket by bucket, in the reduction dtype, and the updated pieces all-gathered in the compute
@@ -411,6 +424,17 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         else:
             _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)
+    if lay.replica_groups > 1:
+        # Replica groups: each rank's gradient pieces (what it holds of them: FSDP2's shards, the flat
+        # engine's owned pieces), then the step's figures, averaged with the same rank of the other
+        # groups, each with a 2-float fingerprint of the layout.
+        if lay.zero_stage == 3:
+            held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["grad_bytes"]
+        else:
+            held = 4 * _owned_elements(model, args, lay, pp_rank)
+        sent.add("replicas", "all_reduce", held + 8, lay.replica_groups)
+        figures = 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args))
+        sent.add("replicas", "all_reduce", figures + 8, lay.replica_groups)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
         # gradients); a rank sends from each of its stages that has a neighbour. The prediction
@@ -423,7 +447,8 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     stride = {"tp": (1, t), "cp": (t, c), "dp_shard": (t * c, n), "dp_shard_cp": (t, c * n),
               "ep": (t * c, e), "efsdp": (t * c * e, n // e), "efsdp_cp": (t, c * n),
               "dp_replicate": (t * c * n, lay.dp_replicate), "dp": (t * c, lay.dp), "dp_cp": (t, c * lay.dp),
-              "pp": (t * c * lay.dp, lay.pp), "world": (1, lay.world)}
+              "pp": (t * c * lay.dp, lay.pp), "world": (1, lay.world),
+              "replicas": (lay.world, lay.replica_groups)}
     out = {}
     for dim, b in sent.items():
         link, bw = _link(cluster, *stride[dim])
@@ -461,7 +486,8 @@ def exposed_seconds(model, args, lay: Layout, comm: dict, compute: float, overla
     are mostly hidden (counted fully). Without ``overlap`` (a CPU) all of it is waited for."""
     dp_s = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("dp", "dp_shard", "dp_replicate", "dp_cp",
                                                                "dp_shard_cp"))
-    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "cp", "pp", "world"))
+    # (replica groups average after the step's own reduction: nothing overlaps it)
+    exposed = sum(comm.get(d, {}).get("seconds", 0.0) for d in ("tp", "cp", "pp", "world", "replicas"))
     if not overlap:
         exposed += dp_s
     elif lay.zero_stage == 3:

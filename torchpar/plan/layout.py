@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from torchpar.config import JobConfig
 from torchpar.data import chat_data
 from torchpar.device import compute_dtype
+from torchpar.fault_tolerance import replica_groups
 from torchpar.models import adapter, model_args
 from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import kind_of, param_role
@@ -85,7 +86,7 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
                          cfg.data.document_masking, device, cfg.overridden, cfg.quantize,
-                         chat_data(cfg.data), cfg.lora)
+                         chat_data(cfg.data), cfg.lora, replica_groups(cfg.fault_tolerance))
     return lay, model, args
 
 
