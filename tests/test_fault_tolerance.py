@@ -26,10 +26,16 @@ pytestmark = pytest.mark.slow  # trains in spawned processes
 
 Z, LB = "--parallelism.zero_stage", "--training.local_batch_size"
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-# (world, overrides) of one replica group; 2 groups hold 8 windows a step, as the reference does
-GROUPS = {"one rank": (1, [Z, "0", LB, "4"]),
-          "zero3 over 2": (2, [Z, "3", LB, "2"]),
-          "tp2": (2, [*TP2, Z, "0", LB, "4"])}
+MOE = ["--model.name", "moe"]
+LORA = ["--lora.rank", "4", "--lora.alpha", "8"]
+# (world, overrides) of one replica group, and the reference's (one process) besides its batch of 8:
+# 2 groups hold 8 windows a step
+GROUPS = {"one rank": (1, [Z, "0", LB, "4"], []),
+          "zero3 over 2": (2, [Z, "3", LB, "2"], []),
+          "tp2": (2, [*TP2, Z, "0", LB, "4"], []),
+          "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", Z, "1", LB, "4"], []),
+          "moe ep2": (2, [*MOE, Z, "3", LB, "2", "--parallelism.expert_parallel_degree", "2"], MOE),
+          "lora zero3 over 2": (2, [*LORA, Z, "3", LB, "2"], LORA)}
 
 
 def run_replica_groups(groups: list[tuple[int, list[str]]], min_replicas: int | None = None) -> list:
@@ -51,19 +57,21 @@ def run_replica_groups(groups: list[tuple[int, list[str]]], min_replicas: int | 
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_layouts(1, {"ref": [Z, "0", LB, "8"]})["ref"]
+def references():
+    wanted = list(dict.fromkeys(tuple(ref) for _, _, ref in GROUPS.values()))
+    runs = run_layouts(1, {str(i): [*ref, Z, "0", LB, "8"] for i, ref in enumerate(wanted)})
+    return {ref: runs[str(i)] for i, ref in enumerate(wanted)}
 
 
 @pytest.mark.parametrize("name", list(GROUPS))
-def test_replica_groups_train_as_one_job(reference, name):
-    """Two replica groups of one layout (one rank; ZeRO-3 over 2; TP over 2), every step committed
-    by both: each group's losses, held-out losses and final weights are one process's on the 8
-    windows both groups read."""
-    world, overrides = GROUPS[name]
+def test_replica_groups_train_as_one_job(references, name):
+    """Two replica groups of one layout (one rank; ZeRO-3, TP, a pipeline with ZeRO-1, expert
+    parallelism, LoRA), every step committed by both: each group's losses, held-out losses and final
+    weights are one process's on the 8 windows both groups read."""
+    world, overrides, ref = GROUPS[name]
     for results, error in run_replica_groups([(world, overrides)] * 2):
         assert error is None, error
-        assert_matches(results["group"], reference)
+        assert_matches(results["group"], references[tuple(ref)])
         # ...and each step's payload across the groups is the planner's (2 groups: a ring all-reduce
         # sends its payload once)
         cfg = load_config(TINY, [*overrides, "--fault_tolerance.enable", "true",
