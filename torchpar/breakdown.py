@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
@@ -70,6 +71,40 @@ class DeviceEvents:
 def step_timer():
     """This machine's timer: CUDA events on GPUs, the host's clock on the CPU."""
     return DeviceEvents(dev.record_timing_event) if dev.device_type() == "cuda" else HostClock()
+
+
+# A rank's own work must exceed the median's by this much, beside the factor, to be named: phases of
+# a few milliseconds vary by more than any factor from one step to the next.
+STRAGGLER_FLOOR_S = 0.05
+
+
+class Stragglers:
+    """Names a rank slower than the others at its own work. Every rank waits for the slowest in
+    each collective, so their step times are alike; what differs is the time each spends in the
+    phases no other rank takes part in — loading its data and its optimizer step — which a slow
+    device, host or input pipeline lengthens on that rank alone. On each logged step the ranks
+    all-gather those two times; a rank over ``factor`` times the median (and STRAGGLER_FLOOR_S
+    more) on ``steps`` logged steps in a row is named once per streak."""
+
+    def __init__(self, factor: float, steps: int, device, world: int):
+        self.factor, self.steps, self.device, self.world = factor, steps, device, world
+        self.slow_for = [0] * world
+
+    def check(self, times: dict) -> list[tuple[int, float, float]]:
+        """This logged step's (rank, its own work's seconds, the median's) of each rank named now."""
+        mine = torch.tensor([times.get("data", 0.0) + times.get("optimizer", 0.0)], dtype=torch.float64,
+                            device=self.device)
+        ranks = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(ranks, mine)
+        own = [float(r) for r in ranks]
+        median = sorted(own)[(len(own) - 1) // 2]  # (the lower one of an even count: of 2 ranks, the faster)
+        named = []
+        for rank, t in enumerate(own):
+            slow = t > self.factor * median and t - median > STRAGGLER_FLOOR_S
+            self.slow_for[rank] = self.slow_for[rank] + 1 if slow else 0
+            if self.slow_for[rank] == self.steps:
+                named.append((rank, t, median))
+        return named
 
 
 class StepBreakdown:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.breakdown import StepBreakdown
+from torchpar.breakdown import StepBreakdown, Stragglers
 from torchpar.checkpoint import Checkpointer, checkpoint_root
 from torchpar.config import JobConfig, to_toml
 from torchpar.console import StartupClock, progress, tee_output, warn
@@ -104,6 +104,9 @@ class Trainer:
         self.guard = DivergenceGuard(tr, self.model.state.optimizer)
         self.breakdown = StepBreakdown(lay.mesh, dev.synchronize, self.model.pipeline,
                                        experts_view=lay.experts_view, views=lay.views)
+        mx = cfg.metrics
+        self.stragglers = (Stragglers(mx.straggler_factor, mx.straggler_steps, self.device, world)
+                           if mx.straggler_factor > 0 and mx.log_step_breakdown and world > 1 else None)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, dev.device_type())
         self.signals, self.stop_requested = StopSignals(), False
         self.uncommitted = 0  # steps the replica groups' quorum did not commit
@@ -360,6 +363,16 @@ class Trainer:
                   f"optimizer state of step {self.train_state.step - 1} from a healthy group; training on",
                   flush=True)
 
+    def _stragglers(self, step: int) -> None:
+        """Name a rank slower than the others at its own work (see breakdown.Stragglers)."""
+        mx = self.cfg.metrics
+        for rank, own, median in self.stragglers.check(self.breakdown.times):
+            self.logger.log({"step": step, "straggler": rank, "own_work_s": own, "median_own_work_s": median})
+            warn(f"rank {rank} is a straggler: its own work (data loading and the optimizer step) took over "
+                 f"{mx.straggler_factor:g} x the median rank's on each of the last {mx.straggler_steps} "
+                 f"logged steps (this one: {own:.3f} s against {median:.3f} s); the other ranks wait for it "
+                 "in every collective (a slow device, host or input pipeline)")
+
     def _uncommitted(self, step: int) -> None:
         """A step the replica groups' quorum did not commit (a group failed in it, or fewer than
         fault_tolerance.min_replicas took part): its update is not applied, here as everywhere."""
@@ -464,6 +477,8 @@ class Trainer:
                 self._settle(ts.step)
             if logged:
                 log_step(self, *self.settled, lr, first)
+                if self.stragglers is not None and cfg.metrics.log_step_breakdown:
+                    self._stragglers(ts.step)
             self.model.state.zero_grad()
             with self.throughput.aside():
                 if evaluating:

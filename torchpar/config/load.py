@@ -243,7 +243,7 @@ def validate(cfg: JobConfig) -> None:
                           f"{t.loss_spike_factor}, {t.loss_spike_window})")
     # Checked here so a bad value stops before launch instead of inside torch.optim (or the router)
     # on every rank: (field, its value, whether it is allowed, the rule).
-    o, m = cfg.optimizer, cfg.model
+    o, m, mx = cfg.optimizer, cfg.model, cfg.metrics
     for name, value, ok, rule in (
             ("optimizer.lr", o.lr, o.lr >= 0, ">= 0"),
             ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
@@ -259,6 +259,9 @@ def validate(cfg: JobConfig) -> None:
             ("model.mtp_weight", m.mtp_weight, 0 <= m.mtp_weight <= 10, "in [0, 10] (0 = the flavour's 0.3)"),
             ("model.swiglu_limit", m.swiglu_limit, 0 <= m.swiglu_limit <= 1e4, "in [0, 1e4] (gpt-oss: 7)"),
             ("training.memory_cap_gib", t.memory_cap_gib, t.memory_cap_gib >= 0, ">= 0 (0 = no cap)"),
+            ("metrics.straggler_factor", mx.straggler_factor,
+             mx.straggler_factor == 0 or 1 < mx.straggler_factor <= 1000, "0 (off) or in (1, 1000]"),
+            ("metrics.straggler_steps", mx.straggler_steps, 1 <= mx.straggler_steps <= 10**6, "in [1, 1e6]"),
             ("lora.rank", cfg.lora.rank, 0 <= cfg.lora.rank <= 65536,
              "in [0, 65536] (0 = off; 8 to 64 is usual)"),
             ("lora.alpha", cfg.lora.alpha, 0 < cfg.lora.alpha <= 1e6, "in (0, 1e6] (often 2 x rank)"),

@@ -449,6 +449,13 @@ class Metrics:
     log_communication: bool = opt(
         False, "On logged steps after the first, count the bytes each mesh dimension sends (a dispatch-mode "
         "ledger that slows the steps it counts); the planner's prediction is logged at step 1.")
+    straggler_factor: float = opt(
+        1.5, "With log_step_breakdown: on logged steps, compare each rank's own work — the phases no other "
+        "rank takes part in: data loading and the optimizer step — with the median rank's, and name in one "
+        "warning (and a 'straggler' record) a rank that takes more than this factor times the median, and "
+        "50 ms more, on straggler_steps logged steps in a row (the others wait for it in every collective, "
+        "so the step time alone cannot tell who it is). One all-gather of 2 numbers per rank; 0 = off.")
+    straggler_steps: int = opt(3, "Logged steps in a row a rank must be slow on before it is named.")
 
 
 @dataclass
