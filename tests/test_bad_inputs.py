@@ -573,12 +573,16 @@ CASES = [
          "checkpoint.initial_load_path", run=True),
     Case("PEFT export of a full checkpoint", EXPORT + "--format peft --out {t}/adapter",
          "holds no LoRA adapters", run=True),
+    Case("a straggler factor below 1", CHECK + " --metrics.straggler_factor 0.5",
+         "metrics.straggler_factor must be 0 (off) or in (1, 1000]"),
     # --- replica groups (torchft)
     Case("fault tolerance without a lighthouse", CHECK + " --fault_tolerance.enable true",
          "needs the torchft lighthouse's address", "TORCHFT_LIGHTHOUSE"),
     Case("a replica id beyond the groups", CHECK + " --fault_tolerance.enable true"
          " --fault_tolerance.replica_groups 2 --fault_tolerance.replica_id 2", "replica_id = 2",
          "0 <= replica_id < replica_groups"),
+    Case("DiLoCo's momentum of 1", CHECK + " --fault_tolerance.enable true --fault_tolerance.semi_sync diloco"
+         " --fault_tolerance.outer_momentum 1", "outer_momentum = 1", "outer_momentum in [0, 1)"),
     # --- data edge cases
     Case("JSONL text not a string", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
          "a.jsonl:2: field 'text' is not a string (3)", files={"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}),

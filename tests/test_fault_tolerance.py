@@ -38,19 +38,22 @@ GROUPS = {"one rank": (1, [Z, "0", LB, "4"], []),
           "lora zero3 over 2": (2, [*LORA, Z, "3", LB, "2"], LORA)}
 
 
-def run_replica_groups(groups: list[tuple[int, list[str]]], min_replicas: int | None = None) -> list:
+def run_replica_groups(groups: list[tuple[int, list[str]]], min_replicas: int | None = None,
+                       ids: list[int] | None = None, n: int | None = None) -> list:
     """Each of ``groups`` ((world, overrides) of a replica group) trained at once, in its own group
-    of processes, beside the others, with a lighthouse here; each group's (results, error)."""
-    n = len(groups)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas or n, join_timeout_ms=10000)
+    of processes, beside the others, with a lighthouse here; each group's (results, error).
+    ``ids``: the groups' replica_id (default 0, 1, ...) of ``n`` (default: as many as given)."""
+    n = n or len(groups)
+    least = min_replicas or len(groups)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=least, join_timeout_ms=10000)
     ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.replica_groups", str(n),
-          "--fault_tolerance.min_replicas", str(min_replicas or n), "--fault_tolerance.lighthouse",
-          lighthouse.address(), "--fault_tolerance.timeout_s", "30"]
+          "--fault_tolerance.min_replicas", str(least), "--fault_tolerance.lighthouse", lighthouse.address(),
+          "--fault_tolerance.timeout_s", "30"]
     try:
-        with ThreadPoolExecutor(n) as pool:
+        with ThreadPoolExecutor(len(groups)) as pool:
             futures = [pool.submit(run_group, world,
                                    {"group": [*overrides, *ft, "--fault_tolerance.replica_id", str(i)]})
-                       for i, (world, overrides) in enumerate(groups)]
+                       for i, (world, overrides) in zip(ids or range(len(groups)), groups)]
             return [f.result() for f in futures]
     finally:
         lighthouse.shutdown()
@@ -79,6 +82,41 @@ def test_replica_groups_train_as_one_job(references, name):
         lay, model, args = layout_from_config(cfg, world)
         predicted = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len)["replicas"]
         assert results["group"]["step1"]["replica_bytes"] == predicted["bytes"]
+
+
+@pytest.mark.parametrize("kind", ["diloco", "localsgd"])
+def test_semi_synchronous_groups_meet_as_their_outer_step_says(kind):
+    """Two groups train 3 steps each on their own share, then meet once (sync_every = 3): their
+    weights after it are the outer step applied to what each group alone reaches in 3 steps on its
+    share — LocalSGD their mean, DiLoCo the weights they started from moved by outer Nesterov SGD
+    (lr 0.7, momentum 0.9) along the mean of the two moves."""
+    job = [Z, "0", LB, "4", "--training.steps", "3", "--validation.enable", "false"]
+    # (the weights the groups start from: a step at lr 0 leaves them as they are)
+    start = run_layouts(1, {"s": [*job, "--training.steps", "1", "--optimizer.lr", "0"]})["s"]["params"]
+    alone = [run_replica_groups([(1, job)], min_replicas=1, ids=[i], n=2)[0] for i in range(2)]
+    met = run_replica_groups([(1, [*job, "--fault_tolerance.semi_sync", kind, "--fault_tolerance.sync_every",
+                                   "3"])] * 2)
+    for results, error in [*alone, *met]:
+        assert error is None, error
+    ends = [results["group"]["params"] for results, _ in alone]
+    for name, s in start.items():
+        a, b = (e[name] for e in ends)
+        if kind == "localsgd":
+            expected = (a + b) / 2
+        else:
+            move = ((s - a) + (s - b)) / 2
+            expected = s - 0.7 * (move + 0.9 * move)  # (at the first sync the momentum is the move itself)
+        for results, _ in met:
+            torch.testing.assert_close(results["group"]["params"][name], expected, rtol=0, atol=1e-6)
+    # ...sending the weights once in 3 steps, as the planner counts them (a third of it per step)
+    overrides = [*job, "--fault_tolerance.enable", "true", "--fault_tolerance.replica_groups", "2",
+                 "--fault_tolerance.semi_sync", kind, "--fault_tolerance.sync_every", "3"]
+    cfg = load_config(TINY, overrides)
+    lay, model, args = layout_from_config(cfg, 1)
+    per_step = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len)["replicas"]
+    per_step = per_step["bytes"]
+    sent = [r["replica_bytes"] for r in met[0][0]["group"]["logged"] if "replica_bytes" in r]
+    assert sent[:2] == [0, 0] and sent[2] == pytest.approx(3 * per_step)
 
 
 def test_groups_of_different_layouts_are_one_line():

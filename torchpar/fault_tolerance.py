@@ -51,9 +51,12 @@ def for_replica(cfg):
     return out
 
 
-def replica_groups(ft) -> int:
-    """How many replica groups train the job ([fault_tolerance]; 1 without it)."""
-    return ft.replica_groups if ft.enable else 1
+def replica_groups(ft) -> tuple[int, int]:
+    """([fault_tolerance]'s) replica groups training the job (1 without it) and the steps between
+    their syncs (0: gradients every step)."""
+    if not ft.enable:
+        return 1, 0
+    return ft.replica_groups, (ft.sync_every if ft.semi_sync != "off" else 0)
 
 
 def lighthouse_of(ft) -> str:
@@ -145,3 +148,56 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class OuterStep:
+    """Semi-synchronous replica groups ([fault_tolerance] semi_sync): each group trains on alone and,
+    every ``sync_every`` steps, the groups meet. LocalSGD averages their weights; DiLoCo averages
+    each group's move since the last sync, ``start - now``, and takes it as the gradient of an outer
+    Nesterov SGD on ``start``. Both act on what this rank holds of the weights (the ZeRO engine's
+    fp32 master pieces or FSDP2 shards), copies of which — the weights of the last sync and DiLoCo's
+    momentum — are kept on the host. A sync that does not commit puts the group back to ``start``."""
+
+    per_rank = True  # (a checkpoint part: each rank's own pieces, under keys of its own)
+
+    def __init__(self, ft, weights: list[torch.Tensor], rank: int):
+        self.kind, self.every = ft.semi_sync, ft.sync_every
+        self.lr, self.momentum = ft.outer_lr, ft.outer_momentum
+        self.key = f"rank{rank}"
+        self.start = [w.detach().to("cpu", copy=True) for w in weights]
+        self.buf = [torch.zeros_like(s) for s in self.start] if self.kind == "diloco" else []
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    @torch.no_grad()
+    def sync(self, replicas: ReplicaGroups, weights: list[torch.Tensor]) -> bool:
+        """Meet the other groups (``weights``: this rank's pieces, changed in place); whether the
+        sync committed."""
+        replicas.start_step()
+        now = [w.detach().cpu() for w in weights]
+        if self.kind == "localsgd":
+            moved = [m.clone() for m in now]
+        else:
+            moved = [s - m for s, m in zip(self.start, now)]
+        replicas.average(moved)
+        committed = replicas.commit()  # (a recovering group takes start and buf from a peer here)
+        if committed and self.kind == "localsgd":
+            self.start = moved
+        elif committed:
+            for s, d, b in zip(self.start, moved, self.buf):
+                b.mul_(self.momentum).add_(d)
+                s.sub_(self.lr * (d + self.momentum * b))  # (Nesterov)
+        for w, s in zip(weights, self.start):
+            w.copy_(s)
+        return committed
+
+    def state_dict(self) -> dict:
+        return {f"{self.key}.start.{i}": t for i, t in enumerate(self.start)} | \
+            {f"{self.key}.momentum.{i}": t for i, t in enumerate(self.buf)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for i, t in enumerate(self.start):
+            t.copy_(sd.get(f"{self.key}.start.{i}", t))
+        for i, t in enumerate(self.buf):
+            t.copy_(sd.get(f"{self.key}.momentum.{i}", t))

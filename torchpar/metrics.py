@@ -193,9 +193,13 @@ def describe_run(trainer) -> str:
         line += f"\ntorchpar: {float8.describe(trainer.model.parts, lay, experts, trainer.device)}"
     if trainer.replicas is not None:
         ft = cfg.fault_tolerance
+        meet = {"off": "gradients averaged with the other groups every step",
+                "localsgd": f"weights averaged with the other groups every {ft.sync_every} steps (LocalSGD)",
+                "diloco": f"DiLoCo with the other groups every {ft.sync_every} steps (outer Nesterov SGD, lr "
+                          f"{ft.outer_lr:g}, momentum {ft.outer_momentum:g})"}[ft.semi_sync]
         line += (f"\ntorchpar: replica group {ft.replica_id} of {ft.replica_groups} (torchft; a step commits "
-                 f"with {ft.min_replicas} or more): gradients averaged with the other groups every step, "
-                 f"the data split over their {ft.replica_groups * lay.dp} data-parallel ranks")
+                 f"with {ft.min_replicas} or more): {meet}, the data split over their "
+                 f"{ft.replica_groups * lay.dp} data-parallel ranks")
     if lay.lora_rank:
         lora = cfg.lora
         adapted = adapted_layers(trainer.model_family, trainer.args, lora_spec(lora))

@@ -92,7 +92,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
                             cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize,
                             loss_mask=chat_data(cfg.data), lora=cfg.lora,
-                            replica_groups=replica_groups(cfg.fault_tolerance))
+                            replicas=replica_groups(cfg.fault_tolerance))
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:

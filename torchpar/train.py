@@ -20,7 +20,7 @@ from torchpar.console import StartupClock, progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
-from torchpar.fault_tolerance import ReplicaGroups, for_replica
+from torchpar.fault_tolerance import OuterStep, ReplicaGroups, for_replica
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
@@ -137,6 +137,9 @@ class Trainer:
             self.routing.names if self.routing is not None else ())
         if self.model.pipeline is not None:
             self.model.pipeline.z_loss = cfg.loss.z_loss
+        # Semi-synchronous groups (LocalSGD, DiLoCo): the weights of the last sync, saved with the rest.
+        self.outer = (OuterStep(ft, [local(w) for w in self.model.state.weights()], self.rank)
+                      if ft.enable and ft.semi_sync != "off" else None)
         with clock.phase("checkpoint"):
             self._restore(pre.resume, pre.resume_manifest)
         self.batches = None  # the data's iterator, made when training starts
@@ -174,6 +177,8 @@ class Trainer:
                  "dataloader": self.dataloader, "rng": RNGState(self.rank)}
         if self.routing is not None:
             parts["routing"] = self.routing
+        if self.outer is not None:
+            parts["outer"] = self.outer
         return parts
 
     def forward_kwargs(self, rows: torch.Tensor, training: bool = False) -> dict:
@@ -222,7 +227,8 @@ class Trainer:
         """One optimizer step. Its figures are read by the host later (:meth:`_settle`)."""
         state, step = self.model.state, self.train_state.step
         phase = self.breakdown.phase  # times the phases of logged steps
-        if self.replicas is not None:
+        synchronous = self.replicas is not None and self.outer is None  # (gradients averaged every step)
+        if synchronous:
             self.replicas.start_step()  # (the quorum is computed while the step runs)
         with phase("data"):
             hosts = [next(batches) for _ in range(self.layout.accum)]
@@ -237,7 +243,7 @@ class Trainer:
             loss_sum = self._forward_backward(hosts, scales, phase)
         with phase("reduce_clip"):
             state.reduce_gradients()
-            if self.replicas is not None:  # ...and over the replica groups of this step's quorum
+            if synchronous:  # ...and over the replica groups of this step's quorum
                 pieces = [g for g, _ in state.grad_pieces()]
                 if self.replicas.fingerprint is None:
                     shapes = [tuple(g.shape) for g in pieces]
@@ -246,7 +252,7 @@ class Trainer:
             grad_norm = clip_grad_norm(state, self.cfg.training.max_norm, self.grad_device)
             routed = self.routing.take() if self.routing is not None else None
             summed = self.global_figures(loss_sum, terms.values(loss_sum), routed)
-            if self.replicas is not None:  # (the figures of the whole quorum: each group's, averaged)
+            if synchronous:  # (the figures of the whole quorum: each group's, averaged)
                 self.replicas.average([summed])
                 committed = self.replicas.commit()
             n = 2 + len(self.loss_terms)
@@ -260,7 +266,7 @@ class Trainer:
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
-        if self.replicas is not None and not committed:
+        if synchronous and not committed:
             self._uncommitted(step)
         elif step not in self._settle(step - 1 if on_device else step):
             with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
@@ -332,8 +338,9 @@ class Trainer:
         """This rank's training state for the same rank of a recovering replica group (torchft calls
         it in its quorum thread)."""
         state = self.model.state
+        outer = (self.outer.start, self.outer.buf) if self.outer is not None else None
         return {"weights": [local(w) for w in state.weights()], "optimizer": local_state(state.optimizer),
-                **self.position}
+                "outer": outer, **self.position}
 
     def _recover(self, sd: dict) -> None:
         """Take a healthy group's state (torchft calls it on every rank of this group as the step
@@ -346,10 +353,15 @@ class Trainer:
             for mine, theirs in zip(state.weights(), sd["weights"]):
                 local(mine).copy_(theirs)
         load_local_state(state.optimizer, sd["optimizer"])
+        if self.outer is not None:  # (the sync committing now starts from the peers' last one)
+            for mine, theirs in zip([*self.outer.start, *self.outer.buf], [*sd["outer"][0], *sd["outer"][1]]):
+                mine.copy_(theirs)
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
         self.train_state.load_state_dict(sd["train_state"])
         self.train_state.step += 1  # (the step committing now)
         self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if self.outer is not None:  # (a semi-synchronous group meets after the step's schedule moved on)
+            self.lr_scheduler.step()
         if self.routing is not None:
             self.routing.load_state_dict(sd["routing"])
         self.dataloader.load_state_dict(sd["data"])
@@ -372,6 +384,17 @@ class Trainer:
                  f"{mx.straggler_factor:g} x the median rank's on each of the last {mx.straggler_steps} "
                  f"logged steps (this one: {own:.3f} s against {median:.3f} s); the other ranks wait for it "
                  "in every collective (a slow device, host or input pipeline)")
+
+    def _outer_sync(self, step: int) -> None:
+        """LocalSGD's or DiLoCo's meeting of the groups (see fault_tolerance.OuterStep)."""
+        state = self.model.state
+        state.wait_params()
+        weights = [local(w) for w in state.weights()]
+        if self.replicas.fingerprint is None:
+            self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
+        if not self.outer.sync(self.replicas, weights):
+            self._uncommitted(step)
+        state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
 
     def _uncommitted(self, step: int) -> None:
         """A step the replica groups' quorum did not commit (a group failed in it, or fewer than
@@ -468,6 +491,8 @@ class Trainer:
                                      logged and cfg.metrics.log_communication and ts.step > first):
                 self.train_step(self.batches)
             self.profiler.step(ts.step)
+            if self.outer is not None and self.outer.due(ts.step):
+                self._outer_sync(ts.step)
             if self.replicas is not None:
                 self._snapshot_position()
             ts.tokens_seen += self.global_tokens

@@ -287,6 +287,11 @@ def validate(cfg: JobConfig) -> None:
             f"fault_tolerance: replica_groups = {ft.replica_groups}, replica_id = {ft.replica_id}, "
             f"min_replicas = {ft.min_replicas}, timeout_s = {ft.timeout_s:g}; need 1 <= min_replicas <= "
             "replica_groups <= 4096, 0 <= replica_id < replica_groups and timeout_s in [1, 86400]")
+    if ft.enable and not (1 <= ft.sync_every <= 10**6 and 0 < ft.outer_lr <= 10
+                          and 0 <= ft.outer_momentum < 1):
+        raise ConfigError(f"fault_tolerance: sync_every = {ft.sync_every}, outer_lr = {ft.outer_lr:g}, "
+                          f"outer_momentum = {ft.outer_momentum:g}; need sync_every in [1, 1e6], outer_lr in "
+                          "(0, 10] and outer_momentum in [0, 1)")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
         raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)

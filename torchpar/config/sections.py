@@ -546,6 +546,16 @@ class FaultTolerance:
     timeout_s: float = opt(
         60.0, "Seconds torchft waits for a quorum, a cross-group collective or a commit before the step "
               "fails and is retried without the groups that did not answer.")
+    semi_sync: str = opt(
+        "off", "How the groups meet: 'off' averages their gradients every step (synchronous); 'localsgd' "
+        "lets each group train on alone and averages their weights every sync_every steps; 'diloco' "
+        "(DiLoCo) averages instead how far each group moved since the last sync and applies that as the "
+        "gradient of an outer Nesterov SGD (outer_lr, outer_momentum) to the weights of the last sync. "
+        "A sync that does not commit puts every group back to the weights of the last one.",
+        ("off", "localsgd", "diloco"))
+    sync_every: int = opt(20, "With localsgd or diloco: steps between syncs (H).")
+    outer_lr: float = opt(0.7, "DiLoCo's outer learning rate.")
+    outer_momentum: float = opt(0.9, "DiLoCo's outer Nesterov momentum (0 = plain SGD).")
 
 
 @dataclass

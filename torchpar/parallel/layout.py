@@ -114,8 +114,10 @@ class Layout:
     quantize: object = field(default=None, compare=False, repr=False)  # [quantize]; None: off
     lora_rank: int = 0  # LoRA's rank: adapters trained, the rest frozen; 0 = every parameter trained
     lora: object = field(default=None, compare=False, repr=False)  # [lora]; None: off
-    # replica groups (fault tolerance): jobs of this layout averaging their gradients every step
+    # replica groups (fault tolerance): jobs of this layout averaging their gradients every step, or
+    # (LocalSGD, DiLoCo) their weights or moves every replica_sync_every steps (0: every step, gradients)
     replica_groups: int = 1
+    replica_sync_every: int = 0
     # The data carries loss masks (data.format = 'chat'): each step all-reduces its targets' count.
     loss_mask: bool = False
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
@@ -456,11 +458,11 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
 
 
 def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None,
-               replica_groups: int = 1) -> dict:
+               replicas: tuple[int, int] = (1, 0)) -> dict:
     """The Layout fields the job's [optimizer], [quantize] and [lora] sections give (None: AdamW, no
     FP8, no adapters), whether its data carries loss masks, and how many replica groups run it."""
     rank = lora.rank if lora is not None else 0
-    return dict(replica_groups=replica_groups,
+    return dict(replica_groups=replicas[0], replica_sync_every=replicas[1],
                 optimizer=optimizer, whole_params=kind_of(optimizer).whole is not None, quantize=quantize,
                 loss_mask=loss_mask, lora_rank=rank, lora=lora if rank else None,
                 float8=quantize.float8 if quantize is not None else "off",
@@ -468,7 +470,7 @@ def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None
 
 
 def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=None,
-              loss_mask: bool = False, lora=None, replica_groups: int = 1) -> Layout:
+              loss_mask: bool = False, lora=None, replicas: tuple[int, int] = (1, 0)) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
@@ -485,13 +487,13 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=No
                   activation_checkpoint=tr.activation_checkpoint,
                   activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                   reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                  bucket_mb=par.bucket_mb, **job_fields(optimizer, quantize, loss_mask, lora, replica_groups))
+                  bucket_mb=par.bucket_mb, **job_fields(optimizer, quantize, loss_mask, lora, replicas))
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
                    document_masking: bool = False, device: str | None = None,
                    overridden: frozenset = frozenset(), quantize=None, loss_mask: bool = False,
-                   lora=None, replica_groups: int = 1) -> Layout:
+                   lora=None, replicas: tuple[int, int] = (1, 0)) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
@@ -499,12 +501,13 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     ``device``: the device type the job runs on (default: this machine's); ``overridden``: the keys
     the command line set (JobConfig.overridden); ``quantize``: the [quantize] section (None: off);
     ``loss_mask``: the data carries loss masks (conversations); ``lora``: the [lora] section (None: off);
-    ``replica_groups``: jobs of this layout training together (fault tolerance)."""
+    ``replicas``: (replica groups training together, steps between their syncs; 0 = every step's
+    gradients) under fault tolerance."""
     device = device or device_type()
     if par.expert_parallel_degree < 1:
         raise ConfigError(f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: a degree is a "
                           "positive integer (1 = no expert parallelism)")
-    layout = layout_of(par, tr, world, param_dtype, optimizer, quantize, loss_mask, lora, replica_groups)
+    layout = layout_of(par, tr, world, param_dtype, optimizer, quantize, loss_mask, lora, replicas)
     if layout.zero_stage != par.zero_stage:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")
