@@ -338,7 +338,7 @@ class Trainer:
         """This rank's training state for the same rank of a recovering replica group (torchft calls
         it in its quorum thread)."""
         state = self.model.state
-        outer = (self.outer.start, self.outer.buf) if self.outer is not None else None
+        outer = self.outer.state_dict() if self.outer is not None else None
         return {"weights": [local(w) for w in state.weights()], "optimizer": local_state(state.optimizer),
                 "outer": outer, **self.position}
 
@@ -354,8 +354,7 @@ class Trainer:
                 local(mine).copy_(theirs)
         load_local_state(state.optimizer, sd["optimizer"])
         if self.outer is not None:  # (the sync committing now starts from the peers' last one)
-            for mine, theirs in zip([*self.outer.start, *self.outer.buf], [*sd["outer"][0], *sd["outer"][1]]):
-                mine.copy_(theirs)
+            self.outer.load_state_dict(sd["outer"])
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
         self.train_state.load_state_dict(sd["train_state"])
         self.train_state.step += 1  # (the step committing now)
@@ -502,7 +501,7 @@ class Trainer:
                 self._settle(ts.step)
             if logged:
                 log_step(self, *self.settled, lr, first)
-                if self.stragglers is not None and cfg.metrics.log_step_breakdown:
+                if self.stragglers is not None:  # (made only where the phases are timed)
                     self._stragglers(ts.step)
             self.model.state.zero_grad()
             with self.throughput.aside():

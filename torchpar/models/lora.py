@@ -20,7 +20,6 @@ holds, equal to the adapted one up to rounding.
 from __future__ import annotations
 
 import functools
-import math
 import types
 from fnmatch import fnmatch
 
@@ -70,19 +69,15 @@ def _adapted(layer: nn.Linear, inputs: tuple, out: torch.Tensor) -> torch.Tensor
     return out + F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
 
 
-def add_adapters(module: nn.Module, model, lora) -> list[str]:
+def add_adapters(module: nn.Module, model, lora) -> None:
     """Adapt the layers :func:`targets` names, in place (on the meta model, before any parallelism);
-    :func:`freeze_base` freezes the rest once the parallel styles have made their parameters.
-    Returns the adapted layers' names."""
-    names = []
-    for name, layer in targets(module, model, lora):
+    :func:`freeze_base` freezes the rest once the parallel styles have made their parameters."""
+    for _, layer in targets(module, model, lora):
         w = layer.weight
         layer.register_parameter(A, nn.Parameter(torch.empty(lora.rank, w.shape[1], device=w.device)))
         layer.register_parameter(B, nn.Parameter(torch.empty(w.shape[0], lora.rank, device=w.device)))
         layer.lora_scale, layer.lora_dropout = scale(lora), lora.dropout
         layer.register_forward_hook(_adapted)
-        names.append(name)
-    return names
 
 
 def freeze_base(module: nn.Module) -> None:
@@ -154,8 +149,3 @@ def with_adapters(entries: list, layer: int, adapted: dict, rank: int) -> list:
                     (f"{module}.{B}", (rows, rank), 0 if split == 0 else None)]
     return out
 
-
-def smallest_width(module: nn.Module, model, lora) -> int:
-    """The smallest in or out width of the layers LoRA adapts (a rank above it adds nothing)."""
-    widths = (min(m.in_features, m.out_features) for _, m in targets(module, model, lora))
-    return min(widths, default=math.inf)

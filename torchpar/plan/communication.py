@@ -26,7 +26,7 @@ from torchpar.parallel.layout import (
 from torchpar.parallel.ledger import RING_FACTOR
 from torchpar.parallel.pipeline import SPLIT_BACKWARD
 from torchpar.parallel.recompute import recomputed
-from torchpar.plan.layout import Cluster, flat_rank_layout, state_bytes
+from torchpar.plan.layout import Cluster, flat_rank_layout, flat_rank_params, state_bytes
 
 PCIE_BW = 25e9  # host <-> device, PCIe 4.0 x16, per direction
 CPU_MEMORY_BW = 100e9  # a server socket's DRAM bandwidth, for the offloaded optimizer step
@@ -191,9 +191,7 @@ def _owned_elements(model, args, lay: Layout, pp_rank: int, shard_rank: int = 0)
     """Parameter elements (padding left out) in the flat engine's pieces that shard rank
     ``shard_rank`` owns: the r-th N-th of every bucket (all of it under stage 0)."""
     n = flat_shards(lay)
-    local = [r * c for (r, c), name in zip(rank_params(model, args, lay, pp_rank),
-                                           rank_param_names(model, args, lay, pp_rank))
-             if trained(name, lora_spec(lay.lora))]
+    local = [r * c for r, c in flat_rank_params(model, args, lay, pp_rank)[0]]
     _, _, starts, bounds = flat_rank_layout(model, args, lay, pp_rank)
     owned = [(lo + shard_rank * (hi - lo) // n, lo + (shard_rank + 1) * (hi - lo) // n)
              for lo, hi in zip(bounds, bounds[1:])]

@@ -148,10 +148,7 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
     # are outside the buffer, in the compute dtype, whole.
     n = flat_shards(lay)
     rank = lay.shard_index(coords) if n > 1 else 0
-    names = rank_param_names(model, args, lay, pp)
-    learned = [trained(name, lora) for name in names]
-    frozen = sum(r * c for (r, c), t in zip(local, learned) if not t)
-    local, names = [s for s, t in zip(local, learned) if t], [name for name, t in zip(names, learned) if t]
+    local, names, frozen = flat_rank_params(model, args, lay, pp, tp)
     roles, whole, starts, bounds = flat_rank_layout(model, args, lay, pp, tp)
     shard = bounds[-1] // n
     held = shard if lay.zero_stage == 2 else shard * n
@@ -171,6 +168,18 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
             optim += opt_state_bytes(lay.optimizer, _shape((r, c), model, args, name), role)
     return {"param_bytes": lay.param_dtype_bytes * (bounds[-1] + frozen), "grad_bytes": grads,
             "optim_bytes": optim + master}
+
+
+def flat_rank_params(model, args, lay: Layout, pp_rank: int, tp_index: int = 0):
+    """(rows, cols) and names of the parameters the flat ZeRO 0-2 buffer of the rank at ``pp_rank``
+    / ``tp_index`` holds — the trained ones, in model order — and the elements of the frozen ones
+    (LoRA's base), which it keeps outside."""
+    lora = lora_spec(lay.lora)
+    local = rank_params(model, args, lay, pp_rank, tp_index)
+    names = rank_param_names(model, args, lay, pp_rank)
+    learned = [trained(name, lora) for name in names]
+    frozen = sum(r * c for (r, c), t in zip(local, learned) if not t)
+    return ([s for s, t in zip(local, learned) if t], [name for name, t in zip(names, learned) if t], frozen)
 
 
 def flat_rank_layout(model, args, lay: Layout, pp_rank: int, tp_index: int = 0):
