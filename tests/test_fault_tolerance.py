@@ -13,13 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, TINY, assert_matches, run_group, run_layouts
+from harness import ROOT, TINY, assert_matches, run_group, run_layouts, spawn_ranks
 
 pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
 from torchpar.config import load_config  # noqa: E402
+from torchpar.data import build_dataloader  # noqa: E402
 from torchpar.plan import PRESETS, communication, layout_from_config  # noqa: E402
+from torchpar.preflight import preflight  # noqa: E402
+from torchpar.selftest import full_parameters  # noqa: E402
+from torchpar.train import Trainer  # noqa: E402
 from torchpar.weights import model_from, open_source  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
@@ -127,15 +131,6 @@ def test_groups_of_different_layouts_are_one_line():
         assert error is not None and "runs a layout the other groups do not" in str(error)
 
 
-def _steps(folder: Path) -> list[int]:
-    """The steps a run's metrics.jsonl logged a loss for, in order."""
-    path = folder / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["step"] for r in records if "loss" in r]
-
-
 def _kill_tree(pid: int) -> None:
     """SIGKILL to ``pid`` and every process under it (torchrun's workers run in sessions of their
     own: killing the agent's process group leaves them)."""
@@ -166,56 +161,133 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-STEPS = 120  # (about 0.1 s each: the other group trains on through the killed one's start-up, ~8 s)
+STEPS = 80
+GROUP = [Z, "3", LB, "2"]  # each replica group: ZeRO-3 over 2 ranks, 2 windows each
 
 
-def test_a_killed_group_is_not_waited_for_and_recovers_live(tmp_path):
-    """Two replica groups under torchrun; group 1 is killed (SIGKILL, its whole process group) mid-run:
-    group 0 trains on alone without a restart, its steps never going back; group 1, started again,
-    joins the next quorum, takes group 0's weights, optimizer state, step and data position live (no
-    checkpoint to read: it saves none before the end), and both end with the same weights, bit for
-    bit."""
+def _reference(rank, world, out, schedule: list, groups: int) -> None:
+    """One process trained as the replica groups were: at each step on the windows the groups in
+    ``schedule[step - 1]`` read (their 4 each), an uncommitted step (None) reading its windows and
+    applying nothing — the reference for a run whose membership changed."""
+    steps = str(len(schedule))
+    cfg = load_config(TINY, [Z, "0", LB, "2", "--training.steps", steps, "--metrics.log_freq", steps,
+                             "--validation.enable", "false", "--job.dump_folder", f"{out}/ref"])
+    trainer, pre, tr = Trainer(cfg), preflight(cfg, 1), cfg.training
+    dp = 2  # (a group's data-parallel ranks: group g's rank i reads shard g x dp + i)
+    readers = [iter(build_dataloader(pre.sources, trainer.tokenizer, tr.seq_len, tr.local_batch_size, shard,
+                                     groups * dp, tr.seed, 0, cfg.data.lanes, False, pre.shares))
+               for shard in range(groups * dp)]
+    per_group = trainer.global_tokens * dp
+    for members in schedule:
+        trainer.train_state.step += 1
+        windows = [next(r) for r in readers]
+        if members is None:
+            trainer.lr_scheduler.step()
+            continue
+        trainer.global_tokens = per_group * len(members)
+        trainer.train_step(iter([torch.cat([windows[g * dp + i] for g in members for i in range(dp)])]))
+        trainer._settle(trainer.train_state.step)
+        trainer.model.state.zero_grad()
+    torch.save({"losses": trainer.losses, "params": full_parameters(trainer.model.parts)}, f"{out}/ref.pt")
+    trainer.close()
+
+
+def _records(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
+    """Three replica groups (ZeRO-3 over 2 ranks each) under torchrun. Groups 1 and 2 join group 0's
+    run; group 1 is killed (SIGKILL, every process) mid-run, then group 2: group 0 trains on alone,
+    without a restart, its steps never going back. Group 1 started again dies halfway through taking
+    group 0's state; started once more, it recovers live beside group 2 (no checkpoint: none is saved
+    before the end), and all three end with the same weights, bit for bit. Group 0's losses and
+    weights are those of one process trained, step by step, on the windows of the groups group 0
+    logged as taking part."""
     # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=10,
                                   heartbeat_timeout_ms=1000)
-    runs = tmp_path / "runs"
+    runs, procs, pace = tmp_path / "runs", {}, tmp_path / "pace"
+    groups = {i: runs / f"replica_{i}" for i in range(3)}
 
-    def start(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               "-m", "torchpar", "train", "--config", str(TINY), "--training.steps", str(STEPS),
-               "--metrics.log_freq", "1", "--validation.enable", "false", "--job.dump_folder", str(runs),
-               "--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS),
-               "--checkpoint.async_mode", "off", "--fault_tolerance.enable", "true",
-               "--fault_tolerance.replica_groups", "2", "--fault_tolerance.min_replicas", "1",
+    def start(i: int, fault: str = "") -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "faulty_train.py"), "train", "--config", str(TINY), *GROUP,
+               "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validation.enable", "false",
+               "--job.dump_folder", str(runs), "--checkpoint.enable", "true", "--checkpoint.interval",
+               str(STEPS), "--checkpoint.async_mode", "off", "--fault_tolerance.enable", "true",
+               "--fault_tolerance.replica_groups", "3", "--fault_tolerance.min_replicas", "1",
                "--fault_tolerance.replica_id", str(i), "--fault_tolerance.lighthouse", lighthouse.address(),
                "--fault_tolerance.timeout_s", "5"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / f"group{i}.err", "ab"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "FAULT": fault,
+               "PACE": str(pace)}
+        procs[i] = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                                    stdout=open(tmp_path / f"group{i}.out", "ab"), stderr=subprocess.STDOUT)
 
-    groups = {0: runs / "replica_0", 1: runs / "replica_1"}
+    def steps(i: int) -> list[int]:
+        return [r["step"] for r in _records(groups[i]) if "loss" in r]
+
+    def members() -> list[int]:  # (the groups taking part in group 0's last committed step)
+        return [r["replica_members"] for r in _records(groups[0]) if "replica_members" in r][-1]
+
+    def kill(i: int) -> None:
+        _kill_tree(procs[i].pid)
+        procs[i].wait()
+
     try:
-        first, second = start(0), start(1)
-        _wait(lambda: len(_steps(groups[1])) >= 5, 120, "group 1's fifth step")
-        _kill_tree(second.pid)
-        second.wait()
-        at_kill = len(_steps(groups[0]))
-        second = start(1)
-        assert first.wait(timeout=300) == 0, (tmp_path / "group0.err").read_text()[-3000:]
-        assert second.wait(timeout=300) == 0, (tmp_path / "group1.err").read_text()[-3000:]
+        pace.write_text("0.2")  # (the groups' pace while others start)
+        start(0)
+        _wait(lambda: steps(0), 120, "group 0's first step")
+        start(1)
+        start(2)
+        _wait(lambda: members() == [0, 1, 2], 120, "groups 1 and 2 joining")
+        at = steps(0)[-1]
+        _wait(lambda: steps(0)[-1] >= at + 2, 60, "group 0's steps with the others")
+        kill(1)
+        _wait(lambda: members() == [0, 2], 60, "group 0's steps without group 1")
+        kill(2)
+        start(1, fault="recovery")
+        assert procs[1].wait(timeout=120) != 0
+        assert "dying in recovery" in (tmp_path / "group1.out").read_text()
+        start(1)
+        start(2)
+        _wait(lambda: members() == [0, 1, 2], 120, "groups 1 and 2 recovering")
+        pace.unlink()
+        for i in range(3):
+            assert procs[i].wait(timeout=300) == 0, (tmp_path / f"group{i}.out").read_text()[-3000:]
+    except BaseException:
+        for i in range(3):  # (what each group printed last, beside the failure)
+            lines = (tmp_path / f"group{i}.out").read_text(errors="replace").splitlines()
+            tail = [line for line in lines if "Warning" not in line][-15:]
+            print(f"--- group {i} ---", *tail, sep="\n")
+        raise
     finally:
-        for p in (first, second):
+        for p in procs.values():
             if p.poll() is None:
                 _kill_tree(p.pid)
         lighthouse.shutdown()
-    steps = _steps(groups[0])
-    assert steps == sorted(steps) and steps[-1] == STEPS  # never back, never restarted
-    recovered = [json.loads(line) for line in (groups[1] / "metrics.jsonl").read_text().splitlines()
-                 if '"recovered"' in line]
-    # (it rejoined at a step group 0 had reached training alone, through its start-up)
-    assert recovered and recovered[-1]["step"] > at_kill + 5
-    (meta0, read0), (meta1, read1) = (open_source(g / "checkpoint") for g in groups.values())
-    assert meta0["step"] == meta1["step"] == STEPS
-    a, b = model_from(meta0, read0)[0], model_from(meta1, read1)[0]
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(x, y), name
+    logged = steps(0)
+    assert logged == sorted(logged) and logged[-1] == STEPS  # never back, never restarted
+    records = _records(groups[0])
+    changes = [(r["step"], r["replica_members"]) for r in records if "replica_members" in r]
+    # (group 0 trained steps alone, with all three and with two)
+    assert {(0,), (0, 2), (0, 1, 2)} <= {tuple(m) for _, m in changes}
+    metas = [open_source(g / "checkpoint") for g in groups.values()]
+    models = [model_from(meta, read)[0].state_dict() for meta, read in metas]
+    for other in models[1:]:
+        for name, x in models[0].items():
+            assert torch.equal(x, other[name]), name
+    # ...and group 0's run is one process's given the same membership per step
+    uncommitted = {r["step"] for r in records if "uncommitted_steps" in r}
+    schedule, taking_part = [], None
+    for s in range(1, STEPS + 1):
+        taking_part = dict(changes).get(s, taking_part)
+        schedule.append(None if s in uncommitted else taking_part)
+    out = spawn_ranks(_reference, 1, schedule, 3)
+    ref = torch.load(f"{out}/ref.pt")
+    losses = [r["loss"] for r in records if "loss" in r and r["step"] not in uncommitted]
+    assert losses == pytest.approx(ref["losses"], abs=1e-4)
+    for name, x in ref["params"].items():  # (80 AdamW steps of ZeRO-3's sums against one process's)
+        assert torch.linalg.norm(models[0][name].float() - x) <= 1e-3 * torch.linalg.norm(x), name

@@ -59,6 +59,20 @@ def replica_groups(ft) -> tuple[int, int]:
     return ft.replica_groups, (ft.sync_every if ft.semi_sync != "off" else 0)
 
 
+def tag_bytes(groups: int) -> int:
+    """Bytes an average of fp32 tensors carries beside them (:meth:`ReplicaGroups.average`): the
+    layout's 2-float fingerprint and the one-hot of each of ``groups`` groups."""
+    return 4 * (2 + groups)
+
+
+def data_shard(ft, dp_rank: int, dp: int) -> tuple[int, int]:
+    """(the shard, of how many) that data-parallel rank ``dp_rank`` of ``dp`` reads: with replica
+    groups, shard ``replica_id x dp + dp_rank`` of ``replica_groups x dp``."""
+    if not ft.enable:
+        return dp_rank, dp
+    return ft.replica_id * dp + dp_rank, ft.replica_groups * dp
+
+
 def lighthouse_of(ft) -> str:
     """The lighthouse's address: [fault_tolerance] lighthouse, else TORCHFT_LIGHTHOUSE; one line if none."""
     address = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
@@ -86,6 +100,7 @@ class ReplicaGroups:
         self.replica_id, self.groups = ft.replica_id, ft.replica_groups
         self.fingerprint, self.described = None, ""
         self.payload = 0  # bytes this rank averaged with the other groups in this step
+        self.members: list[int] = []  # the groups whose work the last average holds (ids, ascending)
         # The groups' ranks of one position average their gradients over gloo (on GPUs too, the
         # pieces are copied to the host: torchft's NCCL groups are its own, not yet torchpar's).
         self.manager = Manager(
@@ -100,14 +115,13 @@ class ReplicaGroups:
         rank takes it when recovering (``load_state_dict(sd)``, called as the step commits)."""
         self.manager.register_state_dict_fn("torchpar", load_state_dict, state_dict)
 
-    def data_shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
-        """(the shard, of how many) that data-parallel rank ``dp_rank`` of ``dp`` reads."""
-        return self.replica_id * dp + dp_rank, self.groups * dp
+    def new_step(self) -> None:
+        """A step begins: nothing averaged in it yet (a semi-synchronous step may average nothing)."""
+        self.payload, self.members = 0, []
 
     def start_step(self) -> None:
         """The quorum of this step, computed while the step's forward runs."""
         self.manager.start_quorum()
-        self.payload = 0
 
     def describe(self, what: str) -> None:
         """What this group's ranks must share with the same ranks of the others (its layout and
@@ -118,14 +132,20 @@ class ReplicaGroups:
     def average(self, tensors: list[torch.Tensor]) -> None:
         """Each tensor averaged in place with its counterparts in the other groups of the quorum, in
         one collective per dtype (a rank's own pieces, flattened: never more than it holds). With
-        the fp32 ones goes :meth:`describe`'s fingerprint, x and x^2 of its CRC32: both averages
+        the fp32 ones go :meth:`describe`'s fingerprint, x and x^2 of its CRC32 — both averages
         equal this rank's only if every group's is the same (the others', for a group that is
-        recovering and does not count) — one line on every rank otherwise."""
+        recovering and does not count): one line on every rank otherwise — and a one-hot of this
+        group's id, whose average times the participants names the groups that took part
+        (:attr:`members`: a recovering group's part is zeroed by torchft)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {torch.float32: []}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for dtype, group in by_dtype.items():
-            check = [self.fingerprint] if dtype == torch.float32 and self.fingerprint is not None else []
+            check = []
+            if dtype == torch.float32:
+                mine = torch.zeros(self.groups)
+                mine[self.replica_id] = 1.0
+                check = [mine] + ([self.fingerprint] if self.fingerprint is not None else [])
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group] + check)
             self.manager.allreduce(flat).wait()
             self.payload += flat.numel() * flat.element_size()
@@ -133,7 +153,13 @@ class ReplicaGroups:
             for t in group:
                 t.copy_(flat[at: at + t.numel()].view_as(t))
                 at += t.numel()
-            if check and not torch.allclose(flat[at:], self.fingerprint, rtol=1e-5, atol=0):
+            if not check:
+                continue
+            present = flat[at: at + self.groups] * self.participants()
+            self.members = [i for i, x in enumerate(present.tolist()) if x > 0.5]
+            at += self.groups
+            fingerprint = self.fingerprint
+            if fingerprint is not None and not torch.allclose(flat[at:], fingerprint, rtol=1e-5, atol=0):
                 raise ConfigError(f"replica group {self.replica_id} runs a layout the other groups do not "
                                   f"({self.described}); every group of fault_tolerance.replica_groups must "
                                   "run the same layout and model")

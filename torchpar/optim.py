@@ -718,16 +718,16 @@ def load_local_state(optimizer: torch.optim.Optimizer, values: list) -> None:
     ensure_state(optimizer)
     for p, g in grads:
         p.grad = g
-    at = iter(values)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            for key, v in sorted(state.items()):
-                theirs = next(at)
-                if torch.is_tensor(v):
-                    (v.to_local() if isinstance(v, DTensor) else v).copy_(theirs)
-                else:
-                    state[key] = theirs
+    mine = [(p, key, v) for group in optimizer.param_groups for p in group["params"]
+            for key, v in sorted(optimizer.state[p].items())]
+    if len(mine) != len(values):
+        raise RuntimeError(f"the optimizer state to load holds {len(values)} values, this optimizer's "
+                           f"{len(mine)}: it comes from another optimizer or layout")
+    for (p, key, v), theirs in zip(mine, values):
+        if torch.is_tensor(v):
+            (v.to_local() if isinstance(v, DTensor) else v).copy_(theirs)
+        else:
+            optimizer.state[p][key] = theirs
 
 
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:

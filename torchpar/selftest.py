@@ -257,7 +257,7 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
 
 def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
     """Rank 0's result of one layout: losses, full parameters, the windows each dp rank trained on
-    (CRC32 per window, in order), held-out losses and every logged record (the first: step 1)."""
+    (CRC32 per window, in order), held-out losses and every logged record (step1: the first step's)."""
     params, windows = {}, {}
     for p, w in gathered:
         params.update(p)
@@ -266,7 +266,8 @@ def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
             # The TP / pipeline ranks of one data-parallel rank read the same windows.
             assert windows.setdefault(dp_rank, batches) == batches, f"dp rank {dp_rank} ranks disagree"
     logged = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {"losses": losses, "params": params, "step1": logged[0], "windows": windows,
+    first = next(r for r in logged if "loss" in r)  # (events may come before the first step's record)
+    return {"losses": losses, "params": params, "step1": first, "windows": windows,
             "val_losses": trainer.val_losses, "logged": logged}
 
 

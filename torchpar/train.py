@@ -20,7 +20,7 @@ from torchpar.console import StartupClock, progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
-from torchpar.fault_tolerance import OuterStep, ReplicaGroups, for_replica
+from torchpar.fault_tolerance import OuterStep, ReplicaGroups, data_shard, for_replica
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
@@ -78,9 +78,8 @@ class Trainer:
             self.grad_device = torch.device("cpu") if lay.cpu_offload else self.device
             dev.cap_memory(tr.memory_cap_gib)
             lay.build_mesh(dev.device_type())
-            # One of several replica groups: this rank's torchft manager (the lighthouse's quorum).
             ft = cfg.fault_tolerance
-            self.replicas = ReplicaGroups(ft, self.rank, world) if ft.enable else None
+            self.replicas = None  # (one of several replica groups: joins them once ready to train)
         if on_process_group is not None:
             with clock.phase("machine probe"):
                 on_process_group(cfg, lay, pre.model, pre.args)
@@ -92,8 +91,7 @@ class Trainer:
                 OptimizerFactory(cfg.optimizer, pre.model), pre.weights)
         self.lr_scheduler = build_lr_scheduler(self.model.state.optimizer, cfg.lr_scheduler, tr.steps)
         with clock.phase("data"):
-            shard, shards = (self.replicas.data_shard(lay.dp_rank, lay.dp) if self.replicas
-                             else (lay.dp_rank, lay.dp))
+            shard, shards = data_shard(ft, lay.dp_rank, lay.dp)
             self.dataloader = build_dataloader(pre.sources, self.tokenizer, tr.seq_len, tr.local_batch_size,
                                                shard, shards, tr.seed, cfg.data.num_workers,
                                                cfg.data.lanes, self.device.type == "cuda", pre.shares)
@@ -111,6 +109,7 @@ class Trainer:
         self.signals, self.stop_requested = StopSignals(), False
         self.uncommitted = 0  # steps the replica groups' quorum did not commit
         self.recovered = 0  # times this replica group took a healthy group's state
+        self.members: list[int] = []  # the replica groups whose work the last committed step holds
         self.losses: list[float] = []  # every step's global loss, as the host reads them
         self.settled = (float("nan"), float("nan"))  # (loss, grad norm) of the last step read
         self.settled_terms: dict[str, float] = {}  # its auxiliary loss terms, per token
@@ -143,8 +142,12 @@ class Trainer:
         with clock.phase("checkpoint"):
             self._restore(pre.resume, pre.resume_manifest)
         self.batches = None  # the data's iterator, made when training starts
-        if self.replicas is not None:
-            # A group that joins late recovers this state live from a healthy group's same rank.
+        if ft.enable:
+            # This rank's torchft manager, made last: from its first heartbeat the lighthouse holds
+            # the other groups' quorums for this group (up to its join timeout), so it joins only
+            # when ready to train. A group that joins late recovers this state live from a healthy
+            # group's same rank.
+            self.replicas = ReplicaGroups(ft, self.rank, world)
             self._snapshot_position()
             self.replicas.serve(self._recovery_state, self._recover)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
@@ -228,6 +231,8 @@ class Trainer:
         state, step = self.model.state, self.train_state.step
         phase = self.breakdown.phase  # times the phases of logged steps
         synchronous = self.replicas is not None and self.outer is None  # (gradients averaged every step)
+        if self.replicas is not None:
+            self.replicas.new_step()
         if synchronous:
             self.replicas.start_step()  # (the quorum is computed while the step runs)
         with phase("data"):
@@ -253,8 +258,11 @@ class Trainer:
             routed = self.routing.take() if self.routing is not None else None
             summed = self.global_figures(loss_sum, terms.values(loss_sum), routed)
             if synchronous:  # (the figures of the whole quorum: each group's, averaged)
+                own = summed.clone()
                 self.replicas.average([summed])
                 committed = self.replicas.commit()
+                if not committed:  # (a failed average leaves whatever it held: the guard reads this group's)
+                    summed = own
             n = 2 + len(self.loss_terms)
             loss, stopping, term_sums = summed[0], summed[1], summed[2:n]
             # (the balancing bias moves here, before the next step's forwards)
@@ -266,6 +274,8 @@ class Trainer:
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
+        if synchronous and committed:
+            self._members(step)
         if synchronous and not committed:
             self._uncommitted(step)
         elif step not in self._settle(step - 1 if on_device else step):
@@ -393,7 +403,16 @@ class Trainer:
             self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
         if not self.outer.sync(self.replicas, weights):
             self._uncommitted(step)
+        else:
+            self._members(step)
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
+
+    def _members(self, step: int) -> None:
+        """Log the replica groups whose work a committed step holds, each time they change (a group
+        lost, or back after recovering)."""
+        if self.replicas.members != self.members:
+            self.members = self.replicas.members
+            self.logger.log({"step": step, "replica_members": self.members})
 
     def _uncommitted(self, step: int) -> None:
         """A step the replica groups' quorum did not commit (a group failed in it, or fewer than

@@ -8,6 +8,7 @@ import functools
 import itertools
 import math
 
+from torchpar.fault_tolerance import tag_bytes
 from torchpar.models.common import WHOLE_STYLES, planned_under
 from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
@@ -430,18 +431,20 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
             held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["param_bytes"]
         else:
             held = 4 * (flat_rank_layout(model, args, lay, pp_rank)[3][-1] // flat_shards(lay))
-        sent.add("replicas", "all_reduce", held + 8, lay.replica_groups, times=1 / lay.replica_sync_every)
+        tags = tag_bytes(lay.replica_groups)
+        sent.add("replicas", "all_reduce", held + tags, lay.replica_groups, times=1 / lay.replica_sync_every)
     elif lay.replica_groups > 1:
         # Replica groups: each rank's gradient pieces (what it holds of them: FSDP2's shards, the flat
         # engine's owned pieces), then the step's figures, averaged with the same rank of the other
-        # groups, each with a 2-float fingerprint of the layout.
+        # groups, each with the fingerprint of the layout and the one-hot of the groups.
         if lay.zero_stage == 3:
             held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["grad_bytes"]
         else:
             held = 4 * _owned_elements(model, args, lay, pp_rank)
-        sent.add("replicas", "all_reduce", held + 8, lay.replica_groups)
+        tags = tag_bytes(lay.replica_groups)
+        sent.add("replicas", "all_reduce", held + tags, lay.replica_groups)
         figures = 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args))
-        sent.add("replicas", "all_reduce", figures + 8, lay.replica_groups)
+        sent.add("replicas", "all_reduce", figures + tags, lay.replica_groups)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
         # gradients); a rank sends from each of its stages that has a neighbour. The prediction
