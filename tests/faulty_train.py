@@ -3,8 +3,8 @@ faults and pace the replica-group tests set through the environment:
 
 - ``FAULT=recovery``: every rank of the group kills itself (SIGKILL) halfway through taking a healthy
   group's state — the weights copied, the optimizer state not — after printing ``dying in recovery``;
-- ``PACE=file``: while ``file`` exists, each step first sleeps the seconds it holds — 2 s in the
-  last 10 steps — so that a group trains on at a known pace while others start (a sleep leaves the
+- ``PACE=file``: while ``file`` exists, each step first sleeps the seconds it holds — twice that in
+  the last 20 steps — so that a group trains on at a known pace while others start (a sleep leaves the
   cores to the starting processes, as a GPU's step would) and does not finish before they join."""
 
 import os
@@ -30,8 +30,8 @@ if os.environ.get("PACE"):
             pause = float(open(os.environ["PACE"]).read())
         except (OSError, ValueError):  # (no file: full speed)
             pause = 0.0
-        if pause and self.train_state.step > self.cfg.training.steps - 10:
-            pause = 2.0
+        if self.train_state.step > self.cfg.training.steps - 20:
+            pause *= 2
         time.sleep(pause)
         return _plain_step(self, batches)
 

@@ -583,6 +583,12 @@ CASES = [
          "0 <= replica_id < replica_groups"),
     Case("DiLoCo's momentum of 1", CHECK + " --fault_tolerance.enable true --fault_tolerance.semi_sync diloco"
          " --fault_tolerance.outer_momentum 1", "outer_momentum = 1", "outer_momentum in [0, 1)"),
+    Case("streaming DiLoCo's fragments not dividing sync_every", CHECK + " --fault_tolerance.enable true"
+         " --fault_tolerance.semi_sync diloco --fault_tolerance.sync_every 5 --fault_tolerance.fragments 2",
+         "fragments = 2, sync_every = 5", "sync_every a multiple of fragments"),
+    Case("a fragment_alpha above 1", CHECK + " --fault_tolerance.enable true"
+         " --fault_tolerance.semi_sync diloco --fault_tolerance.fragment_alpha 1.5", "fragment_alpha = 1.5",
+         "fragment_alpha in [0, 1]"),
     # --- data edge cases
     Case("JSONL text not a string", CHECK + " --data.dataset files --data.path {t}/a.jsonl",
          "a.jsonl:2: field 'text' is not a string (3)", files={"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}),

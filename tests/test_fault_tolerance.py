@@ -20,6 +20,7 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 
 from torchpar.config import load_config  # noqa: E402
 from torchpar.data import build_dataloader  # noqa: E402
+from torchpar.parallel.zero import local  # noqa: E402
 from torchpar.plan import PRESETS, communication, layout_from_config  # noqa: E402
 from torchpar.preflight import preflight  # noqa: E402
 from torchpar.selftest import full_parameters  # noqa: E402
@@ -88,39 +89,98 @@ def test_replica_groups_train_as_one_job(references, name):
         assert results["group"]["step1"]["replica_bytes"] == predicted["bytes"]
 
 
-@pytest.mark.parametrize("kind", ["diloco", "localsgd"])
-def test_semi_synchronous_groups_meet_as_their_outer_step_says(kind):
-    """Two groups train 3 steps each on their own share, then meet once (sync_every = 3): their
-    weights after it are the outer step applied to what each group alone reaches in 3 steps on its
-    share — LocalSGD their mean, DiLoCo the weights they started from moved by outer Nesterov SGD
-    (lr 0.7, momentum 0.9) along the mean of the two moves."""
-    job = [Z, "0", LB, "4", "--training.steps", "3", "--validation.enable", "false"]
-    # (the weights the groups start from: a step at lr 0 leaves them as they are)
-    start = run_layouts(1, {"s": [*job, "--training.steps", "1", "--optimizer.lr", "0"]})["s"]["params"]
-    alone = [run_replica_groups([(1, job)], min_replicas=1, ids=[i], n=2)[0] for i in range(2)]
-    met = run_replica_groups([(1, [*job, "--fault_tolerance.semi_sync", kind, "--fault_tolerance.sync_every",
-                                   "3"])] * 2)
-    for results, error in [*alone, *met]:
-        assert error is None, error
-    ends = [results["group"]["params"] for results, _ in alone]
-    for name, s in start.items():
-        a, b = (e[name] for e in ends)
-        if kind == "localsgd":
-            expected = (a + b) / 2
-        else:
-            move = ((s - a) + (s - b)) / 2
-            expected = s - 0.7 * (move + 0.9 * move)  # (at the first sync the momentum is the move itself)
-        for results, _ in met:
-            torch.testing.assert_close(results["group"]["params"][name], expected, rtol=0, atol=1e-6)
-    # ...sending the weights once in 3 steps, as the planner counts them (a third of it per step)
-    overrides = [*job, "--fault_tolerance.enable", "true", "--fault_tolerance.replica_groups", "2",
-                 "--fault_tolerance.semi_sync", kind, "--fault_tolerance.sync_every", "3"]
-    cfg = load_config(TINY, overrides)
-    lay, model, args = layout_from_config(cfg, 1)
-    per_step = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len)["replicas"]
-    per_step = per_step["bytes"]
-    sent = [r["replica_bytes"] for r in met[0][0]["group"]["logged"] if "replica_bytes" in r]
-    assert sent[:2] == [0, 0] and sent[2] == pytest.approx(3 * per_step)
+SEMI_JOB = [Z, "0", LB, "4", "--training.steps", "6", "--validation.enable", "false"]
+SEMI = {  # name: (kind, sync_every, fragments, fragment_alpha); outer lr 0.7 and momentum 0.9 (defaults)
+    "diloco": ("diloco", 2, 1, 0.0),
+    "streaming diloco": ("diloco", 4, 2, 0.5),
+    "localsgd": ("localsgd", 3, 1, 0.0),
+}
+
+
+def _semi_overrides(kind: str, every: int, fragments: int, alpha: float) -> list[str]:
+    return ["--fault_tolerance.semi_sync", kind, "--fault_tolerance.sync_every", str(every),
+            "--fault_tolerance.fragments", str(fragments), "--fault_tolerance.fragment_alpha", str(alpha)]
+
+
+def _simulation(rank, world, out, cases: dict) -> None:
+    """Two replica groups of each case simulated in one process, from the algorithms' definitions:
+    two trainers, each on its group's share of the data, stepped in turn; every sync_every /
+    fragments steps the fragment due (fragment f: the f-th of equal runs of the weights in order)
+    is synced — LocalSGD: the two groups' mean; DiLoCo: outer Nesterov SGD on the weights of the
+    fragment's last sync along the mean of the two moves since — and each trainer keeps
+    fragment_alpha of its own weights."""
+    results = {}
+    for name, (kind, every, k, alpha) in cases.items():
+        trainers = []
+        for g in range(2):
+            cfg = load_config(TINY, [*SEMI_JOB, "--job.dump_folder", f"{out}/{name}{g}"])
+            t, pre, tr = Trainer(cfg), preflight(cfg, 1), cfg.training
+            t.batches = iter(build_dataloader(pre.sources, t.tokenizer, tr.seq_len, tr.local_batch_size, g, 2,
+                                              tr.seed, 0, cfg.data.lanes, False, pre.shares))
+            trainers.append(t)
+
+        def flat(t):
+            return torch.cat([local(w).detach().reshape(-1) for w in t.model.state.weights()])
+
+        start = flat(trainers[0]).clone()
+        buf, n = torch.zeros_like(start), start.numel()
+        for step in range(1, cfg.training.steps + 1):
+            for t in trainers:
+                t.train_state.step = step
+                t.train_step(t.batches)
+                t._settle(step)
+                t.model.state.zero_grad()
+            if step % (every // k):
+                continue
+            f = (step // (every // k) - 1) % k
+            part = slice(f * n // k, (f + 1) * n // k)
+            nows = [flat(t)[part] for t in trainers]
+            if kind == "localsgd":
+                start[part] = (nows[0] + nows[1]) / 2
+            else:
+                move = ((start[part] - nows[0]) + (start[part] - nows[1])) / 2
+                buf[part] = 0.9 * buf[part] + move
+                start[part] -= 0.7 * (move + 0.9 * buf[part])
+            for t, now in zip(trainers, nows):
+                whole = flat(t)
+                whole[part] = (1 - alpha) * start[part] + alpha * now
+                at = 0
+                with torch.no_grad():
+                    for w in t.model.state.weights():
+                        local(w).view(-1).copy_(whole[at: at + local(w).numel()])
+                        at += local(w).numel()
+                t.model.state.load_model_state_dict({})
+        results[name] = [{"losses": t.losses, "params": full_parameters(t.model.parts)} for t in trainers]
+        for t in trainers:
+            t.close()
+    torch.save(results, f"{out}/simulation.pt")
+
+
+def test_semi_synchronous_groups_equal_their_simulation():
+    """DiLoCo (sync every 2 steps), streaming DiLoCo (2 fragments, one every 2 steps, half of the
+    group's own weights kept) and LocalSGD (every 3 steps): two groups of 6 steps each equal their
+    simulation in one process — each group's losses and weights — and each sync sends the bytes
+    the planner counts (its share of them per step)."""
+    sim = torch.load(f"{spawn_ranks(_simulation, 1, SEMI)}/simulation.pt")
+    for name, case in SEMI.items():
+        job = [*SEMI_JOB, *_semi_overrides(*case)]
+        runs = run_replica_groups([(1, job)] * 2)
+        for g, (results, error) in enumerate(runs):
+            assert error is None, error
+            assert results["group"]["losses"] == pytest.approx(sim[name][g]["losses"], abs=1e-6), name
+            for key, x in sim[name][g]["params"].items():
+                torch.testing.assert_close(results["group"]["params"][key], x, rtol=0, atol=1e-6)
+        cfg = load_config(TINY, [*job, "--fault_tolerance.enable", "true",
+                                 "--fault_tolerance.replica_groups", "2"])
+        lay, model, args = layout_from_config(cfg, 1)
+        per_step = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len)
+        per_step = per_step["replicas"]["bytes"]
+        sent = {r["step"]: r["replica_bytes"] for r in runs[0][0]["group"]["logged"] if "replica_bytes" in r}
+        period = case[1] // case[2]
+        assert sorted(sent) == list(range(1, 7)), name  # (every step logged)
+        for step, nbytes in sent.items():
+            expected = pytest.approx(period * per_step, rel=1e-5) if step % period == 0 else 0
+            assert nbytes == expected, (name, step)
 
 
 def test_groups_of_different_layouts_are_one_line():
@@ -161,7 +221,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-STEPS = 80
+STEPS = 60
 GROUP = [Z, "3", LB, "2"]  # each replica group: ZeRO-3 over 2 ranks, 2 windows each
 
 
@@ -177,7 +237,7 @@ def _reference(rank, world, out, schedule: list, groups: int) -> None:
     readers = [iter(build_dataloader(pre.sources, trainer.tokenizer, tr.seq_len, tr.local_batch_size, shard,
                                      groups * dp, tr.seed, 0, cfg.data.lanes, False, pre.shares))
                for shard in range(groups * dp)]
-    per_group = trainer.global_tokens * dp
+    per_group, losses = trainer.global_tokens * dp, {}
     for members in schedule:
         trainer.train_state.step += 1
         windows = [next(r) for r in readers]
@@ -187,9 +247,23 @@ def _reference(rank, world, out, schedule: list, groups: int) -> None:
         trainer.global_tokens = per_group * len(members)
         trainer.train_step(iter([torch.cat([windows[g * dp + i] for g in members for i in range(dp)])]))
         trainer._settle(trainer.train_state.step)
+        losses[trainer.train_state.step] = trainer.losses[-1]
         trainer.model.state.zero_grad()
-    torch.save({"losses": trainer.losses, "params": full_parameters(trainer.model.parts)}, f"{out}/ref.pt")
+    torch.save({"losses": losses, "params": full_parameters(trainer.model.parts)}, f"{out}/ref.pt")
     trainer.close()
+
+
+def _committed(records: list[dict]) -> dict[int, list[int]]:
+    """The steps a group's metrics say it committed, each with the groups taking part (logged as
+    they change; a restarted group logs them at its first committed step)."""
+    out, uncommitted, taking_part = {}, set(), None
+    for r in records:
+        taking_part = r.get("replica_members", taking_part)
+        if "uncommitted_steps" in r:
+            uncommitted.add(r["step"])
+        elif "loss" in r and r["step"] not in uncommitted:
+            out[r["step"]] = taking_part
+    return out
 
 
 def _records(folder: Path) -> list[dict]:
@@ -206,8 +280,10 @@ def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
     before the end), and all three end with the same weights, bit for bit. Group 0's losses and
     weights are those of one process trained, step by step, on the windows of the groups group 0
     logged as taking part."""
-    # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=10,
+    # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most; a
+    # quorum waits 2 s for a group that is late to it — longer than a step, so that a group one step
+    # behind, which recovers and then trains, is not left out again and again)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=10,
                                   heartbeat_timeout_ms=1000)
     runs, procs, pace = tmp_path / "runs", {}, tmp_path / "pace"
     groups = {i: runs / f"replica_{i}" for i in range(3)}
@@ -237,7 +313,7 @@ def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
         procs[i].wait()
 
     try:
-        pace.write_text("0.2")  # (the groups' pace while others start)
+        pace.write_text("0.5")  # (the groups' pace while others start)
         start(0)
         _wait(lambda: steps(0), 120, "group 0's first step")
         start(1)
@@ -279,15 +355,16 @@ def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
     for other in models[1:]:
         for name, x in models[0].items():
             assert torch.equal(x, other[name]), name
-    # ...and group 0's run is one process's given the same membership per step
-    uncommitted = {r["step"] for r in records if "uncommitted_steps" in r}
-    schedule, taking_part = [], None
-    for s in range(1, STEPS + 1):
-        taking_part = dict(changes).get(s, taking_part)
-        schedule.append(None if s in uncommitted else taking_part)
-    out = spawn_ranks(_reference, 1, schedule, 3)
+    # ...and group 0's run is one process's given the same membership per step: that of the groups
+    # that committed it (a group whose step failed recovers the others' update at the next quorum)
+    schedule: dict[int, list[int]] = {}
+    for g in groups.values():
+        for step, taking_part in _committed(_records(g)).items():
+            assert schedule.setdefault(step, taking_part) == taking_part, (step, taking_part)
+    out = spawn_ranks(_reference, 1, [schedule.get(s) for s in range(1, STEPS + 1)], 3)
     ref = torch.load(f"{out}/ref.pt")
-    losses = [r["loss"] for r in records if "loss" in r and r["step"] not in uncommitted]
-    assert losses == pytest.approx(ref["losses"], abs=1e-4)
-    for name, x in ref["params"].items():  # (80 AdamW steps of ZeRO-3's sums against one process's)
+    mine = _committed(records)
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r and r["step"] in mine}
+    assert losses == pytest.approx({s: ref["losses"][s] for s in losses}, abs=1e-4)
+    for name, x in ref["params"].items():  # (60 AdamW steps of ZeRO-3's sums against one process's)
         assert torch.linalg.norm(models[0][name].float() - x) <= 1e-3 * torch.linalg.norm(x), name

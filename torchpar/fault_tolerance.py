@@ -51,12 +51,14 @@ def for_replica(cfg):
     return out
 
 
-def replica_groups(ft) -> tuple[int, int]:
-    """([fault_tolerance]'s) replica groups training the job (1 without it) and the steps between
-    their syncs (0: gradients every step)."""
+def replica_groups(ft) -> tuple[int, int, int]:
+    """([fault_tolerance]'s) replica groups training the job (1 without it), the steps between two
+    syncs of all the weights (0: gradients every step) and the fragments synced in turn."""
     if not ft.enable:
-        return 1, 0
-    return ft.replica_groups, (ft.sync_every if ft.semi_sync != "off" else 0)
+        return 1, 0, 1
+    if ft.semi_sync == "off":
+        return ft.replica_groups, 0, 1
+    return ft.replica_groups, ft.sync_every, ft.fragments
 
 
 def tag_bytes(groups: int) -> int:
@@ -176,46 +178,77 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
+def fragment_slices(sizes: list[int], fragments: int) -> list[list[tuple[int, int, int]]]:
+    """Streaming DiLoCo's fragments of what a rank holds: pieces of ``sizes`` elements, taken in
+    order as one range, cut into ``fragments`` equal runs; each a list of (piece, start, end)."""
+    total, out = sum(sizes), []
+    for f in range(fragments):
+        lo, hi, at, run = f * total // fragments, (f + 1) * total // fragments, 0, []
+        for i, n in enumerate(sizes):
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                run.append((i, a - at, b - at))
+            at += n
+        out.append(run)
+    return out
+
+
 class OuterStep:
-    """Semi-synchronous replica groups ([fault_tolerance] semi_sync): each group trains on alone and,
-    every ``sync_every`` steps, the groups meet. LocalSGD averages their weights; DiLoCo averages
-    each group's move since the last sync, ``start - now``, and takes it as the gradient of an outer
-    Nesterov SGD on ``start``. Both act on what this rank holds of the weights (the ZeRO engine's
-    fp32 master pieces or FSDP2 shards), copies of which — the weights of the last sync and DiLoCo's
-    momentum — are kept on the host. A sync that does not commit puts the group back to ``start``."""
+    """Semi-synchronous replica groups ([fault_tolerance] semi_sync): each group trains on alone and
+    the groups meet every ``sync_every / fragments`` steps, each time over one fragment of the
+    weights in turn (streaming DiLoCo; one fragment: all of them every ``sync_every`` steps).
+    LocalSGD averages the fragment's weights; DiLoCo averages each group's move since the fragment's
+    last sync, ``start - now``, and takes it as the gradient of an outer Nesterov SGD on ``start``;
+    the group then holds ``start`` mixed with its own weights by ``fragment_alpha`` (0: ``start``).
+    Both act on what this rank holds of the weights (the ZeRO engine's fp32 master pieces or FSDP2
+    shards), copies of which — the weights of the last sync and DiLoCo's momentum — are kept on the
+    host; a fragment is an equal run of them (:func:`fragment_slices`). A sync that does not commit
+    puts the fragment back to ``start``."""
 
     per_rank = True  # (a checkpoint part: each rank's own pieces, under keys of its own)
 
     def __init__(self, ft, weights: list[torch.Tensor], rank: int):
-        self.kind, self.every = ft.semi_sync, ft.sync_every
+        self.kind, self.alpha = ft.semi_sync, ft.fragment_alpha
         self.lr, self.momentum = ft.outer_lr, ft.outer_momentum
+        self.fragments, self.every = ft.fragments, ft.sync_every // ft.fragments
         self.key = f"rank{rank}"
         self.start = [w.detach().to("cpu", copy=True) for w in weights]
         self.buf = [torch.zeros_like(s) for s in self.start] if self.kind == "diloco" else []
+        self.slices = fragment_slices([w.numel() for w in weights], self.fragments)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     @torch.no_grad()
-    def sync(self, replicas: ReplicaGroups, weights: list[torch.Tensor]) -> bool:
-        """Meet the other groups (``weights``: this rank's pieces, changed in place); whether the
-        sync committed."""
+    def sync(self, replicas: ReplicaGroups, weights: list[torch.Tensor], step: int) -> bool:
+        """Meet the other groups over the fragment due at ``step`` (``weights``: this rank's pieces,
+        changed in place); whether the sync committed."""
+        run = self.slices[(step // self.every - 1) % self.fragments]
+
+        def views(tensors):
+            return [tensors[i].view(-1)[a:b] for i, a, b in run]
+
+        mine, start = views(weights), views(self.start)
         replicas.start_step()
-        now = [w.detach().cpu() for w in weights]
+        now = [w.detach().cpu() for w in mine]
         if self.kind == "localsgd":
             moved = [m.clone() for m in now]
         else:
-            moved = [s - m for s, m in zip(self.start, now)]
+            moved = [s - m for s, m in zip(start, now)]
         replicas.average(moved)
         committed = replicas.commit()  # (a recovering group takes start and buf from a peer here)
         if committed and self.kind == "localsgd":
-            self.start = moved
+            for s, m in zip(start, moved):
+                s.copy_(m)
         elif committed:
-            for s, d, b in zip(self.start, moved, self.buf):
+            for s, d, b in zip(start, moved, views(self.buf)):
                 b.mul_(self.momentum).add_(d)
                 s.sub_(self.lr * (d + self.momentum * b))  # (Nesterov)
-        for w, s in zip(weights, self.start):
-            w.copy_(s)
+        for w, s in zip(mine, start):
+            if committed and self.alpha:  # (read after the commit: a recovering group's are the peer's)
+                w.copy_(s.lerp(w.detach().cpu(), self.alpha))
+            else:
+                w.copy_(s)
         return committed
 
     def state_dict(self) -> dict:

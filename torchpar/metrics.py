@@ -197,6 +197,9 @@ def describe_run(trainer) -> str:
                 "localsgd": f"weights averaged with the other groups every {ft.sync_every} steps (LocalSGD)",
                 "diloco": f"DiLoCo with the other groups every {ft.sync_every} steps (outer Nesterov SGD, lr "
                           f"{ft.outer_lr:g}, momentum {ft.outer_momentum:g})"}[ft.semi_sync]
+        if ft.semi_sync != "off" and ft.fragments > 1:
+            meet += (f", streamed: one of {ft.fragments} fragments every {ft.sync_every // ft.fragments} "
+                     f"steps, kept with {ft.fragment_alpha:g} of the group's own")
         line += (f"\ntorchpar: replica group {ft.replica_id} of {ft.replica_groups} (torchft; a step commits "
                  f"with {ft.min_replicas} or more): {meet}, the data split over their "
                  f"{ft.replica_groups * lay.dp} data-parallel ranks")

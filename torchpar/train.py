@@ -231,6 +231,7 @@ class Trainer:
         state, step = self.model.state, self.train_state.step
         phase = self.breakdown.phase  # times the phases of logged steps
         synchronous = self.replicas is not None and self.outer is None  # (gradients averaged every step)
+        committed = True
         if self.replicas is not None:
             self.replicas.new_step()
         if synchronous:
@@ -274,11 +275,9 @@ class Trainer:
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
-        if synchronous and committed:
-            self._members(step)
-        if synchronous and not committed:
-            self._uncommitted(step)
-        elif step not in self._settle(step - 1 if on_device else step):
+        if synchronous:  # (a group that recovered in the commit is at the peers' step now)
+            (self._members if committed else self._uncommitted)(self.train_state.step)
+        if committed and step not in self._settle(step - 1 if on_device else step):
             with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
                 state.step()
         self.lr_scheduler.step()  # a skipped step keeps its place in the schedule
@@ -401,7 +400,7 @@ class Trainer:
         weights = [local(w) for w in state.weights()]
         if self.replicas.fingerprint is None:
             self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
-        if not self.outer.sync(self.replicas, weights):
+        if not self.outer.sync(self.replicas, weights, step):
             self._uncommitted(step)
         else:
             self._members(step)

@@ -292,6 +292,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance: sync_every = {ft.sync_every}, outer_lr = {ft.outer_lr:g}, "
                           f"outer_momentum = {ft.outer_momentum:g}; need sync_every in [1, 1e6], outer_lr in "
                           "(0, 10] and outer_momentum in [0, 1)")
+    if ft.enable and not (1 <= ft.fragments <= ft.sync_every and ft.sync_every % ft.fragments == 0
+                          and 0 <= ft.fragment_alpha <= 1):
+        raise ConfigError(f"fault_tolerance: fragments = {ft.fragments}, sync_every = {ft.sync_every}, "
+                          f"fragment_alpha = {ft.fragment_alpha:g}; need sync_every a multiple of fragments "
+                          "(1 = every weight at each sync) and fragment_alpha in [0, 1]")
     if not (0 <= cfg.loss.z_loss < 1):  # (NaN fails both)
         raise ConfigError(f"loss.z_loss must be in [0, 1) (1e-4 is usual), got {cfg.loss.z_loss}")
     _validate_files_and_runtime(cfg)

@@ -556,6 +556,13 @@ class FaultTolerance:
     sync_every: int = opt(20, "With localsgd or diloco: steps between syncs (H).")
     outer_lr: float = opt(0.7, "DiLoCo's outer learning rate.")
     outer_momentum: float = opt(0.9, "DiLoCo's outer Nesterov momentum (0 = plain SGD).")
+    fragments: int = opt(
+        1, "Streaming DiLoCo: the weights each rank holds are cut into this many equal runs (in parameter "
+        "order), synced in turn, one every sync_every / fragments steps — each still every sync_every "
+        "steps, with 1/fragments of the bytes at a time (sync_every must be a multiple).")
+    fragment_alpha: float = opt(
+        0.0, "Streaming DiLoCo: after a fragment's sync a group keeps this share of its own weights "
+             "(0 = the synced weights alone, 1 = its own).")
 
 
 @dataclass

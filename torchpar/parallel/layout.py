@@ -118,6 +118,7 @@ class Layout:
     # (LocalSGD, DiLoCo) their weights or moves every replica_sync_every steps (0: every step, gradients)
     replica_groups: int = 1
     replica_sync_every: int = 0
+    replica_fragments: int = 1  # (streaming DiLoCo: one of these fragments every sync_every / fragments)
     # The data carries loss masks (data.format = 'chat'): each step all-reduces its targets' count.
     loss_mask: bool = False
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
@@ -458,11 +459,11 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
 
 
 def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None,
-               replicas: tuple[int, int] = (1, 0)) -> dict:
+               replicas: tuple[int, int, int] = (1, 0, 1)) -> dict:
     """The Layout fields the job's [optimizer], [quantize] and [lora] sections give (None: AdamW, no
     FP8, no adapters), whether its data carries loss masks, and how many replica groups run it."""
     rank = lora.rank if lora is not None else 0
-    return dict(replica_groups=replicas[0], replica_sync_every=replicas[1],
+    return dict(replica_groups=replicas[0], replica_sync_every=replicas[1], replica_fragments=replicas[2],
                 optimizer=optimizer, whole_params=kind_of(optimizer).whole is not None, quantize=quantize,
                 loss_mask=loss_mask, lora_rank=rank, lora=lora if rank else None,
                 float8=quantize.float8 if quantize is not None else "off",
@@ -470,7 +471,7 @@ def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None
 
 
 def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=None,
-              loss_mask: bool = False, lora=None, replicas: tuple[int, int] = (1, 0)) -> Layout:
+              loss_mask: bool = False, lora=None, replicas: tuple[int, int, int] = (1, 0, 1)) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
@@ -493,7 +494,7 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=No
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
                    document_masking: bool = False, device: str | None = None,
                    overridden: frozenset = frozenset(), quantize=None, loss_mask: bool = False,
-                   lora=None, replicas: tuple[int, int] = (1, 0)) -> Layout:
+                   lora=None, replicas: tuple[int, int, int] = (1, 0, 1)) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the

@@ -424,15 +424,17 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
             _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)
     if lay.replica_groups > 1 and lay.replica_sync_every:
-        # Semi-synchronous groups (LocalSGD, DiLoCo): every replica_sync_every steps, the weights (or
-        # their moves) this rank holds — the flat engine's master pieces, padding included, or FSDP2's
-        # shards — with the layout's fingerprint; per step, that share of it.
+        # Semi-synchronous groups (LocalSGD, DiLoCo): every replica_sync_every / replica_fragments
+        # steps, a fragment of the weights (or of their moves) this rank holds — the flat engine's
+        # master pieces, padding included, or FSDP2's shards — with the layout's fingerprint; per
+        # step, that share of it.
         if lay.zero_stage == 3:
             held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["param_bytes"]
         else:
             held = 4 * (flat_rank_layout(model, args, lay, pp_rank)[3][-1] // flat_shards(lay))
         tags = tag_bytes(lay.replica_groups)
-        sent.add("replicas", "all_reduce", held + tags, lay.replica_groups, times=1 / lay.replica_sync_every)
+        k, every = lay.replica_fragments, lay.replica_sync_every
+        sent.add("replicas", "all_reduce", held / k + tags, lay.replica_groups, times=k / every)
     elif lay.replica_groups > 1:
         # Replica groups: each rank's gradient pieces (what it holds of them: FSDP2's shards, the flat
         # engine's owned pieces), then the step's figures, averaged with the same rank of the other
