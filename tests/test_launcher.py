@@ -425,3 +425,49 @@ def test_the_slurm_script_hands_srun_its_cpus(tmp_path, cpus, given):
     assert {"--ntasks-per-node=1", f"--cpus-per-task={given}", "--kill-on-bad-exit=1"} <= set(args), args
     assert (tmp_path / "srun_args.nccl").read_text() == "\n"  # (unset: torch's default)
     assert args[-3:] == ["bash", "--training.steps", "3"], args  # the overrides reach run_train.sh
+
+
+def test_the_replica_groups_script_starts_a_lighthouse_and_restarts_a_failed_group(tmp_path):
+    """scripts/slurm/replica_groups.sbatch on 4 nodes as 2 groups (srun and scontrol stand-ins record
+    each step): a lighthouse on the first node, each group a step of its own on its 2 nodes with a
+    rendezvous on its first node, the overrides passed on; group 1's first attempt fails and it is
+    started again with a fresh rendezvous id. A count of groups that does not divide the nodes is one
+    line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu001\\ngpu002\\ngpu003\\ngpu004\\n'\n")
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\n'
+        'echo "$* | $RDZV_ENDPOINT $RDZV_ID $NNODES $TORCHFT_LIGHTHOUSE" >> "$SRUN_LOG"\n'
+        'case "$*" in *torchft_lighthouse*) exec sleep 60;; esac\n'
+        'if [[ "$*" == *"replica_id 1 "* && ! -e "$SRUN_LOG.failed" ]]; then\n'
+        '  touch "$SRUN_LOG.failed"; exit 1\n'
+        'fi\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    slurm = {"SLURM_CPUS_ON_NODE": "96", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[001-004]",
+             "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+             "SRUN_LOG": str(tmp_path / "srun.log")}
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RDZV_", "TORCHFT"))}
+    script = ["bash", "scripts/slurm/replica_groups.sbatch", "--training.steps", "3"]
+    r = subprocess.run(script, cwd=ROOT, env={**environment, **slurm}, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "replica group 1 failed; starting it again (1 of 3)" in r.stderr
+    steps = (tmp_path / "srun.log").read_text().splitlines()
+    lighthouse = [s for s in steps if "torchft_lighthouse" in s]
+    assert len(lighthouse) == 1 and "--nodelist=gpu001" in lighthouse[0] and "--overlap" in lighthouse[0]
+    groups = sorted(s for s in steps if "torchft_lighthouse" not in s)
+    assert len(groups) == 3, groups
+    for g, first in ((0, "gpu001"), (1, "gpu003")):
+        mine = [s for s in groups if f"--fault_tolerance.replica_id {g} " in s]
+        assert len(mine) == 1 + g  # (group 1: its failed attempt and the next)
+        for attempt, step in enumerate(sorted(mine, key=lambda s: s.split(" | ")[1])):
+            assert f"--nodes=2 --ntasks-per-node=1 --relative={2 * g} " in step, step
+            assert "--fault_tolerance.replica_groups 2" in step and step.split(" | ")[0].endswith(
+                "--training.steps 3"), step
+            assert step.split(" | ")[1] == f"{first}:29500 7_group{g}_{attempt} 2 http://gpu001:29510", step
+    r = subprocess.run(script, cwd=ROOT, env={**environment, **slurm, "REPLICA_GROUPS": "3"},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "replica_groups.sbatch: error: REPLICA_GROUPS=3 must divide the job's 4 nodes"], r.stderr

@@ -37,6 +37,7 @@ from torchpar.commands.train import main as train_command
 from torchpar.commands.train import parse_train_args
 from torchpar.config import load_config
 from torchpar.console import LAUNCH_CHECK_S, LAUNCHED_AT, process_age_s, progress, run_command
+from torchpar.fault_tolerance import for_replica
 
 PROG = "run_train.sh"
 
@@ -100,7 +101,7 @@ class Launch:
         self.args, self.cfg = args, cfg
         self.nnodes = parse_min_max_nnodes(args.nnodes)[1]
         self.timeout = cfg.comm.timeout_s
-        self.logs = Path(cfg.job.dump_folder) / "logs"
+        self.logs = Path(for_replica(cfg).job.dump_folder) / "logs"  # (a replica group's: its own)
         self.report = self.logs / f"torchrun_node{args.node_rank}.log"
         self.report_where = str(self.report)  # as the lines name it: the path, or why it is not there
         self.shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
