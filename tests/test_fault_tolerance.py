@@ -183,6 +183,22 @@ def test_semi_synchronous_groups_equal_their_simulation():
             assert nbytes == expected, (name, step)
 
 
+def test_the_outer_step_state_resumes_bitwise(tmp_path):
+    """A DiLoCo group (ZeRO-3 over 2 ranks, a meeting every 2 steps) saved at step 3, between two
+    meetings, and resumed from there ends as the run that went on: each rank's weights of the last
+    meeting and outer momentum are in the checkpoint."""
+    job = [Z, "3", LB, "2", "--training.steps", "6", "--validation.enable", "false",
+           *_semi_overrides("diloco", 2, 1, 0.0), "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+           "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.async_mode", "off"]
+    (whole, error), = run_replica_groups([(2, job)], min_replicas=1, n=2)
+    assert error is None, error
+    (resumed, error), = run_replica_groups([(2, [*job, "--checkpoint.load_step", "3"])], min_replicas=1, n=2)
+    assert error is None, error
+    assert resumed["group"]["losses"] == whole["group"]["losses"][3:]
+    for name, x in whole["group"]["params"].items():
+        assert torch.equal(resumed["group"]["params"][name], x), name
+
+
 def test_groups_of_different_layouts_are_one_line():
     """Gradients are averaged piece by piece: a group whose layout differs from the others' is
     refused at the first step on every rank of every group, in one line."""
@@ -272,94 +288,121 @@ def _records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+class TorchrunGroups:
+    """Replica groups, each a torchrun job of ``nproc`` ranks (tests/faulty_train.py: ``torchpar
+    train`` with faults and a pace), beside a lighthouse in this process; their folders under
+    ``tmp_path``/runs. As a context: on a failure, each group's last lines are printed; at the end,
+    every group still running is killed and the lighthouse stops."""
+
+    def __init__(self, tmp_path: Path, n: int, nproc: int, steps: int, overrides: list[str]):
+        # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most; a
+        # quorum waits 2 s for a group that is late to it — longer than a step, so that a group one
+        # step behind, which recovers and then trains, is not left out again and again)
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+                                           quorum_tick_ms=10, heartbeat_timeout_ms=1000)
+        self.tmp, self.n, self.procs, self.pace = tmp_path, n, {}, tmp_path / "pace"
+        runs = tmp_path / "runs"
+        self.folders = {i: runs / f"replica_{i}" for i in range(n)}
+        self.args = [str(ROOT / "tests" / "faulty_train.py"), "train", "--config", str(TINY), *overrides,
+                     "--training.steps", str(steps), "--metrics.log_freq", "1", "--validation.enable",
+                     "false", "--job.dump_folder", str(runs), "--checkpoint.enable", "true",
+                     "--checkpoint.interval", str(steps), "--checkpoint.async_mode", "off",
+                     "--fault_tolerance.enable", "true", "--fault_tolerance.replica_groups", str(n),
+                     "--fault_tolerance.min_replicas", "1", "--fault_tolerance.lighthouse",
+                     self.lighthouse.address(), "--fault_tolerance.timeout_s", "5"]
+        self.nproc = nproc
+
+    def start(self, i: int, fault: str = "") -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(self.nproc), *self.args, "--fault_tolerance.replica_id", str(i)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+               "FAULT": fault, "PACE": str(self.pace)}
+        out = open(self.tmp / f"group{i}.out", "ab")
+        self.procs[i] = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=out,
+                                         stderr=subprocess.STDOUT)
+
+    def kill(self, i: int) -> None:
+        _kill_tree(self.procs[i].pid)
+        self.procs[i].wait()
+
+    def records(self, i: int) -> list[dict]:
+        return _records(self.folders[i])
+
+    def steps(self, i: int) -> list[int]:
+        return [r["step"] for r in self.records(i) if "loss" in r]
+
+    def members(self, i: int = 0) -> list[int]:
+        """The groups taking part in group ``i``'s last committed step."""
+        return ([r["replica_members"] for r in self.records(i) if "replica_members" in r] or [[]])[-1]
+
+    def finish(self) -> None:
+        """Full speed, and every group to its last step."""
+        self.pace.unlink()
+        for i, p in self.procs.items():
+            assert p.wait(timeout=300) == 0, (self.tmp / f"group{i}.out").read_text()[-3000:]
+
+    def models(self) -> list[dict]:
+        """Each group's final weights, read from its checkpoint."""
+        return [model_from(*open_source(g / "checkpoint"))[0].state_dict() for g in self.folders.values()]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if kind is not None:
+            for i in range(self.n):  # (what each group printed last, beside the failure)
+                out = self.tmp / f"group{i}.out"
+                lines = out.read_text(errors="replace").splitlines() if out.exists() else []
+                tail = [line for line in lines if "Warning" not in line][-15:]
+                print(f"--- group {i} ---", *tail, sep="\n")
+        for p in self.procs.values():
+            if p.poll() is None:
+                _kill_tree(p.pid)
+        self.lighthouse.shutdown()
+
+
 def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
     """Three replica groups (ZeRO-3 over 2 ranks each) under torchrun. Groups 1 and 2 join group 0's
-    run; group 1 is killed (SIGKILL, every process) mid-run, then group 2: group 0 trains on alone,
+    run; group 1 is killed (SIGKILL, every process) mid-step, then group 2: group 0 trains on alone,
     without a restart, its steps never going back. Group 1 started again dies halfway through taking
     group 0's state; started once more, it recovers live beside group 2 (no checkpoint: none is saved
     before the end), and all three end with the same weights, bit for bit. Group 0's losses and
-    weights are those of one process trained, step by step, on the windows of the groups group 0
-    logged as taking part."""
-    # (a group silent for a second is dropped from the quorum; a collective waits 5 s at most; a
-    # quorum waits 2 s for a group that is late to it — longer than a step, so that a group one step
-    # behind, which recovers and then trains, is not left out again and again)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=10,
-                                  heartbeat_timeout_ms=1000)
-    runs, procs, pace = tmp_path / "runs", {}, tmp_path / "pace"
-    groups = {i: runs / f"replica_{i}" for i in range(3)}
-
-    def start(i: int, fault: str = "") -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "tests" / "faulty_train.py"), "train", "--config", str(TINY), *GROUP,
-               "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validation.enable", "false",
-               "--job.dump_folder", str(runs), "--checkpoint.enable", "true", "--checkpoint.interval",
-               str(STEPS), "--checkpoint.async_mode", "off", "--fault_tolerance.enable", "true",
-               "--fault_tolerance.replica_groups", "3", "--fault_tolerance.min_replicas", "1",
-               "--fault_tolerance.replica_id", str(i), "--fault_tolerance.lighthouse", lighthouse.address(),
-               "--fault_tolerance.timeout_s", "5"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "FAULT": fault,
-               "PACE": str(pace)}
-        procs[i] = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
-                                    stdout=open(tmp_path / f"group{i}.out", "ab"), stderr=subprocess.STDOUT)
-
-    def steps(i: int) -> list[int]:
-        return [r["step"] for r in _records(groups[i]) if "loss" in r]
-
-    def members() -> list[int]:  # (the groups taking part in group 0's last committed step)
-        return [r["replica_members"] for r in _records(groups[0]) if "replica_members" in r][-1]
-
-    def kill(i: int) -> None:
-        _kill_tree(procs[i].pid)
-        procs[i].wait()
-
-    try:
-        pace.write_text("0.5")  # (the groups' pace while others start)
-        start(0)
-        _wait(lambda: steps(0), 120, "group 0's first step")
-        start(1)
-        start(2)
-        _wait(lambda: members() == [0, 1, 2], 120, "groups 1 and 2 joining")
-        at = steps(0)[-1]
-        _wait(lambda: steps(0)[-1] >= at + 2, 60, "group 0's steps with the others")
-        kill(1)
-        _wait(lambda: members() == [0, 2], 60, "group 0's steps without group 1")
-        kill(2)
-        start(1, fault="recovery")
-        assert procs[1].wait(timeout=120) != 0
+    weights are those of one process trained, step by step, on the windows of the groups that
+    committed each step."""
+    with TorchrunGroups(tmp_path, 3, 2, STEPS, GROUP) as run:
+        run.pace.write_text("0.5")  # (the groups' pace while others start)
+        run.start(0)
+        _wait(lambda: run.steps(0), 120, "group 0's first step")
+        run.start(1)
+        run.start(2)
+        _wait(lambda: run.members() == [0, 1, 2], 120, "groups 1 and 2 joining")
+        at = run.steps(0)[-1]
+        _wait(lambda: run.steps(0)[-1] >= at + 2, 60, "group 0's steps with the others")
+        run.kill(1)
+        _wait(lambda: run.members() == [0, 2], 60, "group 0's steps without group 1")
+        run.kill(2)
+        run.start(1, fault="recovery")
+        assert run.procs[1].wait(timeout=120) != 0
         assert "dying in recovery" in (tmp_path / "group1.out").read_text()
-        start(1)
-        start(2)
-        _wait(lambda: members() == [0, 1, 2], 120, "groups 1 and 2 recovering")
-        pace.unlink()
-        for i in range(3):
-            assert procs[i].wait(timeout=300) == 0, (tmp_path / f"group{i}.out").read_text()[-3000:]
-    except BaseException:
-        for i in range(3):  # (what each group printed last, beside the failure)
-            lines = (tmp_path / f"group{i}.out").read_text(errors="replace").splitlines()
-            tail = [line for line in lines if "Warning" not in line][-15:]
-            print(f"--- group {i} ---", *tail, sep="\n")
-        raise
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                _kill_tree(p.pid)
-        lighthouse.shutdown()
-    logged = steps(0)
+        run.start(1)
+        run.start(2)
+        _wait(lambda: run.members() == [0, 1, 2], 120, "groups 1 and 2 recovering")
+        run.finish()
+    logged = run.steps(0)
     assert logged == sorted(logged) and logged[-1] == STEPS  # never back, never restarted
-    records = _records(groups[0])
+    records = run.records(0)
     changes = [(r["step"], r["replica_members"]) for r in records if "replica_members" in r]
     # (group 0 trained steps alone, with all three and with two)
     assert {(0,), (0, 2), (0, 1, 2)} <= {tuple(m) for _, m in changes}
-    metas = [open_source(g / "checkpoint") for g in groups.values()]
-    models = [model_from(meta, read)[0].state_dict() for meta, read in metas]
+    models = run.models()
     for other in models[1:]:
         for name, x in models[0].items():
             assert torch.equal(x, other[name]), name
     # ...and group 0's run is one process's given the same membership per step: that of the groups
     # that committed it (a group whose step failed recovers the others' update at the next quorum)
     schedule: dict[int, list[int]] = {}
-    for g in groups.values():
-        for step, taking_part in _committed(_records(g)).items():
+    for g in range(3):
+        for step, taking_part in _committed(run.records(g)).items():
             assert schedule.setdefault(step, taking_part) == taking_part, (step, taking_part)
     out = spawn_ranks(_reference, 1, [schedule.get(s) for s in range(1, STEPS + 1)], 3)
     ref = torch.load(f"{out}/ref.pt")
@@ -368,3 +411,29 @@ def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
     assert losses == pytest.approx({s: ref["losses"][s] for s in losses}, abs=1e-4)
     for name, x in ref["params"].items():  # (60 AdamW steps of ZeRO-3's sums against one process's)
         assert torch.linalg.norm(models[0][name].float() - x) <= 1e-3 * torch.linalg.norm(x), name
+
+
+def test_a_diloco_group_killed_recovers_at_the_next_meeting(tmp_path):
+    """Two DiLoCo groups (one rank each, a meeting every 2 steps) under torchrun: group 1 is killed
+    mid-run and started again; at its first meeting it takes from group 0 the weights, the inner
+    optimizer's state, the weights of the last meeting, the outer momentum, the step and the data
+    position, and after the last meeting both hold the same weights, bit for bit, group 0's steps
+    never having gone back."""
+    diloco = ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "2"]
+    with TorchrunGroups(tmp_path, 2, 1, 50, [Z, "0", LB, "4", *diloco]) as run:
+        run.pace.write_text("0.2")
+        run.start(0)
+        run.start(1)
+        _wait(lambda: run.members() == [0, 1], 120, "both groups meeting")
+        run.kill(1)
+        _wait(lambda: run.members() == [0], 60, "group 0 meeting alone")
+        recovered = sum(r.get("event") == "recovered" for r in run.records(1))
+        run.start(1)
+        _wait(lambda: run.members() == [0, 1] and
+              sum(r.get("event") == "recovered" for r in run.records(1)) > recovered, 120, "group 1 back")
+        run.finish()
+    logged = run.steps(0)
+    assert logged == sorted(logged) and logged[-1] == 50
+    a, b = run.models()
+    for name, x in a.items():
+        assert torch.equal(x, b[name]), name

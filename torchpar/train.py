@@ -400,10 +400,9 @@ class Trainer:
         weights = [local(w) for w in state.weights()]
         if self.replicas.fingerprint is None:
             self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
-        if not self.outer.sync(self.replicas, weights, step):
-            self._uncommitted(step)
-        else:
-            self._members(step)
+        committed = self.outer.sync(self.replicas, weights, step)
+        # (a group that recovered in the commit is at the peers' step now)
+        (self._members if committed else self._uncommitted)(self.train_state.step)
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
 
     def _members(self, step: int) -> None:
