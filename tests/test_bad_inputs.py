@@ -586,6 +586,8 @@ CASES = [
     Case("streaming DiLoCo's fragments not dividing sync_every", CHECK + " --fault_tolerance.enable true"
          " --fault_tolerance.semi_sync diloco --fault_tolerance.sync_every 5 --fault_tolerance.fragments 2",
          "fragments = 2, sync_every = 5", "sync_every a multiple of fragments"),
+    Case("replica groups with layout = auto", CHECK + " --fault_tolerance.enable true"
+         " --parallelism.layout auto", "with parallelism.layout = 'auto'", "parallelism.layout = 'manual'"),
     Case("a fragment_alpha above 1", CHECK + " --fault_tolerance.enable true"
          " --fault_tolerance.semi_sync diloco --fault_tolerance.fragment_alpha 1.5", "fragment_alpha = 1.5",
          "fragment_alpha in [0, 1]"),

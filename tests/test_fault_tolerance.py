@@ -39,6 +39,7 @@ GROUPS = {"one rank": (1, [Z, "0", LB, "4"], []),
           "zero3 over 2": (2, [Z, "3", LB, "2"], []),
           "tp2": (2, [*TP2, Z, "0", LB, "4"], []),
           "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", Z, "1", LB, "4"], []),
+          "cp2": (2, ["--parallelism.context_parallel_degree", "2", Z, "2", LB, "4"], []),
           "moe ep2": (2, [*MOE, Z, "3", LB, "2", "--parallelism.expert_parallel_degree", "2"], MOE),
           "lora zero3 over 2": (2, [*LORA, Z, "3", LB, "2"], LORA)}
 
@@ -73,8 +74,8 @@ def references():
 
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_replica_groups_train_as_one_job(references, name):
-    """Two replica groups of one layout (one rank; ZeRO-3, TP, a pipeline with ZeRO-1, expert
-    parallelism, LoRA), every step committed by both: each group's losses, held-out losses and final
+    """Two replica groups of one layout (one rank; ZeRO-3, TP, a pipeline with ZeRO-1, context
+    parallelism with ZeRO-2, expert parallelism, LoRA), every step committed by both: each group's losses, held-out losses and final
     weights are one process's on the 8 windows both groups read."""
     world, overrides, ref = GROUPS[name]
     for results, error in run_replica_groups([(world, overrides)] * 2):

@@ -292,6 +292,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance: sync_every = {ft.sync_every}, outer_lr = {ft.outer_lr:g}, "
                           f"outer_momentum = {ft.outer_momentum:g}; need sync_every in [1, 1e6], outer_lr in "
                           "(0, 10] and outer_momentum in [0, 1)")
+    if ft.enable and cfg.parallelism.layout == "auto":
+        raise ConfigError("fault_tolerance.enable = true with parallelism.layout = 'auto': each replica "
+                          "group would pick its own layout from its own machine's measurement, and the "
+                          "groups average their pieces position by position; set the layout (torchpar plan "
+                          "shows the planner's choice) and parallelism.layout = 'manual'")
     if ft.enable and not (1 <= ft.fragments <= ft.sync_every and ft.sync_every % ft.fragments == 0
                           and 0 <= ft.fragment_alpha <= 1):
         raise ConfigError(f"fault_tolerance: fragments = {ft.fragments}, sync_every = {ft.sync_every}, "
