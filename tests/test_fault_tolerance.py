@@ -75,8 +75,8 @@ def references():
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_replica_groups_train_as_one_job(references, name):
     """Two replica groups of one layout (one rank; ZeRO-3, TP, a pipeline with ZeRO-1, context
-    parallelism with ZeRO-2, expert parallelism, LoRA), every step committed by both: each group's losses, held-out losses and final
-    weights are one process's on the 8 windows both groups read."""
+    parallelism with ZeRO-2, expert parallelism, LoRA), every step committed by both: each group's
+    losses, held-out losses and final weights are one process's on the 8 windows both groups read."""
     world, overrides, ref = GROUPS[name]
     for results, error in run_replica_groups([(world, overrides)] * 2):
         assert error is None, error
