@@ -588,6 +588,9 @@ CASES = [
          "fragments = 2, sync_every = 5", "sync_every a multiple of fragments"),
     Case("replica groups with layout = auto", CHECK + " --fault_tolerance.enable true"
          " --parallelism.layout auto", "with parallelism.layout = 'auto'", "parallelism.layout = 'manual'"),
+    Case("fragments without semi_sync", CHECK + " --fault_tolerance.enable true"
+         " --fault_tolerance.fragments 2",
+         "fault_tolerance.fragments = 2", "set fault_tolerance.semi_sync = 'diloco'"),
     Case("a fragment_alpha above 1", CHECK + " --fault_tolerance.enable true"
          " --fault_tolerance.semi_sync diloco --fault_tolerance.fragment_alpha 1.5", "fragment_alpha = 1.5",
          "fragment_alpha in [0, 1]"),

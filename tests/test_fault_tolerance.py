@@ -10,9 +10,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from harness import ROOT, TINY, assert_matches, run_group, run_layouts, spawn_ranks
 
 pytest.importorskip("torchft")
@@ -20,12 +22,13 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 
 from torchpar.config import load_config  # noqa: E402
 from torchpar.data import build_dataloader  # noqa: E402
+from torchpar.fault_tolerance import OuterStep  # noqa: E402
 from torchpar.parallel.zero import local  # noqa: E402
 from torchpar.plan import PRESETS, communication, layout_from_config  # noqa: E402
 from torchpar.preflight import preflight  # noqa: E402
 from torchpar.selftest import full_parameters  # noqa: E402
 from torchpar.train import Trainer  # noqa: E402
-from torchpar.weights import model_from, open_source  # noqa: E402
+from torchpar.weights import model_from, open_source, resolve_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
@@ -93,7 +96,7 @@ def test_replica_groups_train_as_one_job(references, name):
 SEMI_JOB = [Z, "0", LB, "4", "--training.steps", "6", "--validation.enable", "false"]
 SEMI = {  # name: (kind, sync_every, fragments, fragment_alpha); outer lr 0.7 and momentum 0.9 (defaults)
     "diloco": ("diloco", 2, 1, 0.0),
-    "streaming diloco": ("diloco", 4, 2, 0.5),
+    "streaming diloco": ("diloco", 4, 2, 0.25),
     "localsgd": ("localsgd", 3, 1, 0.0),
 }
 
@@ -158,8 +161,8 @@ def _simulation(rank, world, out, cases: dict) -> None:
 
 
 def test_semi_synchronous_groups_equal_their_simulation():
-    """DiLoCo (sync every 2 steps), streaming DiLoCo (2 fragments, one every 2 steps, half of the
-    group's own weights kept) and LocalSGD (every 3 steps): two groups of 6 steps each equal their
+    """DiLoCo (sync every 2 steps), streaming DiLoCo (2 fragments, one every 2 steps, a quarter of
+    the group's own weights kept) and LocalSGD (every 3 steps): two groups of 6 steps each equal their
     simulation in one process — each group's losses and weights — and each sync sends the bytes
     the planner counts (its share of them per step)."""
     sim = torch.load(f"{spawn_ranks(_simulation, 1, SEMI)}/simulation.pt")
@@ -185,11 +188,13 @@ def test_semi_synchronous_groups_equal_their_simulation():
 
 
 def test_the_outer_step_state_resumes_bitwise(tmp_path):
-    """A DiLoCo group (ZeRO-3 over 2 ranks, a meeting every 2 steps) saved at step 3, between two
-    meetings, and resumed from there ends as the run that went on: each rank's weights of the last
-    meeting and outer momentum are in the checkpoint."""
+    """A streaming DiLoCo group (ZeRO-3 over 2 ranks, 2 fragments, one every 2 steps) saved at step
+    3, between two meetings, and resumed from there ends as the run that went on: each rank's
+    weights of the last meetings, outer momentum and count of meetings (whose turn the fragments
+    take) are in the checkpoint."""
     job = [Z, "3", LB, "2", "--training.steps", "6", "--validation.enable", "false",
-           *_semi_overrides("diloco", 2, 1, 0.0), "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+           *_semi_overrides("diloco", 4, 2, 0.25), "--checkpoint.enable", "true",
+           "--checkpoint.interval", "3",
            "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.async_mode", "off"]
     (whole, error), = run_replica_groups([(2, job)], min_replicas=1, n=2)
     assert error is None, error
@@ -198,6 +203,45 @@ def test_the_outer_step_state_resumes_bitwise(tmp_path):
     assert resumed["group"]["losses"] == whole["group"]["losses"][3:]
     for name, x in whole["group"]["params"].items():
         assert torch.equal(resumed["group"]["params"][name], x), name
+
+
+class _Meeting:
+    """ReplicaGroups at a meeting, as a group that joins late sees it: the others have committed
+    ``count`` meetings, and the average comes back as ``moved`` (a joining group's own is zeroed)."""
+
+    def __init__(self, count: int, moved: float):
+        self.count, self.moved = count, moved
+
+    def start_step(self) -> None:
+        pass
+
+    def meetings(self) -> int:
+        return self.count
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            t.fill_(self.moved)
+
+    def commit(self) -> bool:
+        self.count += 1
+        return True
+
+
+def test_a_late_group_meets_over_the_others_fragment():
+    """Streaming DiLoCo's fragment is the groups' count of meetings, not the group's own: a group
+    that has met nobody yet, meeting others who have met 5 times, syncs the second of 2 fragments
+    (outer lr 1, no momentum: the fragment's start moves by the average move) and counts 6."""
+    ft = SimpleNamespace(semi_sync="diloco", fragment_alpha=0.0, outer_lr=1.0, outer_momentum=0.0,
+                         fragments=2, sync_every=4)
+    weights = [torch.arange(4.0), torch.arange(4.0, 6.0)]  # (6 elements: fragments 0-2 and 3-5)
+    outer = OuterStep(ft, weights, rank=0)
+    for w in weights:
+        w.add_(5.0)  # (its own steps since)
+    assert outer.sync(_Meeting(5, moved=2.0), weights)
+    flat = torch.cat(weights)
+    torch.testing.assert_close(flat[:3], torch.arange(3.0) + 5.0)  # (fragment 0: its own)
+    torch.testing.assert_close(flat[3:], torch.arange(3.0, 6.0) - 2.0)  # (fragment 1: start - 2)
+    assert int(outer.meetings) == 6
 
 
 def test_groups_of_different_layouts_are_one_line():
@@ -414,13 +458,22 @@ def test_groups_killed_mid_step_and_in_recovery_rejoin_live(tmp_path):
         assert torch.linalg.norm(models[0][name].float() - x) <= 1e-3 * torch.linalg.norm(x), name
 
 
-def test_a_diloco_group_killed_recovers_at_the_next_meeting(tmp_path):
-    """Two DiLoCo groups (one rank each, a meeting every 2 steps) under torchrun: group 1 is killed
-    mid-run and started again; at its first meeting it takes from group 0 the weights, the inner
-    optimizer's state, the weights of the last meeting, the outer momentum, the step and the data
-    position, and after the last meeting both hold the same weights, bit for bit, group 0's steps
-    never having gone back."""
-    diloco = ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "2"]
+def _outer_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The outer step's state (every rank's weights of the last meetings, momentum, count of
+    meetings) in a group's last checkpoint."""
+    _, read = open_source(folder / "checkpoint")
+    saved = dcp.FileSystemReader(str(resolve_checkpoint(folder / "checkpoint"))).read_metadata()
+    return {key: read(key) for key in saved.state_dict_metadata if key.startswith("outer.")}
+
+
+def test_a_streaming_diloco_group_killed_recovers_at_the_next_meeting(tmp_path):
+    """Two streaming DiLoCo groups (one rank each; 2 fragments, one every 2 steps) under torchrun:
+    group 1 is killed mid-run and started again; at its first meeting it takes from group 0 the
+    weights, the inner optimizer's state, the weights of the last meetings, the outer momentum, the
+    count of meetings (so it meets over the others' fragment, whatever its own step), the step and
+    the data position. At the end both hold the same outer state, bit for bit, having met over the
+    same fragments since, and group 0's steps never went back."""
+    diloco = _semi_overrides("diloco", 4, 2, 0.0)
     with TorchrunGroups(tmp_path, 2, 1, 50, [Z, "0", LB, "4", *diloco]) as run:
         run.pace.write_text("0.2")
         run.start(0)
@@ -435,6 +488,8 @@ def test_a_diloco_group_killed_recovers_at_the_next_meeting(tmp_path):
         run.finish()
     logged = run.steps(0)
     assert logged == sorted(logged) and logged[-1] == 50
-    a, b = run.models()
-    for name, x in a.items():
-        assert torch.equal(x, b[name]), name
+    a, b = (_outer_state(folder) for folder in run.folders.values())
+    assert a.keys() == b.keys() and "outer.rank0.meetings" in a and any(".momentum." in k for k in a)
+    assert int(a["outer.rank0.meetings"]) >= 50 // 2 - 2  # (a meeting every 2 steps; a failed one or two)
+    for key, x in a.items():
+        assert torch.equal(x, b[key]), key

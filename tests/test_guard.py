@@ -3,12 +3,15 @@
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from harness import TINY, spawn_ranks
 from test_checkpoint_files import TRAIN, expect_error
 from test_train import records, run
+
+from torchpar.guard import DivergenceGuard
 
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
@@ -139,7 +142,7 @@ def _pending_worker(rank, world, out, impl):
     for step in (1, 2, 3):
         trainer.train_state.step = step
         trainer.train_step(batches)
-        read.append([s for s, _, _ in trainer.guard.pending])
+        read.append([s for s, *_ in trainer.guard.pending])
     trainer.close()
     if rank == 0:
         with open(f"{out}/pending.json", "w") as f:
@@ -171,3 +174,17 @@ def test_an_unlogged_step_never_waits_for_the_gpu(tmp_path):
     )
     r = run([sys.executable, "-c", code], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_step_not_applied_for_another_reason_is_read_but_not_judged():
+    """Replica groups whose step did not commit: its figures (a failed average can leave a gradient
+    norm of 0, or anything) are read and logged, never a divergence; the same figures of an applied
+    step are."""
+    tr = SimpleNamespace(loss_spike_factor=0.0, loss_spike_window=4)
+    guard = DivergenceGuard(tr, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+    dead = torch.tensor([5.0, 0.0, 0.0])  # (loss, gradient norm 0, no stop)
+    guard.record(1, dead, judged=False)
+    guard.record(2, dead)
+    (s1, *_, not_judged), (s2, *_, judged) = guard.settle(2)
+    assert (s1, not_judged) == (1, None)
+    assert s2 == 2 and "gradient norm 0" in judged

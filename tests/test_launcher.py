@@ -463,7 +463,7 @@ def test_the_replica_groups_script_starts_a_lighthouse_and_restarts_a_failed_gro
         mine = [s for s in groups if f"--fault_tolerance.replica_id {g} " in s]
         assert len(mine) == 1 + g  # (group 1: its failed attempt and the next)
         for attempt, step in enumerate(sorted(mine, key=lambda s: s.split(" | ")[1])):
-            assert f"--nodes=2 --ntasks-per-node=1 --relative={2 * g} " in step, step
+            assert f"--nodes=2 --ntasks=2 --ntasks-per-node=1 --relative={2 * g} " in step, step
             assert "--fault_tolerance.replica_groups 2" in step and step.split(" | ")[0].endswith(
                 "--training.steps 3"), step
             assert step.split(" | ")[1] == f"{first}:29500 7_group{g}_{attempt} 2 http://gpu001:29510", step

@@ -155,8 +155,8 @@ class ReplicaGroups:
             for t in group:
                 t.copy_(flat[at: at + t.numel()].view_as(t))
                 at += t.numel()
-            if not check:
-                continue
+            if not check or self.manager.errored() is not None:
+                continue  # (a failed average holds anything: the step will not commit)
             present = flat[at: at + self.groups] * self.participants()
             self.members = [i for i, x in enumerate(present.tolist()) if x > 0.5]
             at += self.groups
@@ -165,6 +165,16 @@ class ReplicaGroups:
                 raise ConfigError(f"replica group {self.replica_id} runs a layout the other groups do not "
                                   f"({self.described}); every group of fault_tolerance.replica_groups must "
                                   "run the same layout and model")
+
+    def resume_at(self, meetings: int) -> None:
+        """Start counting committed steps at ``meetings`` (a run resumed from a checkpoint)."""
+        self.manager.load_state_dict({"step": meetings, "batches_committed": 0})
+
+    def meetings(self) -> int:
+        """The steps (meetings) the groups have committed, once this one's quorum is known: the same
+        in every group of the quorum, a recovering one's included (torchft's step count)."""
+        self.manager.wait_quorum()
+        return self.manager.current_step()
 
     def commit(self) -> bool:
         """Whether this step's update is applied: every group of the quorum got through it (the same
@@ -215,21 +225,26 @@ class OuterStep:
         self.start = [w.detach().to("cpu", copy=True) for w in weights]
         self.buf = [torch.zeros_like(s) for s in self.start] if self.kind == "diloco" else []
         self.slices = fragment_slices([w.numel() for w in weights], self.fragments)
+        # The meetings committed so far (torchft's step count, which picks the fragment): saved, so
+        # that a resumed run takes the fragments on in the same turn.
+        self.meetings = torch.zeros((), dtype=torch.int64)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     @torch.no_grad()
-    def sync(self, replicas: ReplicaGroups, weights: list[torch.Tensor], step: int) -> bool:
-        """Meet the other groups over the fragment due at ``step`` (``weights``: this rank's pieces,
-        changed in place); whether the sync committed."""
-        run = self.slices[(step // self.every - 1) % self.fragments]
+    def sync(self, replicas: ReplicaGroups, weights: list[torch.Tensor]) -> bool:
+        """Meet the other groups over the fragment due (``weights``: this rank's pieces, changed in
+        place); whether the sync committed."""
+        replicas.start_step()
+        # The fragment by the groups' count of committed meetings, not this group's step: a group
+        # that joined late (or retries a meeting that failed) meets over the others' fragment.
+        run = self.slices[replicas.meetings() % self.fragments]
 
         def views(tensors):
             return [tensors[i].view(-1)[a:b] for i, a, b in run]
 
         mine, start = views(weights), views(self.start)
-        replicas.start_step()
         now = [w.detach().cpu() for w in mine]
         if self.kind == "localsgd":
             moved = [m.clone() for m in now]
@@ -249,14 +264,17 @@ class OuterStep:
                 w.copy_(s.lerp(w.detach().cpu(), self.alpha))
             else:
                 w.copy_(s)
+        self.meetings.fill_(replicas.meetings())
         return committed
 
     def state_dict(self) -> dict:
-        return {f"{self.key}.start.{i}": t for i, t in enumerate(self.start)} | \
-            {f"{self.key}.momentum.{i}": t for i, t in enumerate(self.buf)}
+        return ({f"{self.key}.start.{i}": t for i, t in enumerate(self.start)}
+                | {f"{self.key}.momentum.{i}": t for i, t in enumerate(self.buf)}
+                | {f"{self.key}.meetings": self.meetings})
 
     def load_state_dict(self, sd: dict) -> None:
         for i, t in enumerate(self.start):
             t.copy_(sd.get(f"{self.key}.start.{i}", t))
         for i, t in enumerate(self.buf):
             t.copy_(sd.get(f"{self.key}.momentum.{i}", t))
+        self.meetings.copy_(sd.get(f"{self.key}.meetings", self.meetings))

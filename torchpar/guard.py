@@ -40,12 +40,13 @@ class DivergenceGuard:
         self.on_device = bool(optimizer.defaults.get("fused")) and self.spike_factor == 0
         self.pending: deque[tuple[int, torch.Tensor, object]] = deque()
 
-    def record(self, step: int, figures: torch.Tensor) -> torch.Tensor:
+    def record(self, step: int, figures: torch.Tensor, judged: bool = True) -> torch.Tensor:
         """Keep ``figures`` (global loss, gradient norm, stop flag, then the auxiliary loss terms and
         the routers' figures; on the device) to read later, started on their way to the host now;
-        returns 1.0 where the step must not be applied."""
+        returns 1.0 where the step must not be applied. A step not ``judged`` is one that is not
+        applied for another reason (replica groups that did not commit it): read, never a problem."""
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=figures.is_cuda)
-        self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event()))
+        self.pending.append((step, host.copy_(figures, non_blocking=True), dev.record_event(), judged))
         return ((~torch.isfinite(figures[:2]).all()) | (figures[1] == 0)).float()
 
     def settle(self, upto: int) -> list[tuple[int, float, float, bool, list[float], str | None]]:
@@ -54,11 +55,12 @@ class DivergenceGuard:
         applied or None)."""
         out = []
         while self.pending and self.pending[0][0] <= upto:
-            step, host, event = self.pending.popleft()
+            step, host, event, judged = self.pending.popleft()
             if event is not None:
                 event.synchronize()
             loss, grad_norm, stopping, *terms = host.tolist()
-            out.append((step, loss, grad_norm, stopping > 0, terms, self.problem(loss, grad_norm)))
+            problem = self.problem(loss, grad_norm) if judged else None
+            out.append((step, loss, grad_norm, stopping > 0, terms, problem))
         return out
 
     def problem(self, loss: float, grad_norm: float) -> str | None:

@@ -148,6 +148,8 @@ class Trainer:
             # when ready to train. A group that joins late recovers this state live from a healthy
             # group's same rank.
             self.replicas = ReplicaGroups(ft, self.rank, world)
+            if self.outer is not None:  # (a resumed run's meetings go on in the same turn)
+                self.replicas.resume_at(int(self.outer.meetings))
             self._snapshot_position()
             self.replicas.serve(self._recovery_state, self._recover)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
@@ -271,7 +273,8 @@ class Trainer:
             # (with CPU offload the norm of host gradients is on the host)
             head = torch.stack([loss / targets, grad_norm.to(loss.device), stopping])
             figures = torch.cat([head, term_sums / self.global_tokens, routing])
-            skip = self.guard.record(step, figures)
+            # (an uncommitted step is not applied anyway: its averaged figures are not judged)
+            skip = self.guard.record(step, figures, judged=committed)
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
@@ -393,14 +396,14 @@ class Trainer:
                  f"logged steps (this one: {own:.3f} s against {median:.3f} s); the other ranks wait for it "
                  "in every collective (a slow device, host or input pipeline)")
 
-    def _outer_sync(self, step: int) -> None:
+    def _outer_sync(self) -> None:
         """LocalSGD's or DiLoCo's meeting of the groups (see fault_tolerance.OuterStep)."""
         state = self.model.state
         state.wait_params()
         weights = [local(w) for w in state.weights()]
         if self.replicas.fingerprint is None:
             self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
-        committed = self.outer.sync(self.replicas, weights, step)
+        committed = self.outer.sync(self.replicas, weights)
         # (a group that recovered in the commit is at the peers' step now)
         (self._members if committed else self._uncommitted)(self.train_state.step)
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
@@ -508,7 +511,7 @@ class Trainer:
                 self.train_step(self.batches)
             self.profiler.step(ts.step)
             if self.outer is not None and self.outer.due(ts.step):
-                self._outer_sync(ts.step)
+                self._outer_sync()
             if self.replicas is not None:
                 self._snapshot_position()
             ts.tokens_seen += self.global_tokens

@@ -297,6 +297,10 @@ def validate(cfg: JobConfig) -> None:
                           "group would pick its own layout from its own machine's measurement, and the "
                           "groups average their pieces position by position; set the layout (torchpar plan "
                           "shows the planner's choice) and parallelism.layout = 'manual'")
+    if ft.enable and ft.semi_sync == "off" and (ft.fragments != 1 or ft.fragment_alpha != 0):
+        raise ConfigError(f"fault_tolerance.fragments = {ft.fragments}, fragment_alpha = "
+                          f"{ft.fragment_alpha:g} stream DiLoCo's or LocalSGD's meetings: set "
+                          "fault_tolerance.semi_sync = 'diloco' (or 'localsgd'), or leave them at 1 and 0")
     if ft.enable and not (1 <= ft.fragments <= ft.sync_every and ft.sync_every % ft.fragments == 0
                           and 0 <= ft.fragment_alpha <= 1):
         raise ConfigError(f"fault_tolerance: fragments = {ft.fragments}, sync_every = {ft.sync_every}, "
