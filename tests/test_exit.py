@@ -12,6 +12,8 @@ import pytest
 from harness import NATIVE_ERROR, ROOT, TINY, spawn_ranks
 from test_train import env
 
+from torchpar.selftest import _log_tails
+
 pytestmark = pytest.mark.slow  # trains in spawned processes
 
 # What runs last before an exit (an async save, an evaluation), on two layers: the exit is what is
@@ -111,3 +113,13 @@ def test_the_native_stack_of_the_thread_that_crashed_comes_first_however_long_th
     crashed = lines[header:header + 30]
     assert any("fatalSignalHandler" in line for line in crashed[1:4]), crashed
     assert any("_ctypes" in line for line in crashed), crashed
+
+
+def test_a_damaged_heap_is_named_in_the_failed_ranks_lines(tmp_path):
+    """glibc's own line before it aborts on a damaged heap ("malloc(): ...") is among the lines a
+    failed rank's report shows, however far above its last lines it was printed."""
+    lines = ["step     1  loss 8.8", "malloc(): unaligned tcache chunk detected",
+             *[f"frame #{i}: somewhere" for i in range(60)], "Fatal Python error: Aborted"]
+    (tmp_path / "rank1.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "rank0.log").write_text("step     1  loss 8.8\n")
+    assert "malloc(): unaligned tcache chunk detected" in _log_tails(str(tmp_path), 2, 1)

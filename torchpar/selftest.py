@@ -51,7 +51,10 @@ from torchpar.preflight import preflight
 from torchpar.train import Trainer
 
 BASE = Path(__file__).resolve().parent / "assets" / "selftest.toml"
-NATIVE_ERROR = re.compile(r"terminate called|what\(\)|enforce fail|Fatal|SIGABRT|SIGSEGV")
+# (glibc's own line before it aborts on a damaged heap: "malloc(): ...", "free(): ...", "double free
+# or corruption", "corrupted size vs. prev_size")
+NATIVE_ERROR = re.compile(r"terminate called|what\(\)|enforce fail|Fatal|SIGABRT|SIGSEGV|malloc\(\)|free\(\)|"
+                          r"double free|corrupted")
 # What a layout may differ from one device by, over the run: (every step's and held-out loss,
 # every final parameter element). fp32 differs only in summation order (CPU: gloo and one thread;
 # GPU: cuBLAS and NCCL pick algorithms by shape); bf16 rounds every matmul's inputs, and layouts
