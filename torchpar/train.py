@@ -278,8 +278,8 @@ class Trainer:
         # The steps before this one are read now: waiting for them leaves this one's work queued.
         # A guard that decides on the host reads this step too, before its update.
         on_device = self.guard.on_device
-        if synchronous:  # (a group that recovered in the commit is at the peers' step now)
-            (self._members if committed else self._uncommitted)(self.train_state.step)
+        if synchronous:
+            self._quorum_said(committed)
         if committed and step not in self._settle(step - 1 if on_device else step):
             with phase("optimizer"), skipped_where(state.optimizer, skip if on_device else None):
                 state.step()
@@ -403,10 +403,14 @@ class Trainer:
         weights = [local(w) for w in state.weights()]
         if self.replicas.fingerprint is None:
             self.replicas.describe(f"{self.layout.to_dict()}, weights {[tuple(w.shape) for w in weights]}")
-        committed = self.outer.sync(self.replicas, weights)
-        # (a group that recovered in the commit is at the peers' step now)
-        (self._members if committed else self._uncommitted)(self.train_state.step)
+        self._quorum_said(self.outer.sync(self.replicas, weights))
         state.load_model_state_dict({})  # (the compute copy and its gathers made from the weights)
+
+    def _quorum_said(self, committed: bool) -> None:
+        """Log what the replica groups' quorum decided for the step just met: its groups, or that it
+        was not committed — at the step this group is at now (one that recovered in the commit is
+        at the peers')."""
+        (self._members if committed else self._uncommitted)(self.train_state.step)
 
     def _members(self, step: int) -> None:
         """Log the replica groups whose work a committed step holds, each time they change (a group

@@ -423,6 +423,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         else:
             _flat_zero(sent, lay, flat_rank_layout(model, args, lay, pp_rank)[3])
     _gathered_updates(sent, model, args, lay, pp_rank)
+    tags = tag_bytes(lay.replica_groups)  # (beside each fp32 average across replica groups)
     if lay.replica_groups > 1 and lay.replica_sync_every:
         # Semi-synchronous groups (LocalSGD, DiLoCo): every replica_sync_every / replica_fragments
         # steps, a fragment of the weights (or of their moves) this rank holds — the flat engine's
@@ -432,7 +433,6 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
             held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["param_bytes"]
         else:
             held = 4 * (flat_rank_layout(model, args, lay, pp_rank)[3][-1] // flat_shards(lay))
-        tags = tag_bytes(lay.replica_groups)
         k, every = lay.replica_fragments, lay.replica_sync_every
         sent.add("replicas", "all_reduce", held / k + tags, lay.replica_groups, times=k / every)
     elif lay.replica_groups > 1:
@@ -443,7 +443,6 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
             held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["grad_bytes"]
         else:
             held = 4 * _owned_elements(model, args, lay, pp_rank)
-        tags = tag_bytes(lay.replica_groups)
         sent.add("replicas", "all_reduce", held + tags, lay.replica_groups)
         figures = 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args))
         sent.add("replicas", "all_reduce", figures + tags, lay.replica_groups)
