@@ -653,6 +653,38 @@ def test_the_checkpoint_writers_group_gets_the_configured_timeout(tmp_path):
         dev.shutdown_distributed()
 
 
+def test_every_gloo_group_has_one_worker_and_its_timeout(monkeypatch):
+    """torch 2.13's gloo groups run two worker threads that race on the group's status string when
+    two collectives finish together (a double free: the rank aborts in malloc, seen with DTensor's
+    all-gathers beside another collective): every gloo group torchpar makes has one worker, with
+    a device for each interface named (as torch's own constructor gives) and comm.timeout_s; a
+    functional all-gather and an all-reduce in flight together still complete."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from torchpar.parallel.layout import Layout
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
+    dev.init_distributed(timeout_s=77)
+    try:
+        mesh = Layout().build_mesh("cpu")
+        later = dist.new_group(backend="gloo", timeout=dev.group_timeout())
+        groups = list(dist.distributed_c10d._world.pg_map)
+        assert len(groups) == 2  # (the default one and the later one: a mesh of one rank is the default)
+        for group in groups:
+            options = group._get_backend(torch.device("cpu")).options
+            assert (options._threads, len(options._devices)) == (1, 2)
+            assert options._timeout == timedelta(seconds=77)
+        # How the mesh's groups get comm.timeout_s: c10d must still know the group for gloo.
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=55), later)
+        assert later._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=55)
+        x = torch.arange(4.0)
+        gathered = funcol.all_gather_tensor(x, 0, mesh["tp"])
+        summed = funcol.all_reduce(x, "sum", mesh["dp_shard"])
+        assert torch.equal(funcol.wait_tensor(gathered), x) and torch.equal(funcol.wait_tensor(summed), x)
+    finally:
+        dev.shutdown_distributed()
+
+
 class _Sent(Exception):
     """What the recording all_reduce raises once it has seen the tensor (a meta tensor has no value)."""
 

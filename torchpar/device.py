@@ -278,6 +278,44 @@ def first_host(nodelist: str) -> str:
     return m.group(1) + (m.group(2) or "")
 
 
+_GLOO = dist.distributed_c10d.ProcessGroupGloo  # (torch's own, kept before it is replaced)
+
+
+class _AnyGloo(type(_GLOO)):
+    """c10d asks ``isinstance(backend, ProcessGroupGloo)`` of the backends a group hands back (to
+    set a group's timeout, for one), and those come back as torch's class: any of them counts."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, _GLOO)
+
+
+class OneWorkerGloo(_GLOO, metaclass=_AnyGloo):
+    """torch's gloo backend with one worker thread per group instead of two per network device.
+    In torch 2.13 a worker, after running a collective, writes the collective's name into the
+    group's status string outside the group's lock; two workers finishing together on one group
+    race on that string, and a name too long for the string's inline buffer
+    ("ALLGATHER_COALESCED", which DTensor's all-gathers run as) is freed twice: the rank aborts in
+    malloc. One worker runs a group's collectives one after another in the order every rank
+    queued them. Otherwise built as torch's own constructor builds it: a device for each interface
+    in GLOO_SOCKET_IFNAME, else the host's default one."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta = timedelta(minutes=30)):
+        options = _GLOO._Options()
+        interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+        options._devices = ([_GLOO.create_device(interface=name) for name in interfaces]
+                            or [_GLOO.create_default_device()])
+        options._timeout = timeout
+        options._threads = 1
+        super().__init__(store, rank, size, options)
+
+
+def use_one_worker_gloo() -> None:
+    """Every gloo group c10d makes from now on (the default one, the mesh's, the checkpointer's)
+    is a :class:`OneWorkerGloo`: c10d builds them all through this one module name and takes no
+    option for their thread count."""
+    dist.distributed_c10d.ProcessGroupGloo = OneWorkerGloo
+
+
 def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool = True) -> tuple[int, int]:
     """Join (or create) the default process group; returns (rank, world size).
 
@@ -294,6 +332,7 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
         # watchdog's dump when a job hangs; a ring buffer, cheap.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         atexit.register(shutdown_distributed)
+        use_one_worker_gloo()
         device = local_device(tf32)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         across_nodes = world > local_world_size(world)
