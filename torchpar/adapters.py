@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from torchpar.config import JobConfig, config_from_text
+from torchpar.device import device_type
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.models.lora import A, B, adapted_layers, merged, scale, spec
@@ -49,7 +50,7 @@ def _base_reader(meta: dict, cfg: JobConfig, read, where: str):
         weights = initial_weights(cfg, family, args)
         return lambda name: weights[name].read()
     device = meta.get("device", "cpu")
-    if device != "cpu" and not (device == "cuda" and torch.cuda.is_available()):
+    if device not in ("cpu", device_type()):
         raise ConfigError(f"{where} holds LoRA adapters whose base was initialized from training.seed on "
                           f"{device}, whose generator this machine has not; read it on a {device} machine, "
                           "or train with lora.save_base = true (or from checkpoint.initial_load_path)")

@@ -1,6 +1,7 @@
 """The one place that knows about the accelerator: device, backend, memory and peak FLOP/s.
 
-nccl with CUDA, gloo on CPU. Nothing else in torchpar calls ``torch.cuda``.
+nccl with CUDA, gloo on CPU. Nothing else in torchpar's runtime calls ``torch.cuda``; the models,
+below it, ask a tensor's device itself (grouped GEMM's compute capability in ``models/moe.py``).
 """
 
 from __future__ import annotations
