@@ -4,9 +4,10 @@ At scale, from the planner: Llama 3 8B and 70B in bf16 on 8 H100s (ZeRO-3, and f
 a rank's parameters, gradients, optimizer state and activations, fully fine-tuned and with LoRA
 adapters of rank ``--rank`` on every block's linear layer.
 
-Here, measured: the debug Llama on 2 ranks (gloo) under ZeRO-3 and ZeRO-1, each rank's bytes as
-the trainer holds them (its ZeRO engine's accounting) beside the planner's figures for the same
-job, and the peak of a training step (every storage followed) beside the planner's device peak.
+Here, measured: the debug Llama on 2 ranks (gloo) under ZeRO-3 and ZeRO-1 in fp32 and ZeRO-3 in
+bf16, each rank's bytes as the trainer holds them (its ZeRO engine's accounting) beside the
+planner's figures for the same job, and the peak of a training step (every storage followed)
+beside the planner's device peak.
 
     python benchmarks/lora.py [--rank 16] [--seq 4096]
 """
@@ -39,7 +40,10 @@ AT_SCALE = {  # name: (flavor, world, overrides)
     "70B zero3 dp8": ("70B", 8, [Z, "3", "--training.activation_checkpoint", "full"]),
 }
 HERE = {"zero3 dp2": [Z, "3", "--training.local_batch_size", "4"],
-        "zero1 dp2": [Z, "1", "--training.local_batch_size", "4"]}
+        "zero1 dp2": [Z, "1", "--training.local_batch_size", "4"],
+        # (bf16 compute: ZeRO-3 stores the frozen base in bf16 too)
+        "zero3 dp2 bf16": [Z, "3", "--training.local_batch_size", "4", "--training.mixed_precision_param",
+                           "bfloat16"]}
 
 
 def lora_args(rank: int) -> list[str]:

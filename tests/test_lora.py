@@ -212,3 +212,23 @@ def test_a_base_seeded_on_a_device_this_machine_lacks_is_refused_in_one_line():
         _base_reader(meta, cfg, None, "ckpt/step-10")
     base = _base_reader({**meta, "device": "cpu"}, cfg, None, "ckpt/step-10")
     assert base("layers.0.attention.wq.weight").shape == (args.dim, args.dim)
+
+
+def test_zero3_keeps_the_frozen_base_in_the_compute_dtype():
+    """Under FSDP2 a LoRA base is stored in the compute dtype (nothing updates it: an fp32 copy
+    would only be cast at every all-gather); the adapters stay fp32, a tied pair stays one."""
+    from torch import nn
+
+    from torchpar.parallel.fsdp import frozen_in
+
+    model = nn.ModuleDict({"embed": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False),
+                           "adapter": nn.Linear(4, 4)})
+    model["head"].weight = model["embed"].weight
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("adapter"))
+    before = model["embed"].weight.detach().clone()
+    frozen_in(model, torch.bfloat16)
+    assert model["head"].weight is model["embed"].weight and model["embed"].weight.dtype == torch.bfloat16
+    assert not model["embed"].weight.requires_grad
+    assert torch.equal(model["embed"].weight, before.to(torch.bfloat16))
+    assert {p.dtype for n, p in model.named_parameters() if n.startswith("adapter")} == {torch.float32}

@@ -17,6 +17,21 @@ from torchpar.parallel.zero import (
 )
 
 
+def frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store ``model``'s frozen parameters (a LoRA base) in ``dtype``, the compute dtype, before
+    FSDP2 takes them: nothing updates them, so an fp32 copy would only be cast to ``dtype`` at every
+    all-gather (the same values; with bf16, half the bytes held). A parameter two modules share stays
+    shared. (The flat engine, ZeRO 0-2, keeps its frozen ones in the compute dtype too.)"""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.requires_grad or p.dtype == dtype or not p.is_floating_point():
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = made[id(p)]
+
+
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool, cpu_offload: bool, experts=None) -> None:
     """ZeRO-3: each block is one all-gather / reduce-scatter unit; the root takes the rest
@@ -24,7 +39,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
     parallelism) or 2-D (dp_replicate and that) for HSDP, where FSDP2 shards inside the second
     dimension and all-reduces across dp_replicate. ``experts``: (expert modules split over ep
     ranks, the mesh of the ranks holding the same experts): each module is a unit of its own
-    over that mesh, inside its block's."""
+    over that mesh, inside its block's. Frozen parameters are stored in ``param_dtype``
+    (:func:`frozen_in`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Pinned host memory needs an accelerator; on a CPU-only run offload keeps the same code path
@@ -35,6 +51,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=offload,
     )
+    frozen_in(model, param_dtype)
     blocks = list(model.layers.values())
     expert_modules, expert_mesh = experts or ((), None)
     for i, block in enumerate(blocks):

@@ -140,7 +140,9 @@ def state_bytes(model, args, lay: Layout, coords: dict[str, int]) -> dict[str, i
         learned = sum(r * c for (r, c), _, name in pieces if trained(name, lora))
         optim = sum(opt_state_bytes(lay.optimizer, _shape(s, model, args, name), role)
                     for s, role, name in pieces if trained(name, lora))
-        return {"param_bytes": 4 * n, "grad_bytes": 4 * learned, "optim_bytes": optim}
+        # (the frozen ones, a LoRA base, in the compute dtype: see parallel.fsdp.frozen_in)
+        return {"param_bytes": 4 * learned + lay.param_dtype_bytes * (n - learned), "grad_bytes": 4 * learned,
+                "optim_bytes": optim}
     # ZeRO 0-2 (the flat engine): the compute copy whole (its buffer, padding included); the reduced
     # gradient whole (0, 1) or its owned N-th (2) in the reduction dtype — in bf16 replaced by the
     # fp32 copy the optimizer takes; the optimizer's state of the pieces it updates and, when the
