@@ -28,10 +28,12 @@ LEDGER_LAYOUTS = {
     "tp2_no_sp_lp": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
                      "false", "--parallelism.loss_parallel", "false"],
     "pp2": [Z, "0", "--parallelism.pipeline_parallel_degree", "2"],  # rank 0: the first stage's sends
-    # Conversations: each step all-reduces the count of its loss targets (an int64) beside the loss.
-    "dp2_zero3_chat": [Z, "3", "--training.local_batch_size", "4", "--data.dataset", "files", "--data.format",
-                       "chat", "--data.path", str(ROOT / "tests" / "data" / "short_chat.jsonl"),
-                       "--model.vocab_size", "4104"],
+    # Conversations: each step all-reduces the count of its loss targets (an int64) beside the loss;
+    # a z-loss's term rides with the step's other figures.
+    "dp2_zero3_chat_zloss": [Z, "3", "--training.local_batch_size", "4", "--data.dataset", "files",
+                             "--data.format", "chat",
+                             "--data.path", str(ROOT / "tests/data/short_chat.jsonl"),
+                             "--model.vocab_size", "4104", "--loss.z_loss", "1e-4"],
     # LoRA: FSDP2 reduce-scatters the adapters' gradients alone (its units still gather the frozen
     # base); the flat engine's buckets hold the adapters alone
     "dp2_zero3_lora": [Z, "3", "--training.local_batch_size", "4", "--lora.rank", "4"],

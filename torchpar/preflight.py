@@ -92,7 +92,7 @@ def preflight(cfg: JobConfig, world: int) -> Preflight:
                             compute_dtype(cfg.training.mixed_precision_param), cfg.optimizer,
                             cfg.data.document_masking, overridden=cfg.overridden, quantize=cfg.quantize,
                             loss_mask=chat_data(cfg.data), lora=cfg.lora,
-                            replicas=replica_groups(cfg.fault_tolerance))
+                            replicas=replica_groups(cfg.fault_tolerance), z_loss=cfg.loss.z_loss > 0)
     specs = source_specs(cfg.data)
     shares = [w for _, _, w in specs]
     if len(shares) > 1:
@@ -141,10 +141,10 @@ def features_of(cfg: JobConfig, world: int, device: str | None = None) -> Featur
     model, args = adapter(cfg.model.name), model_args(cfg.model)
     tr = cfg.training
     dtype = compute_dtype(tr.mixed_precision_param, device)
-    lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer, cfg.quantize, lora=cfg.lora)
+    lay = layout_of(cfg.parallelism, tr, world, dtype, cfg.optimizer, cfg.quantize, lora=cfg.lora,
+                    z_loss=cfg.loss.z_loss > 0)
     return layout_features(lay, model, args, cfg.data.document_masking, device or device_type(),
-                           z_loss=cfg.loss.z_loss > 0, evaluation=cfg.validation.enable,
-                           chat=cfg.data.format == "chat")
+                           evaluation=cfg.validation.enable, chat=cfg.data.format == "chat")
 
 
 def param_kinds(model: ModelAdapter, args) -> set[tuple[str, int]]:

@@ -121,6 +121,7 @@ class Layout:
     replica_fragments: int = 1  # (streaming DiLoCo: one of these fragments every sync_every / fragments)
     # The data carries loss masks (data.format = 'chat'): each step all-reduces its targets' count.
     loss_mask: bool = False
+    z_loss: bool = False  # loss.z_loss > 0: each step's figures carry its term beside the loss
     mesh: object = field(default=None, compare=False, repr=False)  # DeviceMesh, once built
     # with ep > 1: the mesh whose dp_shard is unflattened into (efsdp, ep); see build_mesh
     experts_view: object = field(default=None, compare=False, repr=False)
@@ -436,7 +437,7 @@ def _check_buckets_field(par, zero: int, overridden: frozenset) -> None:
 
 
 def layout_features(lay: Layout, model, args, document_masking: bool = False, device: str = "cpu",
-                    z_loss: bool = False, evaluation: bool = False, chat: bool = False) -> Features:
+                    evaluation: bool = False, chat: bool = False) -> Features:
     """The facts the composition table (torchpar.composition) reads of a layout of adapter
     ``model`` with ``args``, beside the job's other features."""
     kind = kind_of(lay.optimizer)
@@ -453,25 +454,27 @@ def layout_features(lay: Layout, model, args, document_masking: bool = False, de
         split_backward=schedule in SPLIT_BACKWARD, cp=lay.cp, cp_method=lay.cp_method, ep=lay.ep,
         recompute=lay.activation_checkpoint, compile=lay.compile, document_masking=document_masking,
         chat=chat,
-        bf16=lay.param_dtype == "bfloat16", float8=lay.float8, offload=lay.cpu_offload, z_loss=z_loss,
+        bf16=lay.param_dtype == "bfloat16", float8=lay.float8, offload=lay.cpu_offload, z_loss=lay.z_loss,
         accumulation=lay.pp == 1 and lay.accum > 1, evaluation=evaluation, lora=lay.lora_rank > 0,
         device=device)
 
 
 def job_fields(optimizer=None, quantize=None, loss_mask: bool = False, lora=None,
-               replicas: tuple[int, int, int] = (1, 0, 1)) -> dict:
+               replicas: tuple[int, int, int] = (1, 0, 1), z_loss: bool = False) -> dict:
     """The Layout fields the job's [optimizer], [quantize] and [lora] sections give (None: AdamW, no
-    FP8, no adapters), whether its data carries loss masks, and how many replica groups run it."""
+    FP8, no adapters), whether its data carries loss masks, how many replica groups run it, and
+    whether its loss has a z-loss term."""
     rank = lora.rank if lora is not None else 0
     return dict(replica_groups=replicas[0], replica_sync_every=replicas[1], replica_fragments=replicas[2],
                 optimizer=optimizer, whole_params=kind_of(optimizer).whole is not None, quantize=quantize,
-                loss_mask=loss_mask, lora_rank=rank, lora=lora if rank else None,
+                loss_mask=loss_mask, z_loss=z_loss, lora_rank=rank, lora=lora if rank else None,
                 float8=quantize.float8 if quantize is not None else "off",
                 float8_all_gather=quantize is not None and quantize.float8_all_gather)
 
 
 def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=None,
-              loss_mask: bool = False, lora=None, replicas: tuple[int, int, int] = (1, 0, 1)) -> Layout:
+              loss_mask: bool = False, lora=None, replicas: tuple[int, int, int] = (1, 0, 1),
+              z_loss: bool = False) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give on ``world`` ranks before any
     check of the model or of what composes (degrees resolved, accumulation counted): what the
     composition table reads (:func:`layout_features`), then :func:`resolve_layout` checks."""
@@ -488,13 +491,14 @@ def layout_of(par, tr, world: int, param_dtype: str, optimizer=None, quantize=No
                   activation_checkpoint=tr.activation_checkpoint,
                   activation_checkpoint_every=tr.activation_checkpoint_every, param_dtype=param_dtype,
                   reduce_dtype=tr.mixed_precision_reduce, compile=tr.compile,
-                  bucket_mb=par.bucket_mb, **job_fields(optimizer, quantize, loss_mask, lora, replicas))
+                  bucket_mb=par.bucket_mb,
+                  **job_fields(optimizer, quantize, loss_mask, lora, replicas, z_loss))
 
 
 def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer=None,
                    document_masking: bool = False, device: str | None = None,
                    overridden: frozenset = frozenset(), quantize=None, loss_mask: bool = False,
-                   lora=None, replicas: tuple[int, int, int] = (1, 0, 1)) -> Layout:
+                   lora=None, replicas: tuple[int, int, int] = (1, 0, 1), z_loss: bool = False) -> Layout:
     """The layout ``par`` ([parallelism]) and ``tr`` ([training]) give a model (its adapter and
     args) on ``world`` ranks, after every check that needs no process group. ``param_dtype``: the
     compute dtype, ``training.mixed_precision_param`` resolved for the device; ``optimizer``: the
@@ -503,12 +507,12 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     the command line set (JobConfig.overridden); ``quantize``: the [quantize] section (None: off);
     ``loss_mask``: the data carries loss masks (conversations); ``lora``: the [lora] section (None: off);
     ``replicas``: (replica groups training together, steps between their syncs; 0 = every step's
-    gradients) under fault tolerance."""
+    gradients) under fault tolerance; ``z_loss``: loss.z_loss > 0."""
     device = device or device_type()
     if par.expert_parallel_degree < 1:
         raise ConfigError(f"parallelism.expert_parallel_degree = {par.expert_parallel_degree}: a degree is a "
                           "positive integer (1 = no expert parallelism)")
-    layout = layout_of(par, tr, world, param_dtype, optimizer, quantize, loss_mask, lora, replicas)
+    layout = layout_of(par, tr, world, param_dtype, optimizer, quantize, loss_mask, lora, replicas, z_loss)
     if layout.zero_stage != par.zero_stage:
         warn(f"parallelism.zero_stage = {par.zero_stage} with data_parallel_shard_degree 1 shards nothing; "
              "it runs as zero_stage 0 (gradients all-reduced over the replicas)")

@@ -388,6 +388,12 @@ def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
         sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
 
 
+def _figures_bytes(model, args, lay: Layout) -> int:
+    """The step's figures every rank sums (fp32): the loss, the stop-signal flag, the z-loss term
+    (loss.z_loss > 0), the model's auxiliary terms and its routed loads."""
+    return 4 * (2 + lay.z_loss + len(model.auxiliary_terms(args)) + model.routed_counts(args))
+
+
 def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank: int = 0) -> dict:
     """Bytes the rank at pipeline position ``pp_rank`` sends per step through each mesh
     dimension (ring algorithms), the seconds that takes and the links it crosses. Counted
@@ -399,10 +405,9 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
     first, last = 0 in stages, len(split) - 1 in stages
     seq //= lay.cp  # the tokens of each sequence this rank holds
     sent = _Sent()
-    # The trainer's own, over all ranks: the loss with the stop-signal flag and the model's auxiliary
-    # terms and routed loads (fp32 values), and the global gradient norm (one).
-    sent.add("world", "all_reduce", 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args)),
-             lay.world)
+    # The trainer's own, over all ranks: the loss with the stop-signal flag, the z-loss term and the
+    # model's auxiliary terms and routed loads (fp32 values), and the global gradient norm (one).
+    sent.add("world", "all_reduce", _figures_bytes(model, args, lay), lay.world)
     sent.add("world", "all_reduce", 4, lay.world)
     if lay.loss_mask:  # the step's loss targets, counted (an int64), with loss masks
         sent.add("world", "all_reduce", 8, lay.world)
@@ -444,7 +449,7 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         else:
             held = 4 * _owned_elements(model, args, lay, pp_rank)
         sent.add("replicas", "all_reduce", held + tags, lay.replica_groups)
-        figures = 4 * (2 + len(model.auxiliary_terms(args)) + model.routed_counts(args))
+        figures = _figures_bytes(model, args, lay)
         sent.add("replicas", "all_reduce", figures + tags, lay.replica_groups)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their

@@ -86,7 +86,8 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
     dtype = compute_dtype(cfg.training.mixed_precision_param, device)
     lay = resolve_layout(cfg.parallelism, cfg.training, model, args, world, dtype, cfg.optimizer,
                          cfg.data.document_masking, device, cfg.overridden, cfg.quantize,
-                         chat_data(cfg.data), cfg.lora, replica_groups(cfg.fault_tolerance))
+                         chat_data(cfg.data), cfg.lora, replica_groups(cfg.fault_tolerance),
+                         cfg.loss.z_loss > 0)
     return lay, model, args
 
 
@@ -94,7 +95,8 @@ def layout_from_config(cfg: JobConfig, world: int, device: str | None = None) ->
 # outside the step: the search prices thousands of layouts that differ in these alone.
 _NOT_STATE = frozenset({"local_batch_size", "accum", "microbatch_size", "activation_checkpoint",
                         "activation_checkpoint_every", "compile", "reduce_every_microstep", "cp_method",
-                        "sequence_parallel", "loss_parallel", "optimizer", "quantize", "loss_mask", "lora"})
+                        "sequence_parallel", "loss_parallel", "optimizer", "quantize", "loss_mask", "z_loss",
+                        "lora"})
 
 
 _STATE_FIELDS = tuple(f.name for f in fields(Layout)
