@@ -196,9 +196,11 @@ def test_lora_fine_tuning_from_hf_resumes_and_exports_to_transformers_and_peft(t
         assert (logits - again(tokens)).abs().max() <= 1e-5
 
 
-def test_a_base_seeded_on_a_device_this_machine_lacks_is_refused_in_one_line():
+def test_a_base_seeded_on_a_device_this_machine_lacks_is_refused_in_one_line(monkeypatch):
     """Adapters whose base was initialized from the seed on a GPU (no saved base, no initial
-    weights) cannot be merged here: CUDA's generator gives other numbers than the CPU's."""
+    weights) cannot be merged on a machine without one: CUDA's generator gives other numbers than
+    the CPU's."""
+    import torchpar.adapters
     from torchpar.adapters import _base_reader
     from torchpar.config import load_config
     from torchpar.errors import ConfigError
@@ -207,6 +209,7 @@ def test_a_base_seeded_on_a_device_this_machine_lacks_is_refused_in_one_line():
     cfg = load_config(ROOT / "train_configs" / "debug_model.toml", ["--lora.rank", "4"])
     args = adapter(cfg.model.name).args(cfg.model.flavor)
     meta = {"model_name": cfg.model.name, "model_args": args.to_dict(), "device": "cuda"}
+    monkeypatch.setattr(torchpar.adapters, "device_type", lambda: "cpu")  # (a CPU machine, on any)
     with pytest.raises(ConfigError, match="initialized from training.seed on cuda, whose generator this "
                                           "machine has not"):
         _base_reader(meta, cfg, None, "ckpt/step-10")

@@ -41,7 +41,8 @@ def saved_job(meta: dict, where: str) -> JobConfig | None:
 
 
 def _base_reader(meta: dict, cfg: JobConfig, read, where: str):
-    """``base(name)``: a frozen base weight, full, in fp32, from where the run took it."""
+    """``base(name)``: a frozen base weight, full, from where the run took it (a saved base in the
+    dtype it was held in; otherwise fp32)."""
     family = adapter(meta.get("model_name", DEFAULT_FAMILY))
     args = family.args_class(**meta["model_args"])
     if cfg.lora.save_base:

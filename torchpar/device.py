@@ -327,13 +327,13 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
     """
     global _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timedelta(seconds=timeout_s)
+    use_one_worker_gloo()  # (before any group of ours, even where the default one exists already)
     if not dist.is_initialized():
         adopt_slurm_environment()
         # The flight recorder keeps the last collectives of every group (any backend), for the
         # watchdog's dump when a job hangs; a ring buffer, cheap.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         atexit.register(shutdown_distributed)
-        use_one_worker_gloo()
         device = local_device(tf32)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         across_nodes = world > local_world_size(world)

@@ -26,8 +26,9 @@ class TrainState:
 
 
 class ModelState:
-    """The fp32 weights of a rank's model parts (pipeline stages), by the unsplit model's names:
-    the ZeRO engine's master, whatever the compute dtype. ``left_out``: names a checkpoint does not
+    """The weights of a rank's model parts (pipeline stages), by the unsplit model's names: the
+    ZeRO engine's fp32 master of the trained ones, whatever the compute dtype (a frozen base, kept,
+    is in the compute dtype). ``left_out``: names a checkpoint does not
     hold (LoRA's frozen base, rebuilt at a resume from where it came from)."""
 
     def __init__(self, state: ZeroState, left_out: frozenset[str] = frozenset()):

@@ -88,8 +88,11 @@ def freeze_base(module: nn.Module) -> None:
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: float) -> torch.Tensor:
-    """``weight + factor * b @ a`` in fp32, in ``weight``'s dtype: a layer with the adapters folded in."""
-    return (weight.float() + factor * (b.float() @ a.float())).to(weight.dtype)
+    """``weight + factor * b @ a`` in fp32: a layer with the adapters folded in, in the wider of the
+    weight's and the adapters' dtypes (a base held in bf16 would round a small update away; an
+    export casts to the dtype it is asked for)."""
+    dtype = torch.promote_types(weight.dtype, a.dtype)
+    return (weight.float() + factor * (b.float() @ a.float())).to(dtype)
 
 
 def merge_weights(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:

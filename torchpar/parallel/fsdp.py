@@ -111,7 +111,7 @@ class FSDPState:
         # FSDP2's step updates the shards in place and gathers happen in forward; but a pipeline's
         # blocks stay gathered between forward and backward, and a split-backward schedule can end
         # the step with some still gathered: a reader (a save, an export) must see the shards,
-        # which under FP8 all-gather are the fp32 weights, the gathered ones FP8 casts.
+        # which under FP8 all-gather are the weights themselves, the gathered ones FP8 casts.
         from torch.distributed.fsdp import FSDPModule
 
         for part in self.model_parts:
@@ -123,11 +123,13 @@ class FSDPState:
         self.optimizer.zero_grad(set_to_none=True)
 
     def weights(self) -> list[torch.Tensor]:
-        return self.params
+        """The weights the optimizer updates, as the flat engine's masters are: a frozen base is
+        every replica group's own, from the same source (and a bf16 average could move it)."""
+        return [p for p in self.params if p.requires_grad]
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         self.wait_params()
-        return parts_state_dict(self.model_parts)  # FSDP2 keeps fp32 shards: they are the master
+        return parts_state_dict(self.model_parts)  # (the trained shards are fp32: the master)
 
     model_load_template = model_state_dict  # each rank saves what it loads: its shards
 

@@ -434,8 +434,8 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         # steps, a fragment of the weights (or of their moves) this rank holds — the flat engine's
         # master pieces, padding included, or FSDP2's shards — with the layout's fingerprint; per
         # step, that share of it.
-        if lay.zero_stage == 3:
-            held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["param_bytes"]
+        if lay.zero_stage == 3:  # (the trained shards, fp32: as many bytes as their gradients)
+            held = state_bytes(model, args, lay, {"pp": pp_rank, "dp_shard": 0, "tp": 0})["grad_bytes"]
         else:
             held = 4 * (flat_rank_layout(model, args, lay, pp_rank)[3][-1] // flat_shards(lay))
         k, every = lay.replica_fragments, lay.replica_sync_every

@@ -140,7 +140,7 @@ def rank_memory(model, args, lay: Layout, seq: int, pp_rank: int, actions: dict 
     mem["gathered_bytes"] = 2 * block if lay.zero_stage == 3 and lay.shard_ranks > 1 else 0
     # ZeRO-3 accumulating unsharded: a full fp32 gradient of this rank's layers between micro-steps.
     unsharded = lay.zero_stage == 3 and lay.pp == 1 and lay.accum > 1 and not lay.reduce_every_microstep
-    mem["unsharded_grad_bytes"] = mem["param_bytes"] * lay.shard_ranks if unsharded else 0  # fp32
+    mem["unsharded_grad_bytes"] = mem["grad_bytes"] * lay.shard_ranks if unsharded else 0  # (trained, fp32)
     cpu = {k: mem.pop(k) for k in ("param_bytes", "grad_bytes", "optim_bytes")} if lay.cpu_offload else {}
     flat = _flat_buckets(model, args, lay, pp_rank) if lay.zero_stage < 3 else 0
     mem["total_bytes"] = sum(mem.values()) - _not_at_once(mem, lay, n_micro, flat)
