@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torchpar.selftest import free_port
 
 
 def _rank(rank: int, kind: str, seconds: float, port: int, out: str) -> None:
@@ -56,12 +57,6 @@ def _rank(rank: int, kind: str, seconds: float, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -71,7 +66,7 @@ def main() -> None:
           f"{args.seconds:.0f} s each")
     for kind in args.kinds.split(","):
         out = f"/tmp/gloo_workers_{os.getpid()}_{kind}"
-        context = mp.start_processes(_rank, args=(kind, args.seconds, _free_port(), out), nprocs=2,
+        context = mp.start_processes(_rank, args=(kind, args.seconds, free_port(), out), nprocs=2,
                                      start_method="spawn", join=False)
         try:
             while not context.join():

@@ -127,7 +127,8 @@ class Trainer:
             warn(self.peak_source)
         self.flops_per_token = lora_flops(pre.model, self.args, tr.seq_len, lora_spec(cfg.lora))
         # The auxiliary loss terms every rank logs, in one order (the same on every rank).
-        self.loss_terms = (Z_LOSS,) * (cfg.loss.z_loss > 0) + pre.model.auxiliary_terms(self.args)
+        # (the layout's z_loss: what the planner counts among the step's figures)
+        self.loss_terms = (Z_LOSS,) * lay.z_loss + pre.model.auxiliary_terms(self.args)
         # The routers' loads, balancing bias and figures (a mixture of experts), or None.
         self.routing = pre.model.routing(self.model.parts, self.args)
         if self.routing is not None and pre.weights is not None:
