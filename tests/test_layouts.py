@@ -46,6 +46,7 @@ RING = ["--parallelism.context_parallel_method", "ring"]
 MLA = ["--model.flavor", "debug-mla"]
 MTP = ["--model.mtp_depth", "2"]  # two prediction depths after the blocks, on the last stage
 LORA = ["--lora.rank", "4", "--lora.alpha", "8"]  # adapters on every block's linear layers, the rest frozen
+LORA_TOP = [*LORA, "--lora.modules", "layers.3.*"]  # the last block's alone: a first stage with none
 
 WORLD2 = {
     **{f"dp2_zero{z}": [LB, "4", Z, str(z)] for z in (0, 1, 2, 3)},
@@ -119,11 +120,12 @@ WORLD2 = {
     "cp2_zero0_chat": [*CP2, Z, "0", *CHAT],
     # LoRA: FSDP2 over frozen and trained parameters mixed; the flat engine's buffer holds the adapters
     # alone; B split with a column-wise weight's rows, A with a row-wise one's columns; adapters in
-    # every stage of a split-backward schedule.
+    # every stage of a split-backward schedule; a first stage with no adapter (nothing to clip or step).
     "dp2_zero3_lora": [LB, "4", Z, "3", *LORA],
     "dp2_zero1_lora": [LB, "4", Z, "1", *LORA],
     "tp2_sp_lp_lora": [*TP2, Z, "0", *LORA],
     "pp2_ZBVZeroBubble_lora": pp(2, "ZBVZeroBubble", Z, "0", *LORA),
+    "pp2_GPipe_zero3_lora_top": pp(2, "GPipe", Z, "3", *LORA_TOP),
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],
@@ -212,6 +214,7 @@ def refs():
         "ref_mtp_docmask": [Z, "0", *MTP, *DOCMASK],
         "ref_chat": [Z, "0", *CHAT],
         "ref_lora": [Z, "0", *LORA],
+        "ref_lora_top": [Z, "0", *LORA_TOP],
     }))
 
 
@@ -232,7 +235,8 @@ def param_tols(name: str) -> dict:
 
 def ref_for(name, refs):
     family, layout = name.split("/")
-    for kind in ("mtp_docmask", "docmask", "chat", "lora", "val", "tied", "5layers", "8layers", "mla", "mtp"):
+    for kind in ("mtp_docmask", "docmask", "chat", "lora_top", "lora", "val", "tied", "5layers", "8layers",
+                 "mla", "mtp"):
         if kind in layout:
             return refs[f"{family}/ref_{kind}"]
     return refs[f"{family}/ref"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, cli, run_layouts
+from harness import ROOT, TINY, cli, run_layouts
 
 from torchpar.adapters import open_merged, peft_adapters
 from torchpar.hf import HFWeights, write_hf
@@ -235,3 +235,47 @@ def test_zero3_keeps_the_frozen_base_in_the_compute_dtype():
     assert not model["embed"].weight.requires_grad
     assert torch.equal(model["embed"].weight, before.to(torch.bfloat16))
     assert {p.dtype for n, p in model.named_parameters() if n.startswith("adapter")} == {torch.float32}
+
+
+def test_the_planners_bytes_follow_which_layers_lora_adapts():
+    """Two LoRA jobs of one rank that adapt different layers hold different bytes: the planner's
+    remembered answers are keyed by the adapted layers, not the rank alone."""
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, state_bytes
+
+    def planned(modules):
+        cfg = load_config(TINY, [f"--lora.rank={RANK}", "--lora.modules", modules])
+        lay, model, args = layout_from_config(cfg, 1)
+        adapted = adapted_layers(model, args, spec(cfg.lora))
+        learned = sum(RANK * (out + inp) for out, inp in adapted.values())
+        got = state_bytes(model, args, lay, lay.rank_coords(0))
+        assert got["grad_bytes"] == 4 * learned, modules
+        return got
+
+    assert planned("layers.*.attention.*") != planned("layers.*.feed_forward.*")
+
+
+def test_a_rank_with_no_adapter_saves_and_loads_no_optimizer_state():
+    """A pipeline stage LoRA leaves without adapters updates nothing: under FSDP2 its optimizer
+    state is empty (torch's state-dict helpers refuse such an optimizer), and the planner's peaks
+    for it are the frozen base and one empty bucket."""
+    from torch import nn
+
+    from torchpar.config import load_config
+    from torchpar.parallel.flat import bucket_elements
+    from torchpar.parallel.fsdp import FSDPState
+    from torchpar.plan import layout_from_config, state_bytes
+    from torchpar.plan.layout import transient_bytes
+
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    state = FSDPState([frozen], torch.optim.AdamW([{"params": []}]), tp=1)
+    assert state.optimizer_state_dict() == {}
+    state.load_optimizer_state_dict({})
+
+    cfg = load_config(TINY, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "1",
+                             f"--lora.rank={RANK}", "--lora.modules", "layers.7.*"])
+    lay, model, args = layout_from_config(cfg, 2)
+    held = state_bytes(model, args, lay, {"pp": 0})
+    assert held["param_bytes"] > 0 and held["grad_bytes"] == held["optim_bytes"] == 0
+    peak = transient_bytes(model, args, lay, 0)["checkpoint_peak"]
+    assert peak == held["param_bytes"] + 4 * bucket_elements(lay)

@@ -84,10 +84,11 @@ def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
     """A fused optimizer step inside leaves parameters, moments and step count as they were where
     ``skip`` is 1.0 (on a first step, Adam's state is still created, as zeros) — the kernel reads
     it, the host does not. With CPU-offloaded parameters the flag is copied to the host first."""
-    if skip is None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if skip is None or not params:  # (a pipeline stage LoRA leaves without adapters updates nothing)
         yield
         return
-    optimizer.found_inf = skip.to(optimizer.param_groups[0]["params"][0].device)
+    optimizer.found_inf = skip.to(params[0].device)
     optimizer.grad_scale = None
     try:
         yield

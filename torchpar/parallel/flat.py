@@ -394,7 +394,8 @@ class FlatZero(FlatCheckpoints):
         return pieces
 
     def scale_grads(self, coef: torch.Tensor) -> None:
-        torch._foreach_mul_(self.grads, coef)
+        if self.grads:  # (none on a pipeline stage that LoRA leaves without adapters)
+            torch._foreach_mul_(self.grads, coef)
 
     # ------------------------------------------------------------------ the update
 

@@ -100,7 +100,9 @@ class FSDPState:
         return [(local(p.grad), replicas(p.grad, self.tp)) for p in self.params if p.grad is not None]
 
     def scale_grads(self, coef: torch.Tensor) -> None:
-        torch._foreach_mul_([local(p.grad) for p in self.params if p.grad is not None], coef)
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        if grads:  # (none on a pipeline stage that LoRA leaves without adapters)
+            torch._foreach_mul_(grads, coef)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -148,9 +150,16 @@ class FSDPState:
 
         return StateDictOptions(flatten_optimizer_state_dict=True)
 
+    def _updates_nothing(self) -> bool:
+        # (a pipeline stage LoRA leaves without adapters: torch's state-dict helpers refuse an
+        # optimizer of no parameters, and there is no state to save or load)
+        return not any(group["params"] for group in self.optimizer.param_groups)
+
     def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        if self._updates_nothing():
+            return {}
         sd = get_optimizer_state_dict(merged_view(self.model_parts), self.optimizer, options=self._options())
         # Hyperparameters come from the config and the lr from the scheduler, not the checkpoint.
         return {k: v for k, v in sd.items() if k.startswith("state.")}
@@ -160,6 +169,8 @@ class FSDPState:
     def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+        if self._updates_nothing():
+            return
         view = merged_view(self.model_parts)
         full = get_optimizer_state_dict(view, self.optimizer, options=self._options())
         full.update(loaded)

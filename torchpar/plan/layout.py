@@ -105,14 +105,15 @@ _STATE_FIELDS = tuple(f.name for f in fields(Layout)
 
 def by_state(fn):
     """``fn(model, args, lay, *rest)``, remembered by what of ``lay`` fixes its state bytes (its
-    fields but _NOT_STATE's and the mesh, and the [optimizer] section's values)."""
+    fields but _NOT_STATE's and the mesh, the [optimizer] section's values and which layers LoRA
+    adapts)."""
     memo: dict = {}
 
     @functools.wraps(fn)
     def remembered(model, args, lay: Layout, *rest):
         # (the search calls this ~10 times per layout it prices: the key is read field by field)
         fixed = tuple(getattr(lay, k) for k in _STATE_FIELDS)
-        key = (model, args, repr(lay.optimizer), fixed,
+        key = (model, args, repr(lay.optimizer), lora_spec(lay.lora), fixed,
                *(tuple(sorted(r.items())) if isinstance(r, dict) else r for r in rest))
         if key not in memo:
             if len(memo) > 100_000:  # (a long-lived process that plans many models)
@@ -246,7 +247,7 @@ def transient_bytes(model, args, lay: Layout, pp_rank: int = 0) -> dict[str, int
     bounds = flat_rank_layout(model, args, lay, pp_rank)[3]
     shard = bounds[-1] // flat_shards(lay)
     master = 4 * shard if lay.param_dtype != "float32" else 0
-    bucket = max(bucket_elements(lay), *(b - a for a, b in zip(bounds, bounds[1:])))
+    bucket = max([bucket_elements(lay), *(b - a for a, b in zip(bounds, bounds[1:]))])
     split = split_of(model, args, lay)
     largest = max(r * c * (1 + (lay.tp > 1 and tp_dim is not None))
                   for s in lay.stage_ids(pp_rank)
