@@ -119,6 +119,8 @@ class CommLedger(TorchDispatchMode):
                 self.names[(views[dim] if dim in views else experts_view[dim]).get_group().group_name] = dim
             except KeyError:  # a view this layout does not build
                 continue
+        resolve = dist.distributed_c10d._resolve_process_group
+        self.by_ranks = {tuple(dist.get_process_group_ranks(resolve(g))): d for g, d in self.names.items()}
         self.unknown: set[str] = set()  # collective ops the ledger cannot size (should stay empty)
         self.records: list[tuple[str, str, int, int]] = []  # (mesh dim, kind, payload bytes, group size)
 
@@ -128,9 +130,16 @@ class CommLedger(TorchDispatchMode):
                 group = dist.ProcessGroup.unbox(a)
             elif isinstance(a, str) and a in self.names:  # functional collectives carry its name
                 group = dist.distributed_c10d._resolve_process_group(a)
+            elif isinstance(a, str) and a in dist.distributed_c10d._world.pg_names.values():
+                # another mesh's group over the same ranks: DTensor caches its redistribution
+                # plans by mesh equality, so a second Trainer in a process may reuse the first's
+                group = dist.distributed_c10d._resolve_process_group(a)
             else:
                 continue
-            return self.names.get(group.group_name, group.group_name), group.size()
+            name = self.names.get(group.group_name)
+            if name is None:
+                name = self.by_ranks.get(tuple(dist.get_process_group_ranks(group)), group.group_name)
+            return name, group.size()
         return "?", 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
