@@ -279,3 +279,67 @@ def test_a_rank_with_no_adapter_saves_and_loads_no_optimizer_state():
     assert held["param_bytes"] > 0 and held["grad_bytes"] == held["optim_bytes"] == 0
     peak = transient_bytes(model, args, lay, 0)["checkpoint_peak"]
     assert peak == held["param_bytes"] + 4 * bucket_elements(lay)
+
+
+# The first adapted layer's block and module for each pattern, and that module's layers that read
+# its (frozen) input.
+FIRST_ADAPTED = {"layers.*": (0, "attention", ("wq", "wk", "wv")),
+                 "layers.2.*": (2, "attention", ("wq", "wk", "wv")),
+                 "layers.3.feed_forward.*": (3, "feed_forward", ("w1", "w3"))}
+
+
+@pytest.mark.parametrize("modules", [None, *FIRST_ADAPTED])
+def test_flops_per_token_are_what_forward_and_backward_run(modules):
+    """The FLOPs MFU and the planner divide by, against torch's FLOP counter over a real forward
+    and backward (attention's CPU kernels counted as the planner counts them: the full square,
+    backward 2 x forward). Exact without LoRA; with it, what runs before the first adapted layer
+    runs forward alone (adapting the last block alone costs about a third of training every
+    block), exact but for the input gradients of the layers that read the first adapted module's
+    frozen input, which autograd skips and the planner still counts."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from torchpar.models.lora import flops_per_token, freeze_base
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q, k, v)
+
+    def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+        return 2 * sdpa_flop_count(q, k, v)
+
+    ops = torch.ops.aten
+    cpu_kernels = {ops._scaled_dot_product_flash_attention_for_cpu: forward,
+                   ops._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    args, seq = LLAMA.args("debug", n_layers=4), 64
+    adapters = lora(modules=[modules]) if modules else None
+    with torch.device("meta"):
+        model = LLAMA.build(args)
+    if adapters:
+        add_adapters(model, LLAMA, adapters)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    if adapters:
+        freeze_base(model)
+    with FlopCounterMode(display=False, custom_mapping=cpu_kernels) as counter:
+        model(torch.randint(0, args.vocab_size, (1, seq))).float().sum().backward()
+    spared = 0
+    if adapters:
+        block, module, readers = FIRST_ADAPTED[modules]
+        layers = [model.layers[str(block)].get_submodule(f"{module}.{name}") for name in readers]
+        spared = 2 * seq * sum(layer.weight.numel() + getattr(layer, A).numel() for layer in layers)
+    predicted = flops_per_token(LLAMA, args, seq, spec(adapters) if adapters else None) * seq
+    assert predicted - spared == counter.get_total_flops()
+
+
+def test_full_recomputation_reruns_no_block_before_the_first_adapter():
+    """Blocks that run no backward recompute nothing: with the last of 8 blocks adapted alone,
+    full recomputation costs an eighth of what it costs every block trained."""
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, recompute_flops_per_token
+
+    def recompute(*lora_args):
+        cfg = load_config(TINY, ["--training.activation_checkpoint", "full", *lora_args])
+        lay, model, args = layout_from_config(cfg, 1)
+        assert args.n_layers == 8
+        return recompute_flops_per_token(model, args, lay, cfg.training.seq_len)
+
+    assert recompute(f"--lora.rank={RANK}", "--lora.modules", "layers.7.*") * 8 == recompute() > 0

@@ -695,6 +695,10 @@ class ModelAdapter(ABC):
         block, head = self.matmul_params(args)
         return block * args.n_layers + head
 
+    def blocks_matmul(self, args) -> int:
+        """The matmul weights a token passes through in the model's own blocks."""
+        return self.matmul_params(args)[0] * args.n_layers
+
     def attention_heads(self, args) -> tuple[int, int, int, int]:
         """(query heads, key/value heads, a query or key head's width, a value head's width)."""
         return args.n_heads, args.n_kv_heads, args.dim // args.n_heads, args.dim // args.n_heads

@@ -742,10 +742,6 @@ class LlamaAdapter(ModelAdapter):
         depth = self.depth_block_matmul(args) + self.join_params(args, matrices=True) + head
         return self.blocks_matmul(args) + head + depth * args.mtp_depth
 
-    def blocks_matmul(self, args: ModelArgs) -> int:
-        """The matmul weights a token passes through in the model's own blocks."""
-        return self.matmul_params(args)[0] * args.n_layers
-
     def depth_block_matmul(self, args: ModelArgs) -> int:
         """... in a prediction depth's block (one like the last block)."""
         return self.matmul_params(args)[0]

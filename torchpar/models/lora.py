@@ -123,15 +123,45 @@ def adapted_layers(model, args, lora_spec: tuple) -> dict[str, tuple[int, int]]:
     return {name: (m.out_features, m.in_features) for name, m in targets(module, model, lora)}
 
 
+def first_adapted_block(model, args, lora_spec: tuple | None) -> int:
+    """The first block holding an adapter (spec ``lora_spec``; 0 without LoRA, where every block is
+    trained): the blocks before it run no backward, nor recompute, and a pipeline stage of them
+    alone gets no gradient back."""
+    if lora_spec is None:
+        return 0
+    return int(next(iter(adapted_layers(model, args, lora_spec))).split(".")[1])  # (in the model's order)
+
+
 def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
     """Training FLOPs per token of a model of adapter ``model`` (``model.flops_per_token``), with
     LoRA (``lora_spec``, :func:`spec`): frozen weights get no weight gradient, so their matmuls
-    cost 2 x forward instead of 3 x; each adapter's two small matmuls cost 3 x forward."""
+    cost 2 x forward instead of 3 x; each adapter's two small matmuls cost 3 x forward. What runs
+    before the first adapted layer — the blocks before its block, and that block's modules before
+    its module (its attention, where the feed-forward layers alone are adapted) — runs no backward
+    at all (nothing before it is trained): forward alone. (The layers that read the first adapted
+    module's frozen input skip their input's gradient too; that is still counted.)"""
     full = model.flops_per_token(args, seq_len)
     if lora_spec is None:
         return full
-    adapters = sum(lora_spec[0] * (n + k) for n, k in adapted_layers(model, args, lora_spec).values())
-    return full - 2 * model.matmul_weights(args) + 6 * adapters
+    adapted = adapted_layers(model, args, lora_spec)
+    adapters = sum(lora_spec[0] * (n + k) for n, k in adapted.values())
+    trained = full - 2 * model.matmul_weights(args) + 6 * adapters
+    block, module = first_adapted_block(model, args, lora_spec), next(iter(adapted)).split(".")[2]
+    if block >= args.n_layers:  # (a prediction depth's: every block of the model's own runs forward alone)
+        block, module = args.n_layers, None
+    before = model.blocks_alone(args, block)
+    weights = model.blocks_matmul(before) if block else 0
+    keys = model.attention_keys(before, seq_len) if block else 0
+    if module is not None:  # the block's own modules before the adapted one, in the order it runs them
+        entries = model.block_params(args, block)
+        tops = list(dict.fromkeys(name.split(".")[0] for name, _, _ in entries))
+        frozen = tops[:tops.index(module)]
+        weights += sum(r * c for name, (r, c), _ in entries if name.split(".")[0] in frozen and c > 1)
+        matmuls = [top for top in tops if any(n.split(".")[0] == top and c > 1 for n, (_, c), _ in entries)]
+        if matmuls[0] in frozen:  # (a block's first module of matmuls is its attention, in every family)
+            keys += model.attention_keys(model.blocks_alone(args, block + 1), seq_len) - keys
+    forward = 2 * weights + 2 * keys * model.attention_width(args)
+    return trained - 2 * forward + 2 * weights
 
 
 def with_adapters(entries: list, layer: int, adapted: dict, rank: int) -> list:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from torchpar.models.lora import first_adapted_block
 from torchpar.models.lora import flops_per_token as lora_flops
 from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel.bubble import schedule_actions, simulate
@@ -24,15 +25,17 @@ from torchpar.plan.layout import Cluster, by_state, flat_rank_layout, state_byte
 
 def recompute_flops_per_token(model, args, lay: Layout, seq: int) -> float:
     """Forward FLOPs run again in backward, per token: the blocks ``full`` recomputes (their
-    matmuls and attention). Selective recomputation keeps every matmul's and attention's output
-    and reruns elementwise work only, O(d) FLOPs per token against the matmuls' O(d²): it is
-    charged as memory traffic instead (:func:`_elementwise_recompute_s`)."""
+    matmuls and attention; under LoRA, none before the first adapted block: they run no backward).
+    Selective recomputation keeps every matmul's and attention's output and reruns elementwise work
+    only, O(d) FLOPs per token against the matmuls' O(d²): it is charged as memory traffic instead
+    (:func:`_elementwise_recompute_s`)."""
 
     if lay.activation_checkpoint != "full":
         return 0.0
 
     blocks = args.n_layers + model.prediction_depths(args)
-    wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(blocks))
+    start = first_adapted_block(model, args, lora_spec(lay.lora))  # (LoRA: none before it runs backward)
+    wrapped = sum(recomputed(i, "full", lay.activation_checkpoint_every) for i in range(start, blocks))
     block, _head = model.matmul_params(args)
     # A backward split into input- and weight-gradient passes recomputes the block in each.
     passes = 2 if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD else 1
