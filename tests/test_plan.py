@@ -38,6 +38,27 @@ LEDGER_LAYOUTS = {
     # base); the flat engine's buckets hold the adapters alone
     "dp2_zero3_lora": [Z, "3", "--training.local_batch_size", "4", "--lora.rank", "4"],
     "dp2_zero2_lora": [Z, "2", "--training.local_batch_size", "4", "--lora.rank", "4"],
+    # ...and under TP its pieces a split layer leaves whole (A beside a column-wise weight, B beside a
+    # row-wise one, and both beside the prediction depths' token-wise projection under sequence
+    # parallelism) all-reduce their gradients once a step; the frozen norms none. No gradient flows
+    # before the first adapter: not into the embedding, nor through the frozen modules before it
+    # (attention, when the feed-forward layers alone are adapted; whole blocks, latents, routed
+    # experts and shared ones); a pipeline stage before it gets none back.
+    "tp2_lora": [Z, "0", "--parallelism.tensor_parallel_degree", "2", "--lora.rank", "4"],
+    "tp2_no_sp_lp_lora_ffn": [Z, "0", "--parallelism.tensor_parallel_degree", "2",
+                              "--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel",
+                              "false", "--lora.rank", "4", "--lora.modules", "layers.*.feed_forward.*"],
+    "tp2_deepseek_lora_top": [Z, "0", "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree",
+                              "2", "--lora.rank", "4", "--lora.modules", "layers.2.*"],
+    "tp2_mtp_lora": [Z, "0", *MTP, "--parallelism.tensor_parallel_degree", "2", "--lora.rank", "4"],
+    "pp2_mtp_lora_top": [Z, "0", *MTP, "--parallelism.pipeline_parallel_degree", "2", "--lora.rank", "4",
+                         "--lora.modules", "layers.7.*"],
+    # (and no context-parallel exchange in backward, nor a recomputation, nor FSDP2's gather for
+    # backward — but the one its prefetch issues for the block before the first adapter)
+    "cp2_zero3_full_lora_top": [Z, "3", *CP2, "--training.activation_checkpoint", "full", "--lora.rank", "4",
+                                "--lora.modules", "layers.5.*"],
+    "cp2_ring_lora_top": [Z, "0", *CP2, "--parallelism.context_parallel_method", "ring", "--lora.rank", "4",
+                          "--lora.modules", "layers.5.*"],
     # Context parallelism: all-to-alls around attention (twice over for the recomputed blocks), or
     # the ring's key/value passes and their gradients' passes back.
     "cp2": [Z, "0", *CP2],
@@ -78,14 +99,27 @@ LEDGER_LAYOUTS = {
 }
 
 
-def _ledger_worker(rank, world, out):
+# On four ranks (pp 2 x tp 2): a pipeline's sends under sequence parallelism carry each tp rank's
+# share of the tokens; under LoRA no gradient goes back to a stage (here two, interleaved) before
+# the first adapter, nor flows through the frozen blocks before it on a later stage.
+LEDGER_LAYOUTS_4 = {
+    "pp2_tp2": [Z, "0", "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.tensor_parallel_degree", "2"],
+    "pp2_tp2_Interleaved1F1B_lora_top": [Z, "0", "--parallelism.pipeline_parallel_degree", "2",
+                                         "--parallelism.tensor_parallel_degree", "2",
+                                         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                         "--lora.rank", "4", "--lora.modules", "layers.5.*"],
+}
+
+
+def _ledger_worker(rank, world, out, layouts):
     from torchpar.config import load_config
     from torchpar.parallel.ledger import CommLedger
     from torchpar.train import Trainer
 
     results = {}
     try:
-        for name, overrides in LEDGER_LAYOUTS.items():
+        for name, overrides in layouts.items():
             trainer = Trainer(load_config(TINY, overrides + ["--job.dump_folder", f"{out}/{name}"]))
             batches = iter(trainer.dataloader)
             trainer.train_step(batches)  # the first step creates lazy state; measure the second
@@ -98,13 +132,20 @@ def _ledger_worker(rank, world, out):
                 "unknown": ledger.unknown,
             }
     finally:
-        if rank == 0:
-            torch.save(results, f"{out}/ledger.pt")
+        torch.save(results, f"{out}/ledger{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def ledgers():
-    return torch.load(f"{spawn_ranks(_ledger_worker, 2)}/ledger.pt", weights_only=False)
+    return _ledgers(LEDGER_LAYOUTS, 2)
+
+
+def _ledgers(layouts: dict, world: int) -> dict:
+    """Each layout's ledger on rank 0 and, under ``"last"``, on the last rank (a pipeline's last
+    stage)."""
+    out = spawn_ranks(_ledger_worker, world, layouts)
+    first, last = (torch.load(f"{out}/ledger{rank}.pt", weights_only=False) for rank in (0, world - 1))
+    return {name: {**first[name], "last": last[name]} for name in first}
 
 
 @pytest.mark.slow
@@ -124,6 +165,10 @@ def test_planner_communication_equals_the_ledger(ledgers, name):
         sum(measured["sent"].values()), rel=0, abs=1e-6
     )
     # ...and that the bytes went over the dimension the planner says.
+    if "pp2" in name:  # the last stage's sends: the gradients back (none to a stage with nothing trained)
+        at_last = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len, pp_rank=1)
+        assert sum(c["bytes"] for c in at_last.values()) == pytest.approx(
+            sum(measured["last"]["sent"].values()), rel=0, abs=1e-6)
     dims = set(predicted) - {"world"}
     expected = ({"tp"} if "tp2" in name else {"pp"} if "pp2" in name
                 else {"cp", lay.reduce_dim, lay.shard_dim} & dims if "cp2" in name
@@ -132,6 +177,23 @@ def test_planner_communication_equals_the_ledger(ledgers, name):
     if "cp2" in name:  # the exchanges themselves, kind by kind
         sent = sum(b for dim, kind, b, n in measured["records"] if kind == "all_to_all")
         assert sent == pytest.approx(predicted["cp"]["bytes"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_planner_pipeline_and_tensor_parallel_communication_equals_the_ledger_on_four_ranks():
+    """Both stages' sends (rank 0: the first stage's tp rank 0; rank 3: the last's tp rank 1)."""
+    from torchpar.config import load_config
+    from torchpar.plan import PRESETS, communication, layout_from_config
+
+    ledgers = _ledgers(LEDGER_LAYOUTS_4, 4)
+    for name, overrides in LEDGER_LAYOUTS_4.items():
+        cfg = load_config(TINY, overrides)
+        lay, model, args = layout_from_config(cfg, 4)
+        for pp_rank, measured in ((0, ledgers[name]), (1, ledgers[name]["last"])):
+            assert not measured["unknown"], measured["unknown"]
+            predicted = communication(model, args, lay, PRESETS["A100-80GB"], cfg.training.seq_len, pp_rank)
+            assert sum(c["bytes"] for c in predicted.values()) == pytest.approx(
+                sum(measured["sent"].values()), rel=0, abs=1e-6), (name, pp_rank)
 
 
 def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:

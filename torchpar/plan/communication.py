@@ -10,6 +10,7 @@ import math
 
 from torchpar.fault_tolerance import tag_bytes
 from torchpar.models.common import WHOLE_STYLES, planned_under
+from torchpar.models.lora import first_adapted_block, is_adapter
 from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import PARAM_GROUPS, kind_of, param_role, update_flops
 from torchpar.parallel.flat import flat_shards
@@ -93,16 +94,20 @@ def _measured(table: dict, link: str, n: int, kind: str, bw: float) -> tuple[flo
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_terms(model, args, layer: int) -> dict:
+def _block_terms(model, args, layer: int, lora: tuple | None = None) -> dict:
     """What block ``layer`` of the adapter's plan sends under TP, by kind (cached: the search prices
     thousands of layouts): ``pairs`` (residual-stream conversions both ways), ``gathered`` (inputs
     whose every user runs whole: forward only), ``routed`` modules, ``inner`` (a routed module's
     row-wise outputs and column-wise inputs), ``summed`` (the widths of whole modules' outputs that
-    each rank's heads use, whose gradients are summed), and the replicated parameters whose partial
-    gradients are all-reduced once per step: ``sp_params`` (under sequence parallelism) and
-    ``head_params`` (a rank's own heads': always), as element counts. Modules the block leaves out
-    (a MoE block without shared experts: no parameter) count nothing."""
-    entries = model.block_params(args, layer)
+    each rank's heads use, whose gradients are summed), and the replicated trained parameters whose
+    partial gradients are all-reduced once per step: ``sp_params`` (under sequence parallelism),
+    ``head_params`` (a rank's own heads': always) and ``adapter_params`` (LoRA's pieces a split
+    layer leaves whole — A beside a column-wise weight, B beside a row-wise one — which meet the
+    other ranks' parts: always), as element counts. ``modules``: the same per module that converts
+    the residual stream, in forward order, for :func:`_frozen_backward`. Modules the block leaves
+    out (a MoE block without shared experts: no parameter) count nothing. ``lora``: LoRA's spec
+    (``models.lora.spec``; None: every parameter trained)."""
+    entries = block_entries(model, args, layer, lora)
     held = set()
     for name, _, _ in entries:
         parts = name.split(".")
@@ -114,17 +119,67 @@ def _block_terms(model, args, layer: int) -> dict:
            "routed": len(routed),
            "inner": sum(w == "rowwise_replicated" or (w == "colwise" and m.startswith(routed))
                         for m, w in plan.items()) if routed else 0,
-           "summed": [], "sp_params": [], "head_params": []}
+           "summed": [], "sp_params": [], "head_params": [], "adapter_params": []}
+    modules = {m: {"word": w, "rowwise": 0, "inner_colwise": 0, "summed": [], "adapted": False}
+               for m, w in plan.items() if w in ("input", "whole_input", "routed")}
+
+    def owner(name):  # (the converting module ``name`` lies in, if any)
+        return next((modules[m] for m in modules if name.startswith(m + ".")), None)
+
+    for m, w in plan.items():
+        if owner(m) is not None:
+            owner(m)["rowwise"] += w == "rowwise"
+            owner(m)["inner_colwise"] += w == "colwise" and m.startswith(routed)
+    weights = {name.rpartition(".")[0]: tp_dim for name, _, tp_dim in entries if name.endswith(".weight")}
     for name, (r, c), tp_dim in entries:
         module = name.rpartition(".")[0]
         word = plan.get(module)
-        if word in ("latent", "shared"):
+        if word in ("latent", "shared") and not is_adapter(name):  # (its adapters add to its output)
             out["summed"].append(r)
-        if tp_dim is None and word not in WHOLE_STYLES:
+            if owner(name) is not None:
+                owner(name)["summed"].append(r)
+        if is_adapter(name) and owner(name) is not None:
+            owner(name)["adapted"] = True
+        if not trained(name, lora) or tp_dim is not None:
+            continue  # (a frozen parameter has no gradient; a split one's is its own)
+        if is_adapter(name) and weights[module] is not None:  # (beside a replicated weight: as it)
+            out["adapter_params"].append(r * c)
+        elif word not in WHOLE_STYLES:
             if word == "head_norm":
                 out["head_params"].append(r * c)
             elif not name.startswith(routed):  # (a routed module's input is gathered)
                 out["sp_params"].append(r * c)
+    out["modules"] = tuple(modules.values())
+    return out
+
+
+def _frozen_backward(model, args, lora: tuple | None, blocks: list[int]) -> dict:
+    """The backward exchanges autograd leaves out under LoRA (spec ``lora``; None: none) in this
+    rank's ``blocks``: nothing before the first module holding an adapter is trained (the embedding
+    is frozen), so no gradient flows there — through every stage: a pipeline stage's input asks for
+    a gradient only where its sender's output has one. Counted: each converted input's gradient
+    (``inputs``), a routed module's column-wise inputs' (``inner``) and its experts' rows
+    (``rows``); in modules without adapters, their outputs' gradients (row-wise and routed:
+    ``outputs``), their whole modules' summed ones (``summed``, widths) and, where it is a block's
+    attention (its first module, in every family), the attention's own (``attention``); and the
+    blocks passed whole (``blocks``: no backward, so no recomputation either)."""
+    out = {"inputs": 0, "inner": 0, "rows": 0, "outputs": 0, "summed": [], "attention": 0, "blocks": set()}
+    if lora is None:
+        return out
+    held = set(blocks)
+    for i in range(args.n_layers + model.prediction_depths(args)):  # (the depths' blocks follow the trunk)
+        mine = i in held
+        for k, m in enumerate(_block_terms(model, args, i, lora)["modules"]):
+            out["inputs"] += mine and m["word"] == "input"
+            out["inner"] += mine * m["inner_colwise"]
+            out["rows"] += mine and m["word"] == "routed"
+            if m["adapted"]:  # (its output, and everything downstream, needs its gradient)
+                return out
+            out["outputs"] += mine * (m["rowwise"] + (m["word"] == "routed"))
+            out["summed"] += m["summed"] if mine else []
+            out["attention"] += mine and k == 0
+        if mine:
+            out["blocks"].add(i)
     return out
 
 
@@ -140,14 +195,16 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: li
     each column-wise linear's input gradient backward, and its routed experts' ``k`` rows per token
     (the dropless count) both ways. Modules every rank runs whole (latent attention's latents): where
     each rank's heads use the output, its gradient is summed in backward; their parameters'
-    gradients come out whole. Parameters TP replicates that see sequence-sharded activations, or a
-    rank's own heads (per-head norms): their partial gradients all-reduced once per step. The
-    embedding and the head run ``passes`` times a forward (multi-token prediction's depths embed
-    their tokens and use the head again)."""
+    gradients come out whole. Trained parameters TP replicates that see sequence-sharded
+    activations, or a rank's own heads (per-head norms), and LoRA's whole pieces of split layers:
+    their partial gradients all-reduced once per step. Under LoRA nothing before the first adapter
+    gets a gradient (:func:`_frozen_backward`): neither the embedding's output (not gathered back)
+    nor the frozen modules' before it. The embedding and the head run ``passes`` times a forward (multi-token
+    prediction's depths embed their tokens and use the head again)."""
     micro_batch, n_micro = lay.micro_steps
-    t, act = lay.tp, lay.param_dtype_bytes
+    t, act, lora = lay.tp, lay.param_dtype_bytes, lora_spec(lay.lora)
     hidden = micro_batch * seq * args.dim * act  # (seq: this rank's tokens)
-    terms = [_block_terms(model, args, i) for i in blocks]
+    terms = [_block_terms(model, args, i, lora) for i in blocks]
 
     def total(key):
         return sum(term[key] for term in terms)
@@ -155,20 +212,27 @@ def _tensor_parallel(sent: _Sent, model, args, lay: Layout, seq: int, blocks: li
     embeddings = sum(word == "embedding" for word in model.top_plan.values())
     pairs = total("pairs") + (embeddings * first + last) * passes
     routed = total("routed")
-    sent.add("tp", "all_reduce", hidden, t, total("inner") * n_micro)
-    sent.add("tp", "all_reduce", hidden * model.expert_slots(args), t, 2 * routed * n_micro)
+    frozen = _frozen_backward(model, args, lora, blocks)
+    sent.add("tp", "all_reduce", hidden, t, (total("inner") - frozen["inner"]) * n_micro)
+    rows = hidden * model.expert_slots(args)
+    sent.add("tp", "all_reduce", rows, t, (2 * routed - frozen["rows"]) * n_micro)
     summed = [r for term in terms for r in term["summed"]]
+    for r in frozen["summed"]:
+        summed.remove(r)
     if summed:
         width = sum(summed) / len(summed)  # (the mean: bytes and calls as issued)
         sent.add("tp", "all_reduce", micro_batch * seq * act * width, t, len(summed) * n_micro)
     if lay.sequence_parallel:
-        sent.add("tp", "all_gather", hidden, t, (pairs + total("gathered") + 2 * routed) * n_micro)
-        sent.add("tp", "reduce_scatter", hidden, t, pairs * n_micro)
+        skipped = frozen["outputs"] + (embeddings * passes if lora and first else 0)
+        sent.add("tp", "all_gather", hidden, t, (pairs + total("gathered") + 2 * routed - skipped) * n_micro)
+        sent.add("tp", "reduce_scatter", hidden, t, (pairs - frozen["inputs"]) * n_micro)
     else:
-        sent.add("tp", "all_reduce", hidden, t, pairs * n_micro)
-    params = [n for term in terms for n in term["head_params"] + term["sp_params"] * lay.sequence_parallel]
+        sent.add("tp", "all_reduce", hidden, t, (pairs - frozen["inputs"]) * n_micro)
+    params = [n for term in terms for n in
+              term["head_params"] + term["adapter_params"] + term["sp_params"] * lay.sequence_parallel]
     if lay.sequence_parallel:  # the stages' own modules (the final norm)
-        params += [r * c for _, (r, c), tp_dim in _own_params(model, args, first, last) if tp_dim is None]
+        params += [r * c for name, (r, c), tp_dim in _own_params(model, args, first, last)
+                   if tp_dim is None and trained(name, lora)]
     if params:
         sent.add("tp", "all_reduce", 4 * sum(params) / len(params), t, len(params))
     if last:
@@ -234,7 +298,9 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
         expert_units.append([e[:4] for e in entries if e[4] in experts])
     root = [(*rc, act, trained(name, lora)) for rc, name in zip(local[:n_first] + local[ends[-1]:],
                                                                  names[:n_first] + names[ends[-1]:])]
-    _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r)
+    frozen = _frozen_backward(model, args, lora, layers)["blocks"]
+    backward = [layer not in frozen for layer in layers]
+    _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r, backward)
     # FP8 gathers' scales, after each step: one all-reduce of the weights' absolute maxima (fp32),
     # over each dimension that splits them
     mine = sum(any(w.startswith(f"layers.{i}.") for i in layers) for w in fp8)
@@ -243,14 +309,16 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
         sent.add("tp", "all_reduce", 4 * mine, lay.tp)
     if any(expert_units):
         _fsdp_units(sent, lay, expert_units, [], lay.expert_shard_ranks,
-                    "efsdp_cp" if lay.cp > 1 else "efsdp", r)
+                    "efsdp_cp" if lay.cp > 1 else "efsdp", r, backward)
 
 
-def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim: str, r: int) -> None:
+def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim: str, r: int,
+                backward: list[bool]) -> None:
     """The collectives of FSDP2 units sharded over ``n`` ranks of ``dim``: one per block, the
     root's, and HSDP's all-reduce over ``r`` replicas. A unit: (rows, cols, bytes per gathered
     element: the compute dtype's, or 1 for a weight gathered in FP8; whether it is trained) of each
-    parameter; gradients (fp32) are reduced for the trained ones alone."""
+    parameter; gradients (fp32) are reduced for the trained ones alone. ``backward``: whether each
+    block runs one (under LoRA, not those before the first adapter)."""
     def unit_bytes(shapes, dtype_bytes=None):
         return sum((dtype_bytes or gathered) * math.ceil(a / n) * n * b for a, b, gathered, learned in shapes
                    if learned or dtype_bytes is None)
@@ -261,7 +329,9 @@ def _fsdp_units(sent: _Sent, lay: Layout, blocks: list, root: list, n: int, dim:
     # ... and reduces every micro-step's gradients, unless they accumulate unsharded until the last.
     reduces = gathers if lay.reduce_every_microstep else 1
     for i, unit in enumerate(blocks):
-        again = lay.pp == 1 and i < len(blocks) - 1
+        # (FSDP2 gathers a block again when the next one's backward starts, which prefetches it:
+        # under LoRA the last block before the first adapter too, though it runs no backward)
+        again = lay.pp == 1 and i < len(blocks) - 1 and backward[i + 1]
         sent.add(dim, "all_gather", unit_bytes(unit), n, 2 * gathers if again else gathers)
     if root:
         sent.add(dim, "all_gather", unit_bytes(root), n, gathers)
@@ -345,19 +415,21 @@ def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     through the blocks of global indices ``blocks`` that hold experts. Each forward of such a
     block exchanges the per-expert counts (int64) and sends its rows to the experts' ranks and
     takes them back; backward sends the rows' gradients both ways again; a block recomputation
-    wraps runs its forward's again. The rows: ``k`` per token (dropless) of which (ep - 1) / ep
-    leave the rank — an assumption: routing balanced over the ep ranks (skewed routing sends
-    more from some ranks, less from others)."""
+    wraps runs its forward's again. Under LoRA, no backward (nor recomputation) for the experts
+    before the first adapter (:func:`_frozen_backward`). The rows: ``k`` per token (dropless) of
+    which (ep - 1) / ep leave the rank — an assumption: routing balanced over the ep ranks (skewed
+    routing sends more from some ranks, less from others)."""
     e, act = lay.ep, lay.param_dtype_bytes
     names = expert_names(model)
     routed = [i for i in blocks if any(name in names for name, _, _ in model.block_params(args, i))]
+    frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
-    again = sum(recomputed(i, policy, every) for i in routed)
+    again = sum(recomputed(i, policy, every) for i in routed if i not in frozen["blocks"])
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2
     forwards = len(routed) + again
     rows = tokens * model.expert_slots(args) * args.dim * act * (e - 1) / e
-    sent.add("ep", "all_to_all", rows, e, 2 * (forwards + len(routed)), calls=n_micro)
+    sent.add("ep", "all_to_all", rows, e, 2 * (forwards + len(routed) - frozen["rows"]), calls=n_micro)
     sent.add("ep", "all_to_all", 8 * model.experts(args) * (e - 1) / e, e, forwards * n_micro)
 
 
@@ -368,15 +440,19 @@ def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     the key/value block (its KV heads) cp-1 times in forward and in backward, and the key/value
     gradients (fp32) cp times. A block that recomputation wraps runs
     its forward's exchanges again — except the ring's under selective recomputation, which keeps
-    the ring's output as it keeps a fused attention's (the all-to-alls' results it does not keep)."""
+    the ring's output as it keeps a fused attention's (the all-to-alls' results it does not keep).
+    Under LoRA, no backward (nor recomputation) for the attentions before the first adapter
+    (:func:`_frozen_backward`)."""
     c, act = lay.cp, lay.param_dtype_bytes
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
     if policy == "selective" and lay.cp_method == "ring":
         policy = "none"
-    again = sum(recomputed(i, policy, every) for i in blocks)
+    frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
+    again = sum(recomputed(i, policy, every) for i in blocks if i not in frozen["blocks"])
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2  # input- and weight-gradient passes each recompute the block
-    passes = 2 * len(blocks) + again  # forward and backward of every block, and the forwards run again
+    backward = len(blocks) - frozen["attention"]
+    passes = len(blocks) + backward + again  # forward and backward of every block, and the forwards run again
     heads, kv_heads, qk, v = model.attention_heads(args)
     per_rank = tokens / lay.tp  # (each tp rank its share of the heads)
     if lay.cp_method == "alltoall":
@@ -385,7 +461,7 @@ def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     else:
         kv = per_rank * kv_heads * (qk + max(qk, v))  # (values narrower than keys travel widened)
         sent.add("cp", "all_to_all", kv * act, c, passes * (c - 1), calls=n_micro)
-        sent.add("cp", "all_to_all", kv * 4, c, len(blocks) * c, calls=n_micro)
+        sent.add("cp", "all_to_all", kv * 4, c, backward * c, calls=n_micro)
 
 
 def _figures_bytes(model, args, lay: Layout) -> int:
@@ -453,10 +529,15 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
         sent.add("replicas", "all_reduce", figures + tags, lay.replica_groups)
     if lay.pp > 1:
         # Each microbatch crosses every stage boundary forward (activations) and back (their
-        # gradients); a rank sends from each of its stages that has a neighbour. The prediction
-        # depths' token embeddings travel beside the hidden states.
-        hidden = micro_batch * seq * args.dim * (1 + depths) * lay.param_dtype_bytes
-        sent.add("pp", "send", hidden, lay.pp, sum((s < len(split) - 1) + (s > 0) for s in stages) * n_micro)
+        # gradients); a rank sends from each of its stages that has a neighbour — back only where
+        # something before the stage is trained (under LoRA a stage before the first adapter asks
+        # for no gradient). The prediction depths' token embeddings travel in one tensor with the
+        # hidden states; under sequence parallelism each tp rank sends its share of the tokens.
+        share = lay.tp if lay.sequence_parallel else 1
+        hidden = micro_batch * seq * args.dim * (1 + depths) * lay.param_dtype_bytes // share
+        trained_from = first_adapted_block(model, args, lora_spec(lay.lora))
+        crossings = sum((s < len(split) - 1) + (s > 0 and starts[s] > trained_from) for s in stages)
+        sent.add("pp", "send", hidden, lay.pp, crossings * n_micro)
     # Links: mesh dims (pp, dp_replicate, dp_shard, cp, tp), tp innermost; a dim is intra-node when
     # all the ranks it spans fit in one node.
     t, c, n, e = lay.tp, lay.cp, lay.dp_shard, lay.ep
