@@ -428,6 +428,64 @@ def test_activations_predicted_under_context_parallelism():
         assert all(0.9 <= x <= 1.1 for x in r["block_ratios"]) and 0.9 <= r["ratio"] <= 1.1, r
 
 
+def _lora_activation_worker(rank, world, out, cases):
+    from types import SimpleNamespace
+
+    from torchpar.models import MODELS
+    from torchpar.parallel.layout import Layout
+    from torchpar.verify import activation_check
+
+    model = MODELS["llama3"]
+    args = model.args("debug", n_layers=4)
+    results = []
+    for modules, policy, sp in cases:
+        lora = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, modules=[modules], exclude=["*.gate"])
+        lay = Layout(tp=world, sequence_parallel=sp, loss_parallel=world > 1, activation_checkpoint=policy,
+                     local_batch_size=2, lora_rank=4, lora=lora)
+        lay.build_mesh("cpu")
+        r = activation_check(model, args, lay, 2, 64)
+        results.append({"case": [modules, policy, world, sp], **{k: r[k] for k in (
+            "block_ratios", "measured_blocks", "predicted_blocks", "ratio")}})
+    if rank == 0:
+        with open(f"{out}/activations.json", "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.slow
+def test_activations_predicted_under_lora():
+    """Under LoRA a frozen weight keeps nothing for its own gradient, and nothing before the first
+    adapted layer keeps anything: the planner traces the block with its adapters and frozen base.
+    Every layer, attention's alone, the last block's, one block's feed-forward; each policy; one
+    process and tp 2 with sequence parallelism; with adapters in every block, each policy holding
+    less than the one before. (Where
+    the first adapted block is recomputed, its kept input is the previous block's output: the
+    measurement counts it there, the planner in the block that keeps it — the pair's sum is
+    compared.)"""
+    patterns = ("layers.*", "layers.*.attention.*", "layers.3.*", "layers.2.feed_forward.*")
+    first = {"layers.3.*": 3, "layers.2.feed_forward.*": 2}
+    for world, sp in ((1, False), (2, True)):
+        cases = [(m, policy, sp) for m in patterns for policy in ("none", "selective", "full")]
+        with open(f"{spawn_ranks(_lora_activation_worker, world, cases)}/activations.json") as f:
+            results = json.load(f)
+        for r in results:
+            blocks = " ".join(f"{x:.3f}" for x in r["block_ratios"])
+            print(*r["case"], "blocks", blocks, f"whole {r['ratio']:.3f}")
+            measured, predicted = r["measured_blocks"], r["predicted_blocks"]
+            k = first.get(r["case"][0], 0)
+            if k:  # nothing held before the block before the first adapted one; that pair summed
+                assert measured[:k - 1] == predicted[:k - 1] == [0] * (k - 1), r
+                measured = [measured[k - 1] + measured[k], *measured[k + 1:]]
+                predicted = [predicted[k - 1] + predicted[k], *predicted[k + 1:]]
+            assert all(0.9 <= m / p <= 1.1 for m, p in zip(measured, predicted)), r
+            assert 0.95 <= r["ratio"] <= 1.05, r
+        # Less memory for more recomputation under LoRA too, adapters in every block: selective
+        # recomputes their low-rank products (it kept them with the matmuls', above what no
+        # recomputation holds).
+        for m in patterns[:2]:
+            held = [sum(r["measured_blocks"]) for r in results if r["case"][0] == m]
+            assert held[0] > held[1] > held[2], (m, world, held)
+
+
 def _peak_worker(rank, world, out, shapes):
     from torchpar.config import load_config
     from torchpar.verify import step_peak_check

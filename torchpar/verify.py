@@ -61,7 +61,8 @@ def activation_check(model, args, lay, batch: int, seq: int) -> dict:
               for i in range(args.n_layers)]
     rest = held_bytes(model, args, lay, batch, seq, "none", part="rest")
     whole = sum(measured["blocks"]) + measured["rest"]
-    return {"block_ratios": [m / p for m, p in zip(measured["blocks"], blocks)],
+    return {"block_ratios": [m / p if p else (1.0 if m == 0 else float("inf"))  # (LoRA: frozen blocks hold 0)
+                             for m, p in zip(measured["blocks"], blocks)],
             "measured_blocks": measured["blocks"], "predicted_blocks": blocks,
             "measured_bytes": whole, "predicted_bytes": sum(blocks) + rest,
             "ratio": whole / (sum(blocks) + rest)}

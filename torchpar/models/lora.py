@@ -20,6 +20,7 @@ holds, equal to the adapted one up to rounding.
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from fnmatch import fnmatch
 
@@ -63,10 +64,25 @@ def targets(module: nn.Module, model, lora) -> list[tuple[str, nn.Linear]]:
             and not any(fnmatch(name, p) for p in lora.exclude)]
 
 
+_LOW_RANK = threading.local()  # (per thread: autograd may recompute on another)
+
+
+def in_low_rank() -> bool:
+    """Whether the op running now belongs to an adapter's low-rank term — cheap to compute again
+    (r multiply-adds an output element), as wide as the layer's output to keep: selective
+    recomputation recomputes these rather than keep them as it keeps the layers' matmuls."""
+    return getattr(_LOW_RANK, "on", False)
+
+
 def _adapted(layer: nn.Linear, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
     """The forward hook of an adapted layer: its output plus the scaled low-rank term."""
     x = F.dropout(inputs[0], layer.lora_dropout, layer.training) if layer.lora_dropout else inputs[0]
-    return out + F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
+    _LOW_RANK.on = True
+    try:
+        low_rank = F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
+    finally:
+        _LOW_RANK.on = False
+    return out + low_rank
 
 
 def add_adapters(module: nn.Module, model, lora) -> None:

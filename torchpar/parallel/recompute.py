@@ -4,7 +4,8 @@
 with ``every = k``; the others keep all they save). ``selective``: torch's selective
 checkpointing; the outputs of matmuls, of attention and of reductions (tensor parallelism's
 all-reduce and reduce-scatter, which follow a matmul on the critical path) are kept, and the cheap
-elementwise work between them (norms, RoPE, activation functions, residual adds) is recomputed —
+elementwise work between them (norms, RoPE, activation functions, residual adds) is recomputed, as
+are LoRA's low-rank products (r multiply-adds an element, each as wide as its layer's output) —
 most of full recomputation's saving, little of its cost. Sequence parallelism's all-gathers run
 again in backward: keeping them would hold each norm's output at full length; so do context
 parallelism's exchanges around attention, which would hold q, k, v and the output twice.
@@ -16,6 +17,8 @@ import functools
 
 import torch
 from torch import nn
+
+from torchpar.models.lora import in_low_rank
 
 # What selective recomputation keeps rather than recomputes (aten and functional-collective
 # overloads; looked up by name, so one missing from a torch build is simply absent).
@@ -46,7 +49,9 @@ def kept_ops() -> frozenset:
 def _policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    # (LoRA's low-rank products are recomputed: r multiply-adds an element, a layer's width to keep)
+    kept = op in kept_ops() and not in_low_rank()
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

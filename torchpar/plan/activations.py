@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from torch.utils._pytree import tree_leaves
 from torchpar.loss import cross_entropy_sum
 from torchpar.models import canonical_name
 from torchpar.models.common import WHOLE_STYLES, planned_under
+from torchpar.models.lora import adapted_layers, add_adapters, first_adapted_block, freeze_base
+from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel.recompute import apply_recompute, recomputed
 
 NORM_OUTPUT = "norm output"  # a norm's result: gathered to full length before a column-wise linear
@@ -131,13 +134,24 @@ def _traced_plan(plan: dict[str, str]) -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=256)
-def traced(model, one, policy: str, dtype: torch.dtype, batch: int, seq: int) -> dict:
+def traced(model, one, policy: str, dtype: torch.dtype, batch: int, seq: int, lora: tuple | None = None,
+           grad_in: bool = True) -> dict:
     """Bytes the one-block model of args ``one`` (the adapter's ``traced_args``) and its loss hold
     at the end of the forward, on the meta device, by part ("block": the block; "rest": embedding,
-    final norm, head and loss) and creating style."""
+    final norm, head and loss) and creating style. ``lora``: (rank, dropout, the block's layers
+    LoRA adapts, by name in the block): those adapters added and every other parameter frozen, as
+    the trainer does — a frozen weight keeps nothing for its own gradient — with the block's input
+    carrying a gradient where ``grad_in`` (not before the first adapted block); None: no LoRA."""
 
     with torch.device("meta"):
         module = model.build(one)
+    if lora is not None:
+        rank, dropout, layers = lora
+        add_adapters(module, model, SimpleNamespace(rank=rank, alpha=rank, dropout=dropout, exclude=(),
+                                                    modules=[f"layers.0.{name}" for name in layers]))
+        freeze_base(module)
+        if grad_in:
+            module.layers["0"].register_forward_pre_hook(_with_gradient)
     module.to(dtype)
     apply_recompute(module, policy)
     block = module.layers["0"]
@@ -152,6 +166,26 @@ def traced(model, one, policy: str, dtype: torch.dtype, batch: int, seq: int) ->
         held[part][style] = nbytes
     del loss
     return held
+
+
+def _with_gradient(block, args):
+    """The block's input as one that carries a gradient (a trained block before it)."""
+    return (args[0].detach().requires_grad_(), *args[1:])
+
+
+def _lora_of(model, args, lay, layer: int | None) -> tuple[tuple | None, bool, int]:
+    """For :func:`traced`: LoRA's (rank, dropout, layers adapted in block ``layer``, by name in the
+    block) — None without LoRA —, whether the block's input carries a gradient, and the first
+    adapted block (0 without LoRA). ``layer`` None: a block past the first adapted one, adapted as
+    that one is."""
+    spec = lora_spec(lay.lora)
+    if spec is None:
+        return None, True, 0
+    first = first_adapted_block(model, args, spec)
+    at = first if layer is None else layer
+    names = tuple(name.split(".", 2)[2] for name in adapted_layers(model, args, spec)
+                  if int(name.split(".")[1]) == at)
+    return (spec[0], lay.lora.dropout, names), layer is None or layer > first, first
 
 
 # How tensor parallelism divides what a tp = 1 model holds, by creating style: "sp" = by tp only
@@ -195,10 +229,20 @@ def held_bytes(model, args, lay, batch: int, seq: int, policy: str, part: str = 
     # Everything held is linear in the batch: traced for one sequence.
     dtype, local = getattr(torch, lay.param_dtype), seq // lay.cp
     one = model.traced_args(args, None if layer is None else model.block_kind(args, layer), lay.tp)
-    held = traced(model, one, policy, dtype, 1, local)[part]
+    lora, grad_in, first = _lora_of(model, args, lay, layer)
+    if part == "rest" and lora is not None:
+        return batch * divide(_lora_rest(model, args, lay, dtype, local), lay, "none")
+    if part == "block" and layer is not None and layer < first:
+        return 0.0  # (LoRA: no backward before the first adapted block, nothing kept for one)
+    traces = traced(model, one, policy, dtype, 1, local, lora, grad_in)
     if lay.cp > 1 and lay.cp_method == "alltoall":
-        whole = traced(model, one, policy, dtype, 1, seq)[part]
-        held = _over_whole_sequences(held, whole, local, seq, lay.cp)
+        whole = traced(model, one, policy, dtype, 1, seq, lora, grad_in)
+        traces = {p: _over_whole_sequences(traces[p], whole[p], local, seq, lay.cp) for p in traces}
+    held = dict(traces[part])
+    if part == "block" and lora is not None and not grad_in and first and policy != "none":
+        # The first adapted block, recomputed, keeps its input: the frozen blocks' output (in the
+        # one-block trace, the embedding's).
+        held["block"] = held.get("block", 0) + traces["rest"].get("embedding", 0)
     return batch * divide(held, lay, policy)
 
 
@@ -215,12 +259,29 @@ def _over_whole_sequences(local_held: dict, whole_held: dict, local: int, seq: i
     return out
 
 
+def _lora_rest(model, args, lay, dtype: torch.dtype, seq: int) -> dict:
+    """Under LoRA, what the embedding, final norm, head and loss hold, by style, for one sequence:
+    the head and the loss as for any trained block before them (a frozen head keeps nothing for
+    its own gradient), and the embedding's output only where the first block is adapted and
+    recomputed (which keeps its input) — nothing else keeps it: the first block's norm is frozen
+    and its input carries no gradient, and before the first adapted block nothing runs backward."""
+    lora, _, first = _lora_of(model, args, lay, None)
+    held = dict(traced(model, model.traced_args(args), "none", dtype, 1, seq, (*lora[:2], ()), True)["rest"])
+    kept = (first == 0 and lay.activation_checkpoint != "none"
+            and recomputed(0, lay.activation_checkpoint, lay.activation_checkpoint_every))
+    held["embedding"] = held.get("embedding", 0) if kept else 0  # (the trace's block keeps it: its input)
+    return held
+
+
 def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) -> float:
     """Bytes the modules around the blocks hold, per microbatch: the embedding's output on the
     first stage; the final norm and the head on the last (the loss's own share is the planner's
     logits term)."""
     dtype = getattr(torch, lay.param_dtype)
-    held = traced(model, model.traced_args(args), "none", dtype, 1, seq // lay.cp)["rest"]
+    if lay.lora_rank:
+        held = _lora_rest(model, args, lay, dtype, seq // lay.cp)
+    else:
+        held = traced(model, model.traced_args(args), "none", dtype, 1, seq // lay.cp)["rest"]
     styles = (("embedding",) if first else ()) + (("norm", NORM_OUTPUT, "head") if last else ())
     return batch * divide({s: n for s, n in held.items() if s in styles}, lay, "none")
 
@@ -232,7 +293,9 @@ def stage_activation_bytes(model, args, lay, batch: int, seq: int, first: int, l
     # Blocks alike (their kind, recomputed or not) counted once: one trace each, whatever the depth.
     alike: dict[tuple, list[int]] = {}  # -> [a block of them, how many]
     for i in range(first, first + layers):
-        key = (model.block_kind(args, i), policy if recomputed(i, policy, every) else "none")
+        lora, grad_in, adapted_from = _lora_of(model, args, lay, i)  # (LoRA: blocks differ by their adapters)
+        key = (model.block_kind(args, i), policy if recomputed(i, policy, every) else "none", lora, grad_in,
+               i < adapted_from)
         alike.setdefault(key, [i, 0])[1] += 1
     return sum(n * held_bytes(model, args, lay, batch, seq, kept, layer=i)
-               for (_, kept), (i, n) in alike.items())
+               for (_, kept, *_), (i, n) in alike.items())
