@@ -569,6 +569,9 @@ CASES = [
     Case("LoRA dropout under TP on a CPU", CHECK + " --lora.rank 4 --lora.dropout 0.1"
          " --parallelism.tensor_parallel_degree 2", "lora.dropout = 0.1 with tensor_parallel_degree = 2",
          world=2),
+    Case("LoRA past the first stage of a split-backward schedule", CHECK + " --lora.rank 4 --lora.modules"
+         " layers.7.* --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule"
+         " ZBVZeroBubble", "lora.modules adapts no layer of the first pipeline stage", "1F1B", world=2),
     Case("LoRA resuming a full checkpoint", CKPT + " --lora.rank 4", "it trained every parameter",
          "checkpoint.initial_load_path", run=True),
     Case("PEFT export of a full checkpoint", EXPORT + "--format peft --out {t}/adapter",

@@ -126,6 +126,7 @@ WORLD2 = {
     "tp2_sp_lp_lora": [*TP2, Z, "0", *LORA],
     "pp2_ZBVZeroBubble_lora": pp(2, "ZBVZeroBubble", Z, "0", *LORA),
     "pp2_GPipe_zero3_lora_top": pp(2, "GPipe", Z, "3", *LORA_TOP),
+    "pp2_1F1B_zero1_lora_top": pp(2, "1F1B", Z, "1", *LORA_TOP),
 }
 WORLD4 = {
     "dp4_zero3": [LB, "2", Z, "3"],

@@ -3,6 +3,8 @@ worked examples, search and the command line."""
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,6 +53,9 @@ LEDGER_LAYOUTS = {
     "tp2_deepseek_lora_top": [Z, "0", "--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree",
                               "2", "--lora.rank", "4", "--lora.modules", "layers.2.*"],
     "tp2_mtp_lora": [Z, "0", *MTP, "--parallelism.tensor_parallel_degree", "2", "--lora.rank", "4"],
+    # (a prediction depth's join runs before its block: adapted, the block's input gets a gradient)
+    "tp2_mtp_lora_depth": [Z, "0", *MTP, "--parallelism.tensor_parallel_degree", "2", "--lora.rank", "4",
+                           "--lora.modules", "layers.8.*"],
     "pp2_mtp_lora_top": [Z, "0", *MTP, "--parallelism.pipeline_parallel_degree", "2", "--lora.rank", "4",
                          "--lora.modules", "layers.7.*"],
     # (and no context-parallel exchange in backward, nor a recomputation, nor FSDP2's gather for
@@ -429,8 +434,6 @@ def test_activations_predicted_under_context_parallelism():
 
 
 def _lora_activation_worker(rank, world, out, cases):
-    from types import SimpleNamespace
-
     from torchpar.models import MODELS
     from torchpar.parallel.layout import Layout
     from torchpar.verify import activation_check
@@ -726,3 +729,156 @@ def test_jobs_on_equal_meshes_share_each_submesh_object():
         assert experts[0].expert_dp_mesh is experts[1].expert_dp_mesh
     finally:
         dist.destroy_process_group()
+
+
+
+def test_the_planners_bytes_follow_which_layers_lora_adapts():
+    """Two LoRA jobs of one rank that adapt different layers hold different bytes: the planner's
+    remembered answers are keyed by the adapted layers, not the rank alone."""
+    from torchpar.config import load_config
+    from torchpar.models.lora import adapted_layers, spec
+    from torchpar.plan import layout_from_config, state_bytes
+
+    def planned(modules):
+        cfg = load_config(TINY, ["--lora.rank=4", "--lora.modules", modules])
+        lay, model, args = layout_from_config(cfg, 1)
+        adapted = adapted_layers(model, args, spec(cfg.lora))
+        learned = sum(4 * (out + inp) for out, inp in adapted.values())
+        got = state_bytes(model, args, lay, lay.rank_coords(0))
+        assert got["grad_bytes"] == 4 * learned, modules
+        return got
+
+    assert planned("layers.*.attention.*") != planned("layers.*.feed_forward.*")
+
+
+def test_a_rank_with_no_adapter_saves_and_loads_no_optimizer_state():
+    """A pipeline stage LoRA leaves without adapters updates nothing: under FSDP2 its optimizer
+    state is empty (torch's state-dict helpers refuse such an optimizer), and the planner's peaks
+    for it are the frozen base and one empty bucket."""
+    from torch import nn
+
+    from torchpar.config import load_config
+    from torchpar.parallel.flat import bucket_elements
+    from torchpar.parallel.fsdp import FSDPState
+    from torchpar.plan import layout_from_config, state_bytes
+    from torchpar.plan.layout import transient_bytes
+
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    state = FSDPState([frozen], torch.optim.AdamW([{"params": []}]), tp=1)
+    assert state.optimizer_state_dict() == {}
+    state.load_optimizer_state_dict({})
+
+    cfg = load_config(TINY, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "1",
+                             "--lora.rank=4", "--lora.modules", "layers.7.*"])
+    lay, model, args = layout_from_config(cfg, 2)
+    held = state_bytes(model, args, lay, {"pp": 0})
+    assert held["param_bytes"] > 0 and held["grad_bytes"] == held["optim_bytes"] == 0
+    peak = transient_bytes(model, args, lay, 0)["checkpoint_peak"]
+    assert peak == held["param_bytes"] + 4 * bucket_elements(lay)
+
+
+# The first adapted layer's block and module for each pattern, and that module's layers that read
+# its (frozen) input.
+FIRST_ADAPTED = {"layers.*": (0, "attention", ("wq", "wk", "wv")),
+                 "layers.2.*": (2, "attention", ("wq", "wk", "wv")),
+                 "layers.3.feed_forward.*": (3, "feed_forward", ("w1", "w3"))}
+
+
+@pytest.mark.parametrize("modules", [None, *FIRST_ADAPTED])
+def test_flops_per_token_are_what_forward_and_backward_run(modules):
+    """The FLOPs MFU and the planner divide by, against torch's FLOP counter over a real forward
+    and backward (attention's CPU kernels counted as the planner counts them: the full square,
+    backward 2 x forward). Exact without LoRA; with it, what runs before the first adapted layer
+    runs forward alone (adapting the last block alone costs about a third of training every
+    block), exact but for the input gradients of the layers that read the first adapted module's
+    frozen input, which autograd skips and the planner still counts."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from torchpar.models import MODELS
+    from torchpar.models.lora import A, add_adapters, flops_per_token, freeze_base, spec
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q, k, v)
+
+    def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+        return 2 * sdpa_flop_count(q, k, v)
+
+    ops = torch.ops.aten
+    cpu_kernels = {ops._scaled_dot_product_flash_attention_for_cpu: forward,
+                   ops._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    llama = MODELS["llama3"]
+    args, seq = llama.args("debug", n_layers=4), 64
+    adapters = None
+    if modules:
+        adapters = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, modules=[modules], exclude=["*.gate"])
+    with torch.device("meta"):
+        model = llama.build(args)
+    if adapters:
+        add_adapters(model, llama, adapters)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    if adapters:
+        freeze_base(model)
+    with FlopCounterMode(display=False, custom_mapping=cpu_kernels) as counter:
+        model(torch.randint(0, args.vocab_size, (1, seq))).float().sum().backward()
+    spared = 0
+    if adapters:
+        block, module, readers = FIRST_ADAPTED[modules]
+        layers = [model.layers[str(block)].get_submodule(f"{module}.{name}") for name in readers]
+        spared = 2 * seq * sum(layer.weight.numel() + getattr(layer, A).numel() for layer in layers)
+    predicted = flops_per_token(llama, args, seq, spec(adapters) if adapters else None) * seq
+    assert predicted - spared == counter.get_total_flops()
+
+
+def test_full_recomputation_reruns_no_block_before_the_first_adapter():
+    """Blocks that run no backward recompute nothing: with the last of 8 blocks adapted alone,
+    full recomputation costs an eighth of what it costs every block trained."""
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, recompute_flops_per_token
+
+    def recompute(*lora_args):
+        cfg = load_config(TINY, ["--training.activation_checkpoint", "full", *lora_args])
+        lay, model, args = layout_from_config(cfg, 1)
+        assert args.n_layers == 8
+        return recompute_flops_per_token(model, args, lay, cfg.training.seq_len)
+
+    assert recompute("--lora.rank=4", "--lora.modules", "layers.7.*") * 8 == recompute() > 0
+
+
+def test_an_adapted_block_compiles_in_one_graph_and_recomputes_its_low_rank_products():
+    """LoRA's forward hook marks its low-rank term for selective recomputation (eager: the products
+    are recomputed, not kept with the matmuls') without breaking a compiled block's graph."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchpar.models import MODELS
+    from torchpar.models.lora import add_adapters, in_low_rank
+    from torchpar.parallel import recompute
+
+    llama = MODELS["llama3"]
+    args = llama.args("debug", n_layers=1)
+    with torch.device("meta"):
+        model = llama.build(args)
+    add_adapters(model, llama, SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, modules=["layers.*"],
+                                               exclude=[]))
+    layer = model.layers["0"].attention.wq
+    seen = []
+
+    def spy(ctx, op, *a, **kw):
+        seen.append((op, in_low_rank(), recompute._policy(ctx, op, *a, **kw)))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(2, 8, args.dim, device="meta")
+    with torch.utils.checkpoint.create_selective_checkpoint_contexts(spy)[0]:
+        layer(x)
+    mms = [(low, policy) for op, low, policy in seen if op is torch.ops.aten.mm.default]
+    assert mms == [(False, CheckpointPolicy.MUST_SAVE), (True, CheckpointPolicy.PREFER_RECOMPUTE),
+                   (True, CheckpointPolicy.PREFER_RECOMPUTE)], mms
+    # compiled as the trainer compiles a recomputed block, on a thread that never ran the hook
+    # eagerly: one graph, forward and backward
+    recompute.apply_recompute(model, "selective")
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    block = torch.compile(model.layers["0"], backend="aot_eager", fullgraph=True)
+    h = torch.randn(2, 8, args.dim, requires_grad=True)
+    with ThreadPoolExecutor(1) as fresh:
+        fresh.submit(lambda: block(h, *model.block_args(None), None).sum().backward()).result()

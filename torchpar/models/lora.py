@@ -64,19 +64,27 @@ def targets(module: nn.Module, model, lora) -> list[tuple[str, nn.Linear]]:
             and not any(fnmatch(name, p) for p in lora.exclude)]
 
 
-_LOW_RANK = threading.local()  # (per thread: autograd may recompute on another)
+class _Flag(threading.local):  # (per thread: autograd may recompute on another)
+    on = False  # (a class default, so that every thread reads one without a getattr default)
+
+
+_LOW_RANK = _Flag()
 
 
 def in_low_rank() -> bool:
     """Whether the op running now belongs to an adapter's low-rank term — cheap to compute again
     (r multiply-adds an output element), as wide as the layer's output to keep: selective
     recomputation recomputes these rather than keep them as it keeps the layers' matmuls."""
-    return getattr(_LOW_RANK, "on", False)
+    return _LOW_RANK.on
 
 
 def _adapted(layer: nn.Linear, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
     """The forward hook of an adapted layer: its output plus the scaled low-rank term."""
     x = F.dropout(inputs[0], layer.lora_dropout, layer.training) if layer.lora_dropout else inputs[0]
+    if torch.compiler.is_compiling():
+        # (a compiled block traces no flag — a write to it would break the graph — and keeps the
+        # low-rank products with the matmuls' under selective recomputation)
+        return out + F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
     _LOW_RANK.on = True
     try:
         low_rank = F.linear(F.linear(x, layer.lora_a), layer.lora_b) * layer.lora_scale
@@ -139,13 +147,27 @@ def adapted_layers(model, args, lora_spec: tuple) -> dict[str, tuple[int, int]]:
     return {name: (m.out_features, m.in_features) for name, m in targets(module, model, lora)}
 
 
-def first_adapted_block(model, args, lora_spec: tuple | None) -> int:
-    """The first block holding an adapter (spec ``lora_spec``; 0 without LoRA, where every block is
-    trained): the blocks before it run no backward, nor recompute, and a pipeline stage of them
-    alone gets no gradient back."""
+def first_adapted(model, args, lora_spec: tuple | None) -> tuple[int, str | None]:
+    """The block of the first layer holding an adapter (spec ``lora_spec``), in the model's order,
+    and its module (the block's top-level one: ``attention``, ``feed_forward``); (0, None) without
+    LoRA, where every block is trained."""
     if lora_spec is None:
-        return 0
-    return int(next(iter(adapted_layers(model, args, lora_spec))).split(".")[1])  # (in the model's order)
+        return 0, None
+    _, block, module = next(iter(adapted_layers(model, args, lora_spec))).split(".")[:3]
+    return int(block), module
+
+
+def first_adapted_block(model, args, lora_spec: tuple | None) -> int:
+    """The first block holding an adapter (0 without LoRA): the blocks before it run no backward,
+    nor recompute, and a pipeline stage of them alone gets no gradient back."""
+    return first_adapted(model, args, lora_spec)[0]
+
+
+def adapted_in(model, args, lora_spec: tuple, layer: int) -> tuple[str, ...]:
+    """The layers LoRA adapts in block ``layer``, by name in the block (``attention.wq``)."""
+    prefix = f"layers.{layer}."
+    return tuple(name.removeprefix(prefix) for name in adapted_layers(model, args, lora_spec)
+                 if name.startswith(prefix))
 
 
 def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
@@ -162,7 +184,7 @@ def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
     adapted = adapted_layers(model, args, lora_spec)
     adapters = sum(lora_spec[0] * (n + k) for n, k in adapted.values())
     trained = full - 2 * model.matmul_weights(args) + 6 * adapters
-    block, module = first_adapted_block(model, args, lora_spec), next(iter(adapted)).split(".")[2]
+    block, module = first_adapted(model, args, lora_spec)
     if block >= args.n_layers:  # (a prediction depth's: every block of the model's own runs forward alone)
         block, module = args.n_layers, None
     before = model.blocks_alone(args, block)
@@ -175,7 +197,7 @@ def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
         weights += sum(r * c for name, (r, c), _ in entries if name.split(".")[0] in frozen and c > 1)
         matmuls = [top for top in tops if any(n.split(".")[0] == top and c > 1 for n, (_, c), _ in entries)]
         if matmuls[0] in frozen:  # (a block's first module of matmuls is its attention, in every family)
-            keys += model.attention_keys(model.blocks_alone(args, block + 1), seq_len) - keys
+            keys = model.attention_keys(model.blocks_alone(args, block + 1), seq_len)
     forward = 2 * weights + 2 * keys * model.attention_width(args)
     return trained - 2 * forward + 2 * weights
 

@@ -551,6 +551,10 @@ class MoEAdapter(LlamaAdapter):
         shared = {"shared expert width": args.shared_hidden} if args.shared_hidden else {}
         return {**super().tp_divisors(args), "routed expert width": args.moe_hidden, **shared}
 
+    def blocks_alone(self, args: MoEArgs, blocks: int) -> MoEArgs:
+        # (the first blocks are the dense ones: a cut to fewer holds no routed block)
+        return replace(super().blocks_alone(args, blocks), dense_layers=min(args.dense_layers, blocks))
+
     def blocks_params(self, args: MoEArgs, layers: range):
         dense = len(range(layers.start, min(layers.stop, args.dense_layers)))  # they come first
         return super().body_params(args) * dense + self.body_params(args) * (len(layers) - dense)

@@ -30,7 +30,7 @@ from torchpar.config import Parallelism
 from torchpar.console import warn
 from torchpar.device import device_type, float8_matmuls, group_timeout
 from torchpar.errors import ConfigError
-from torchpar.models.lora import adapted_layers, is_adapter, with_adapters
+from torchpar.models.lora import adapted_layers, first_adapted_block, is_adapter, with_adapters
 from torchpar.models.lora import spec as lora_spec
 from torchpar.optim import kind_of
 from torchpar.parallel.flat import MAX_BUCKETS, bucket_elements, flat_shards
@@ -527,7 +527,7 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     if layout.zero_stage < 3:
         _check_buckets(layout, model, args)
     if layout.lora_rank:
-        _check_lora(model, args, layout.lora, layout.tp, device)
+        _check_lora(model, args, layout, device)
     if layout.float8 != "off":
         why = float8_matmuls() if device == "cuda" else None  # (this machine's GPU, where it has one)
         if why:
@@ -538,11 +538,14 @@ def resolve_layout(par, tr, model, args, world: int, param_dtype: str, optimizer
     return layout
 
 
-def _check_lora(model, args, lora, tp: int, device: str) -> None:
+def _check_lora(model, args, layout: Layout, device: str) -> None:
     """LoRA's patterns must name linear layers, and its rank stay below their widths; its dropout
     under TP needs one mask on every tp rank for the input they share (a replicated DTensor), which
     torch's DTensor random ops draw on CUDA devices only (elsewhere each rank its own: the replicated
-    A's copies would drift apart)."""
+    A's copies would drift apart). A schedule that splits backward into input and weight passes
+    finds a stage's weights through its input's gradient (torch 2.13): a stage past the first whose
+    input carries none (no adapter before it) would train nothing."""
+    lora, tp = layout.lora, layout.tp
     if lora.dropout > 0 and tp > 1 and device != "cuda":
         raise ConfigError(f"lora.dropout = {lora.dropout:g} with tensor_parallel_degree = {tp} on {device}: "
                           "the tp ranks must draw one dropout mask for the input they share, which torch's "
@@ -559,6 +562,14 @@ def _check_lora(model, args, lora, tp: int, device: str) -> None:
         name = next(n for n, shape in adapted.items() if min(shape) == narrowest)
         raise ConfigError(f"lora.rank = {lora.rank} exceeds the {narrowest} features of {name} (an adapter "
                           f"of rank r adds nothing past min(in, out)); use lora.rank <= {narrowest}")
+    first, stage0 = first_adapted_block(model, args, lora_spec(lora)), split_of(model, args, layout)[0]
+    if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD and first >= stage0:
+        raise ConfigError(f"lora.modules adapts no layer of the first pipeline stage (layers 0-{stage0 - 1}; "
+                          f"the first adapted is layers.{first}) with pipeline_parallel_schedule = "
+                          f"{layout.schedule!r}, whose split backward finds a stage's weights through its "
+                          "input's gradient, which none carries before the first adapter: adapt a layer of "
+                          "the first stage, or use a schedule without a split backward (1F1B, "
+                          "Interleaved1F1B, GPipe)")
 
 
 def _check_experts(model, args, lay: Layout) -> None:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torchpar.loss import cross_entropy_sum
 from torchpar.models import canonical_name
 from torchpar.models.common import WHOLE_STYLES, planned_under
-from torchpar.models.lora import adapted_layers, add_adapters, first_adapted_block, freeze_base
+from torchpar.models.lora import adapted_in, add_adapters, first_adapted_block, freeze_base
 from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel.recompute import apply_recompute, recomputed
 
@@ -176,15 +176,17 @@ def _with_gradient(block, args):
 def _lora_of(model, args, lay, layer: int | None) -> tuple[tuple | None, bool, int]:
     """For :func:`traced`: LoRA's (rank, dropout, layers adapted in block ``layer``, by name in the
     block) — None without LoRA —, whether the block's input carries a gradient, and the first
-    adapted block (0 without LoRA). ``layer`` None: a block past the first adapted one, adapted as
-    that one is."""
+    adapted block (0 without LoRA). ``layer`` None: a block past the first adapted one, with every
+    name adapted in any block (those its kind lacks match nothing in its trace)."""
     spec = lora_spec(lay.lora)
     if spec is None:
         return None, True, 0
     first = first_adapted_block(model, args, spec)
-    at = first if layer is None else layer
-    names = tuple(name.split(".", 2)[2] for name in adapted_layers(model, args, spec)
-                  if int(name.split(".")[1]) == at)
+    if layer is None:
+        every = (n for i in range(args.n_layers) for n in adapted_in(model, args, spec, i))
+        names = tuple(dict.fromkeys(every))
+    else:
+        names = adapted_in(model, args, spec, layer)
     return (spec[0], lay.lora.dropout, names), layer is None or layer > first, first
 
 
@@ -278,10 +280,10 @@ def ends_bytes(model, args, lay, batch: int, seq: int, first: bool, last: bool) 
     first stage; the final norm and the head on the last (the loss's own share is the planner's
     logits term)."""
     dtype = getattr(torch, lay.param_dtype)
-    if lay.lora_rank:
+    if lora_spec(lay.lora) is not None:
         held = _lora_rest(model, args, lay, dtype, seq // lay.cp)
-    else:
-        held = traced(model, model.traced_args(args), "none", dtype, 1, seq // lay.cp)["rest"]
+    else:  # (the arguments as held_bytes passes them: one cache entry)
+        held = traced(model, model.traced_args(args), "none", dtype, 1, seq // lay.cp, None, True)["rest"]
     styles = (("embedding",) if first else ()) + (("norm", NORM_OUTPUT, "head") if last else ())
     return batch * divide({s: n for s, n in held.items() if s in styles}, lay, "none")
 

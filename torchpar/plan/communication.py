@@ -104,7 +104,8 @@ def _block_terms(model, args, layer: int, lora: tuple | None = None) -> dict:
     ``head_params`` (a rank's own heads': always) and ``adapter_params`` (LoRA's pieces a split
     layer leaves whole — A beside a column-wise weight, B beside a row-wise one — which meet the
     other ranks' parts: always), as element counts. ``modules``: the same per module that converts
-    the residual stream, in forward order, for :func:`_frozen_backward`. Modules the block leaves
+    the residual stream, in forward order, for :func:`_frozen_backward`; ``adapted``: an adapter
+    outside them (which runs before them). Modules the block leaves
     out (a MoE block without shared experts: no parameter) count nothing. ``lora``: LoRA's spec
     (``models.lora.spec``; None: every parameter trained)."""
     entries = block_entries(model, args, layer, lora)
@@ -119,7 +120,7 @@ def _block_terms(model, args, layer: int, lora: tuple | None = None) -> dict:
            "routed": len(routed),
            "inner": sum(w == "rowwise_replicated" or (w == "colwise" and m.startswith(routed))
                         for m, w in plan.items()) if routed else 0,
-           "summed": [], "sp_params": [], "head_params": [], "adapter_params": []}
+           "summed": [], "sp_params": [], "head_params": [], "adapter_params": [], "adapted": False}
     modules = {m: {"word": w, "rowwise": 0, "inner_colwise": 0, "summed": [], "adapted": False}
                for m, w in plan.items() if w in ("input", "whole_input", "routed")}
 
@@ -138,8 +139,8 @@ def _block_terms(model, args, layer: int, lora: tuple | None = None) -> dict:
             out["summed"].append(r)
             if owner(name) is not None:
                 owner(name)["summed"].append(r)
-        if is_adapter(name) and owner(name) is not None:
-            owner(name)["adapted"] = True
+        if is_adapter(name):  # (outside the converting modules: a prediction depth's join, run first)
+            (owner(name) or out)["adapted"] = True
         if not trained(name, lora) or tp_dim is not None:
             continue  # (a frozen parameter has no gradient; a split one's is its own)
         if is_adapter(name) and weights[module] is not None:  # (beside a replicated weight: as it)
@@ -163,23 +164,31 @@ def _frozen_backward(model, args, lora: tuple | None, blocks: list[int]) -> dict
     ``outputs``), their whole modules' summed ones (``summed``, widths) and, where it is a block's
     attention (its first module, in every family), the attention's own (``attention``); and the
     blocks passed whole (``blocks``: no backward, so no recomputation either)."""
-    out = {"inputs": 0, "inner": 0, "rows": 0, "outputs": 0, "summed": [], "attention": 0, "blocks": set()}
+    return _frozen_walk(model, args, lora, tuple(blocks))
+
+
+@functools.lru_cache(maxsize=4096)  # (the search asks for it several times per layout it prices)
+def _frozen_walk(model, args, lora: tuple | None, blocks: tuple[int, ...]) -> dict:
+    # (cached: read-only)
+    out = {"inputs": 0, "inner": 0, "rows": 0, "outputs": 0, "summed": (), "attention": 0,
+           "blocks": frozenset()}
     if lora is None:
         return out
-    held = set(blocks)
     for i in range(args.n_layers + model.prediction_depths(args)):  # (the depths' blocks follow the trunk)
-        mine = i in held
-        for k, m in enumerate(_block_terms(model, args, i, lora)["modules"]):
+        mine, term = i in blocks, _block_terms(model, args, i, lora)
+        if term["adapted"]:
+            return out
+        for k, m in enumerate(term["modules"]):
             out["inputs"] += mine and m["word"] == "input"
             out["inner"] += mine * m["inner_colwise"]
             out["rows"] += mine and m["word"] == "routed"
             if m["adapted"]:  # (its output, and everything downstream, needs its gradient)
                 return out
             out["outputs"] += mine * (m["rowwise"] + (m["word"] == "routed"))
-            out["summed"] += m["summed"] if mine else []
+            out["summed"] += tuple(m["summed"]) if mine else ()
             out["attention"] += mine and k == 0
         if mine:
-            out["blocks"].add(i)
+            out["blocks"] |= {i}
     return out
 
 

@@ -51,7 +51,9 @@ def _elementwise_recompute_s(model, args, lay: Layout, seq: int, cluster: Cluste
     micro_batch, n_micro = lay.micro_steps
     dropped = max(0.0, held_bytes(model, args, lay, micro_batch, seq, "none")
                   - held_bytes(model, args, lay, micro_batch, seq, "selective"))
-    blocks = args.n_layers + model.prediction_depths(args)
+    # (under LoRA, no block before the first adapted one runs backward: none recomputes)
+    frozen = first_adapted_block(model, args, lora_spec(lay.lora))
+    blocks = args.n_layers + model.prediction_depths(args) - frozen
     return 2 * dropped * blocks / lay.pp * n_micro / cluster.memory_bw
 
 
