@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
+from torchpar.optim import optimized
 from torchpar.parallel.zero import local
 
 # Under on_divergence = 'skip', this many steps skipped in a row stop the run: the model is no
@@ -84,7 +85,7 @@ def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
     """A fused optimizer step inside leaves parameters, moments and step count as they were where
     ``skip`` is 1.0 (on a first step, Adam's state is still created, as zeros) — the kernel reads
     it, the host does not. With CPU-offloaded parameters the flag is copied to the host first."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimized(optimizer)
     if skip is None or not params:  # (a pipeline stage LoRA leaves without adapters updates nothing)
         yield
         return

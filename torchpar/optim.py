@@ -80,6 +80,12 @@ def _group(role: str, tensors: list[torch.Tensor], cfg, lr: float) -> dict:
 # ---------------------------------------------------------------------------- moments in bf16
 
 
+def optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates, over its groups (none on a pipeline stage that LoRA
+    leaves without adapters)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def state_dtype(cfg) -> torch.dtype:
     """The dtype [optimizer] ``cfg`` keeps the moments in (None: float32)."""
     return getattr(torch, getattr(cfg, "state_dtype", "float32"))

@@ -15,7 +15,7 @@ import torch
 from torchpar.checkpoint.checkpointer import Checkpointer, HostStaging
 from torchpar.checkpoint.files import complete_checkpoints, read_manifest
 from torchpar.loss import cross_entropy_sum
-from torchpar.optim import OptimizerFactory, ensure_state
+from torchpar.optim import OptimizerFactory, ensure_state, optimized
 from torchpar.parallel import _local_part, compute_context, materialize, parallelize
 from torchpar.parallel.context import inputs_and_targets
 from torchpar.parallel.flat import bucket_elements
@@ -91,10 +91,6 @@ def step_peak_check(cfg) -> dict:
     return {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
 
 
-def _optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [t for g in optimizer.param_groups for t in g["params"]]
-
-
 def zero_transients_check(cfg, folder: Path) -> dict:
     """ZeRO 0-2 outside the step, on this rank, every storage followed: the most bytes alive while
     the engine is built; the most bytes a synchronous checkpoint save adds to the state; the host
@@ -120,7 +116,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         with torch.no_grad():  # values a fresh engine does not start from
             for m in saved.weights():
                 m.add_(torch.randn(m.shape, generator=gen))
-            for t in _optimized(saved.optimizer):
+            for t in optimized(saved.optimizer):
                 for v in saved.optimizer.state[t].values():
                     if v.dim():  # (not the step, which every piece of a parameter shares)
                         local(v).add_(torch.rand(local(v).shape, generator=gen))
@@ -145,7 +141,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         loader.close()
         same = torch.equal(saved.flat, fresh.flat)
         same &= all(torch.equal(a, b) for a, b in zip(saved.weights(), fresh.weights()))
-        pairs = zip(_optimized(saved.optimizer), _optimized(fresh.optimizer))
+        pairs = zip(optimized(saved.optimizer), optimized(fresh.optimizer))
         same &= all(torch.equal(a, b) for m, n in pairs
                     for a, b in zip(saved.optimizer.state[m].values(), fresh.optimizer.state[n].values()))
         predicted = transient_bytes(trainer.model_family, trainer.args, lay, lay.pp_rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchpar.optim import optimized
 from torchpar.parallel.zero import (
     load_parts_state_dict,
     local,
@@ -150,15 +151,10 @@ class FSDPState:
 
         return StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def _updates_nothing(self) -> bool:
-        # (a pipeline stage LoRA leaves without adapters: torch's state-dict helpers refuse an
-        # optimizer of no parameters, and there is no state to save or load)
-        return not any(group["params"] for group in self.optimizer.param_groups)
-
     def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        if self._updates_nothing():
+        if not optimized(self.optimizer):  # (torch's helpers refuse an optimizer of no parameters)
             return {}
         sd = get_optimizer_state_dict(merged_view(self.model_parts), self.optimizer, options=self._options())
         # Hyperparameters come from the config and the lr from the scheduler, not the checkpoint.
@@ -169,7 +165,7 @@ class FSDPState:
     def load_optimizer_state_dict(self, loaded: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        if self._updates_nothing():
+        if not optimized(self.optimizer):
             return
         view = merged_view(self.model_parts)
         full = get_optimizer_state_dict(view, self.optimizer, options=self._options())

@@ -162,16 +162,15 @@ def _frozen_backward(model, args, lora: tuple | None, blocks: list[int]) -> dict
     (``inputs``), a routed module's column-wise inputs' (``inner``) and its experts' rows
     (``rows``); in modules without adapters, their outputs' gradients (row-wise and routed:
     ``outputs``), their whole modules' summed ones (``summed``, widths) and, where it is a block's
-    attention (its first module, in every family), the attention's own (``attention``); and the
-    blocks passed whole (``blocks``: no backward, so no recomputation either)."""
+    attention (its first module, in every family), the attention's own (``attention``). (The blocks
+    passed whole are those before ``first_adapted_block``: no backward, nor recomputation.)"""
     return _frozen_walk(model, args, lora, tuple(blocks))
 
 
 @functools.lru_cache(maxsize=4096)  # (the search asks for it several times per layout it prices)
 def _frozen_walk(model, args, lora: tuple | None, blocks: tuple[int, ...]) -> dict:
     # (cached: read-only)
-    out = {"inputs": 0, "inner": 0, "rows": 0, "outputs": 0, "summed": (), "attention": 0,
-           "blocks": frozenset()}
+    out = {"inputs": 0, "inner": 0, "rows": 0, "outputs": 0, "summed": (), "attention": 0}
     if lora is None:
         return out
     for i in range(args.n_layers + model.prediction_depths(args)):  # (the depths' blocks follow the trunk)
@@ -187,8 +186,6 @@ def _frozen_walk(model, args, lora: tuple | None, blocks: tuple[int, ...]) -> di
             out["outputs"] += mine * (m["rowwise"] + (m["word"] == "routed"))
             out["summed"] += tuple(m["summed"]) if mine else ()
             out["attention"] += mine and k == 0
-        if mine:
-            out["blocks"] |= {i}
     return out
 
 
@@ -307,8 +304,8 @@ def _fsdp(sent: _Sent, model, args, lay: Layout, local: list[tuple[int, int]], n
         expert_units.append([e[:4] for e in entries if e[4] in experts])
     root = [(*rc, act, trained(name, lora)) for rc, name in zip(local[:n_first] + local[ends[-1]:],
                                                                  names[:n_first] + names[ends[-1]:])]
-    frozen = _frozen_backward(model, args, lora, layers)["blocks"]
-    backward = [layer not in frozen for layer in layers]
+    trained_from = first_adapted_block(model, args, lora)
+    backward = [layer >= trained_from for layer in layers]
     _fsdp_units(sent, lay, blocks, root, lay.shard_ranks, lay.shard_dim, r, backward)
     # FP8 gathers' scales, after each step: one all-reduce of the weights' absolute maxima (fp32),
     # over each dimension that splits them
@@ -433,7 +430,8 @@ def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     routed = [i for i in blocks if any(name in names for name, _, _ in model.block_params(args, i))]
     frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
-    again = sum(recomputed(i, policy, every) for i in routed if i not in frozen["blocks"])
+    trained_from = first_adapted_block(model, args, lora_spec(lay.lora))
+    again = sum(recomputed(i, policy, every) for i in routed if i >= trained_from)
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2
     forwards = len(routed) + again
@@ -457,7 +455,8 @@ def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     if policy == "selective" and lay.cp_method == "ring":
         policy = "none"
     frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
-    again = sum(recomputed(i, policy, every) for i in blocks if i not in frozen["blocks"])
+    trained_from = first_adapted_block(model, args, lora_spec(lay.lora))
+    again = sum(recomputed(i, policy, every) for i in blocks if i >= trained_from)
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2  # input- and weight-gradient passes each recompute the block
     backward = len(blocks) - frozen["attention"]
