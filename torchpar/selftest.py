@@ -225,7 +225,9 @@ def full_parameters(parts) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str) -> None:
     """Train ``layouts`` one after the other; after each one that every rank finished, rank 0
-    writes the results so far to ``keep``/results.pt, so a rank's death leaves them behind."""
+    writes its result to a file of its own in ``keep`` (``<index>.pt``), so a rank's death leaves
+    the finished ones behind. (One file each: rewriting every result so far after each layout grew
+    with the square of a group's size, on the path every rank waits on.)"""
 
     seen: list[tuple[int, int, list[int]]] = []  # (loader id, dp rank, window CRCs)
     plain_iter = PackedWindows.__iter__
@@ -236,8 +238,7 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
             yield batch
 
     PackedWindows.__iter__ = recording_iter
-    results = {}
-    for name, overrides in layouts.items():
+    for index, (name, overrides) in enumerate(layouts.items()):
         cfg = load_config(base, list(overrides) + ["--job.dump_folder", f"{out}/{name}"])
         seen.clear()
         start = time.perf_counter()
@@ -248,14 +249,14 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
         dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
         if rank == 0:
             metrics = Path(trainer.cfg.job.dump_folder) / "metrics.jsonl"  # (a replica group's: its own)
-            results[name] = _merge(gathered, losses, trainer, metrics)
-            results[name]["seconds"] = time.perf_counter() - start  # (building and training it)
+            result = _merge(gathered, losses, trainer, metrics)
+            result["seconds"] = time.perf_counter() - start  # (building and training it)
         dist.barrier()  # every rank finished this layout
         if rank == 0:
-            results[name]["process_groups"] = len(dist.distributed_c10d._world.pg_map)  # (so far)
-            # (whole or not at all: a rank killed mid-write leaves the last results)
-            torch.save(results, f"{keep}/results.tmp")
-            os.replace(f"{keep}/results.tmp", f"{keep}/results.pt")
+            result["process_groups"] = len(dist.distributed_c10d._world.pg_map)  # (so far)
+            # (whole or not at all: a rank killed mid-write leaves no file for this layout)
+            torch.save({name: result}, f"{keep}/{index:05d}.tmp")
+            os.replace(f"{keep}/{index:05d}.tmp", f"{keep}/{index:05d}.pt")
 
 
 def _merge(gathered: list, losses: list[float], trainer, metrics: Path) -> dict:
@@ -295,8 +296,10 @@ def run_group(world: int, layouts: dict[str, list[str]], base: str | Path = BASE
             shutil.rmtree(out, ignore_errors=True)  # every layout's run folder: metrics, checkpoints
         except RuntimeError as e:
             error = e
-        path = Path(keep, "results.pt")
-        return (torch.load(path, weights_only=False) if path.exists() else {}), error
+        results = {}
+        for path in sorted(Path(keep).glob("*.pt")):  # (in training order)
+            results.update(torch.load(path, weights_only=False))
+        return results, error
     finally:
         shutil.rmtree(keep, ignore_errors=True)
 
