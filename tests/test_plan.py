@@ -270,8 +270,10 @@ def test_planner_bytes_equal_the_real_model_at_scale(name):
     overrides = [*overrides, "--training.seq_len", "8", "--training.local_batch_size", "8",
                  "--parallelism.bucket_mb", "25"]
     lay, model, args = layout_from_config(load_config(TINY, overrides), world)
-    # A fresh process per rank: DTensor caches meshes of a destroyed process group.
-    ctx = mp.get_context("spawn")
+    # A fresh process per rank (DTensor caches meshes of a destroyed process group), forked from the
+    # ranks' server, which has imported torch and the trainer (a new interpreter takes seconds).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torchpar.selftest"])  # (the server's, where it is not running yet)
     with ctx.Pool(2, maxtasksperchild=1) as pool:
         measured = pool.starmap(measured_state_bytes, [(overrides, world, rank) for rank in ranks])
     for rank, got in zip(ranks, measured):
