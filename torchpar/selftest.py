@@ -245,8 +245,8 @@ def _worker(rank: int, world: int, out: str, layouts: dict, base: str, keep: str
         trainer = Trainer(cfg, on_first_step=predict_for_trainer)
         losses = trainer.train()
         trained = [(d, crcs) for loader, d, crcs in seen if loader == id(trainer.dataloader.dataset)]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (full_parameters(trainer.model.parts), trained))
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((full_parameters(trainer.model.parts), trained), gathered, dst=0)
         if rank == 0:
             metrics = Path(trainer.cfg.job.dump_folder) / "metrics.jsonl"  # (a replica group's: its own)
             result = _merge(gathered, losses, trainer, metrics)
