@@ -2,7 +2,8 @@
 own), and the comparison of a layout's run with one process.
 
 ``run_layouts(world, {name: overrides})`` and ``spawn_ranks`` are ``torchpar.selftest``'s: the
-tests and ``torchpar selftest`` start and compare their processes with the same code.
+tests and ``torchpar selftest`` start and compare their processes with the same code (one-process
+tables trained two groups side by side on a machine of two cores or more: :func:`side_by_side`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,9 +28,9 @@ from torchpar.selftest import (  # noqa: F401
     free_port,
     run_each,
     run_group,
-    run_layouts,
     spawn_ranks,
 )
+from torchpar.selftest import run_layouts as _run_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 # (the self-test's fp32 parameter tolerance on CPU: why it is what it is, see torchpar.selftest)
@@ -37,6 +39,30 @@ PARAM_TOL = TOLERANCE["cpu", "float32"][1]
 # has and split into 2 x 2 pipeline stages, and the self-test job's eight cost each run about a
 # third more. A layout that needs more stages says so.
 LAYERS = ["--model.n_layers", "4"]
+
+
+def side_by_side(run, items: list) -> list:
+    """``run(part)`` of the two halves of ``items`` (every other item: alike ones split evenly), at
+    the same time where the machine has a core for each, and the results in the items' order; once
+    where it has not. A one-process run uses one core (its rank has one thread), and on a machine
+    of two the references of a table took twice as long as they need."""
+    if len(items) < 2 or (os.cpu_count() or 1) < 2:
+        return run(items)
+    with ThreadPoolExecutor(2) as pool:
+        halves = list(pool.map(run, (items[0::2], items[1::2])))  # (the first error is raised)
+    out = [None] * len(items)
+    out[0::2], out[1::2] = halves
+    return out
+
+
+def run_layouts(world: int, layouts: dict[str, list[str]], base: str | Path = TINY) -> dict:
+    """``torchpar.selftest.run_layouts``; one-process tables in two groups side by side
+    (:func:`side_by_side`)."""
+    if world > 1:
+        return _run_layouts(world, layouts, base)
+    names = side_by_side(lambda part: list(_run_layouts(1, {n: layouts[n] for n in part}, base).items()),
+                         list(layouts))
+    return dict(names)
 
 
 def assert_matches(run: dict, ref: dict, tol: float = 1e-5, param_tol: float | None = None,

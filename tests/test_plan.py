@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import ROOT, TINY, cli, spawn_ranks
+from harness import ROOT, TINY, cli, side_by_side, spawn_ranks
 
 from torchpar.errors import ConfigError
 from torchpar.parallel.recompute import OPTIONS, option_overrides
@@ -386,10 +386,18 @@ def _activation_worker(rank, world, out, cases):
             json.dump(results, f)
 
 
+def _measured(worker, world: int, cases: list, file: str) -> list:
+    """``worker``'s results of ``cases`` (it writes them to ``file``); on one rank, in two
+    processes side by side."""
+    def run(part):
+        with open(f"{spawn_ranks(worker, world, part)}/{file}") as f:
+            return json.load(f)
+
+    return side_by_side(run, cases) if world == 1 else run(cases)
+
+
 def _activation_ratios(world, cases):
-    out = spawn_ranks(_activation_worker, world, cases)
-    with open(f"{out}/activations.json") as f:
-        results = json.load(f)
+    results = _measured(_activation_worker, world, cases, "activations.json")
     for r in results:
         blocks = " ".join(f"{x:.3f}" for x in r["block_ratios"])
         print(*r["case"], "blocks", blocks, f"whole {r['ratio']:.3f}")
@@ -468,8 +476,7 @@ def test_activations_predicted_under_lora():
     first = {"layers.3.*": 3, "layers.2.feed_forward.*": 2}
     for world, sp in ((1, False), (2, True)):
         cases = [(m, policy, sp) for m in patterns for policy in ("none", "selective", "full")]
-        with open(f"{spawn_ranks(_lora_activation_worker, world, cases)}/activations.json") as f:
-            results = json.load(f)
+        results = _measured(_lora_activation_worker, world, cases, "activations.json")
         for r in results:
             blocks = " ".join(f"{x:.3f}" for x in r["block_ratios"])
             print(*r["case"], "blocks", blocks, f"whole {r['ratio']:.3f}")
@@ -489,16 +496,15 @@ def test_activations_predicted_under_lora():
             assert held[0] > held[1] > held[2], (m, world, held)
 
 
-def _peak_worker(rank, world, out, shapes):
+def _peak_worker(rank, world, out, cases):
     from torchpar.config import load_config
     from torchpar.verify import step_peak_check
 
-    results = {}
-    for shape, overrides in shapes.items():
-        for name, option in OPTIONS.items():
-            cfg = load_config(TINY, [*overrides, *option_overrides(*option), "--job.dump_folder",
-                                     f"{out}/run", "--validation.enable", "false"])
-            results[f"{shape} {name}"] = step_peak_check(cfg)
+    results = []
+    for overrides, option in cases:
+        cfg = load_config(TINY, [*overrides, *option_overrides(*option), "--job.dump_folder",
+                                 f"{out}/run", "--validation.enable", "false"])
+        results.append(step_peak_check(cfg))
     with open(f"{out}/peaks.json", "w") as f:
         json.dump(results, f)
 
@@ -513,10 +519,10 @@ def test_recomputation_peak_memory_of_a_real_step_against_the_planner():
                                   "--training.seq_len", "256"] for family in ("llama3", "gpt2")}
     # (two prediction depths: two more blocks, each depth's logits and log-softmax)
     shapes["llama3 debug mtp2"] = [*shapes["llama3 debug"], *MTP]
-    with open(f"{spawn_ranks(_peak_worker, 1, shapes)}/peaks.json") as f:
-        peaks = json.load(f)
+    cases = [(overrides, option) for overrides in shapes.values() for option in OPTIONS.values()]
+    peaks = iter(_measured(_peak_worker, 1, cases, "peaks.json"))
     for shape in shapes:
-        rows = [peaks[f"{shape} {name}"] for name in OPTIONS]
+        rows = [next(peaks) for _ in OPTIONS]
         print(shape, [f"{r['measured_bytes'] / 2**20:.1f}/{r['predicted_bytes'] / 2**20:.1f}" for r in rows])
         assert all(0.9 <= r["ratio"] <= 1.1 for r in rows), rows
         for key in ("measured_bytes", "predicted_bytes"):
