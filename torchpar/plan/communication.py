@@ -428,9 +428,10 @@ def _experts(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     e, act = lay.ep, lay.param_dtype_bytes
     names = expert_names(model)
     routed = [i for i in blocks if any(name in names for name, _, _ in model.block_params(args, i))]
-    frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
+    lora = lora_spec(lay.lora)
+    frozen = _frozen_backward(model, args, lora, blocks)
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
-    trained_from = first_adapted_block(model, args, lora_spec(lay.lora))
+    trained_from = first_adapted_block(model, args, lora)
     again = sum(recomputed(i, policy, every) for i in routed if i >= trained_from)
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2
@@ -454,8 +455,9 @@ def _context(sent: _Sent, model, args, lay: Layout, tokens: int, blocks: list[in
     policy, every = lay.activation_checkpoint, lay.activation_checkpoint_every
     if policy == "selective" and lay.cp_method == "ring":
         policy = "none"
-    frozen = _frozen_backward(model, args, lora_spec(lay.lora), blocks)
-    trained_from = first_adapted_block(model, args, lora_spec(lay.lora))
+    lora = lora_spec(lay.lora)
+    frozen = _frozen_backward(model, args, lora, blocks)
+    trained_from = first_adapted_block(model, args, lora)
     again = sum(recomputed(i, policy, every) for i in blocks if i >= trained_from)
     if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
         again *= 2  # input- and weight-gradient passes each recompute the block
