@@ -685,6 +685,29 @@ def test_every_gloo_group_has_one_worker_and_its_timeout(monkeypatch):
         dev.shutdown_distributed()
 
 
+def test_a_pickled_mesh_is_the_same_bytes_in_every_process():
+    """inductor keys a compiled graph by the pickled bytes of the meshes its DTensors live on;
+    torch 2.13 pickles a mesh with its cached hash, a value of the process's string-hash seed, so
+    every compiled tensor-parallel block missed the FX graph cache in a new process. Another
+    seed's hash changes nothing pickled now, and an unpickled mesh hashes as its equal here."""
+    import pickle
+
+    from torchpar.parallel.layout import Layout
+
+    dev.init_distributed()
+    try:
+        tp = Layout().build_mesh("cpu")["tp"]
+        here = hash(tp)
+        pickled = pickle.dumps(tp)
+        tp._hash = here + 1  # (what another process's seed gives the same mesh)
+        assert pickle.dumps(tp) == pickled
+        tp._hash = here
+        back = pickle.loads(pickled)
+        assert back == tp and hash(back) == here
+    finally:
+        dev.shutdown_distributed()
+
+
 class _Sent(Exception):
     """What the recording all_reduce raises once it has seen the tensor (a meta tensor has no value)."""
 

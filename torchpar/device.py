@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchpar.console import progress
 from torchpar.errors import ConfigError, RankError
@@ -317,6 +318,25 @@ def use_one_worker_gloo() -> None:
     dist.distributed_c10d.ProcessGroupGloo = OneWorkerGloo
 
 
+_MESH_STATE = DeviceMesh.__getstate__  # (torch's own, kept before it is replaced)
+
+
+def _mesh_state_without_hash(mesh: DeviceMesh) -> dict:
+    state = _MESH_STATE(mesh)
+    state.pop("_hash", None)
+    return state
+
+
+def pickle_meshes_without_hash() -> None:
+    """A pickled mesh leaves out its cached hash, which the mesh computes again when it is next
+    hashed. torch 2.13 keeps it: a hash of strings (the device type, the dimensions' names), so a
+    value of this process's string-hash seed. inductor keys a compiled graph by the pickled bytes
+    of the meshes its DTensors live on, so every compiled tensor-parallel block missed the FX graph
+    cache in a new process — a restarted job compiled everything again — and a mesh unpickled in
+    another process held a hash that disagreed with its equals there."""
+    DeviceMesh.__getstate__ = _mesh_state_without_hash
+
+
 def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool = True) -> tuple[int, int]:
     """Join (or create) the default process group; returns (rank, world size).
 
@@ -328,6 +348,7 @@ def init_distributed(timeout_s: int = 600, cpu_tensors: bool = False, tf32: bool
     global _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timedelta(seconds=timeout_s)
     use_one_worker_gloo()  # (before any group of ours, even where the default one exists already)
+    pickle_meshes_without_hash()
     if not dist.is_initialized():
         adopt_slurm_environment()
         # The flight recorder keeps the last collectives of every group (any backend), for the
