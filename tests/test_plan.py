@@ -597,6 +597,29 @@ def test_the_search_keeps_sharding_inside_a_node_when_nodes_talk_slowly():
     assert flat.step_s > plans[0].step_s
 
 
+def test_among_equally_fast_layouts_the_search_ranks_the_leanest_first():
+    """Where every exchange hides behind compute, many layouts are predicted equally fast (Llama-3
+    1B on 8 H100s: hundreds of ties); the first of them is what `layout = "auto"` launches, so it
+    is the one needing the least memory, then the one whose communication takes the least time."""
+    from dataclasses import replace
+
+    from torchpar.models import MODELS
+    from torchpar.plan import PRESETS, search
+    from torchpar.plan.estimate import device_peak
+
+    model = MODELS["llama3"]
+    plans = [p for p in search(model, model.args("1B"), replace(PRESETS["H100-80GB"], nodes=1), 32, 4096)
+             if p.fits]
+
+    def link_s(p):
+        return sum(c["seconds"] for c in p.communication.values())
+
+    ties = [(a, b) for a, b in zip(plans, plans[1:]) if a.tokens_per_sec == b.tokens_per_sec]
+    assert len(ties) > 100
+    assert all((device_peak(a.memory), link_s(a)) <= (device_peak(b.memory), link_s(b)) for a, b in ties)
+    assert any(device_peak(a.memory) < device_peak(b.memory) for a, b in ties)
+
+
 def test_search_splits_a_long_sequence_over_ranks():
     """Llama-3 8B with 128k-token sequences on 8 x H100: the fastest layout that fits splits each
     sequence over ranks (cp), and a layout's activations per rank fall with the split."""

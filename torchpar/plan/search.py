@@ -8,7 +8,7 @@ from torchpar.errors import ConfigError
 from torchpar.parallel.layout import Layout, context_problem, job_fields, layout_features
 from torchpar.parallel.pipeline import MAX_MICROBATCHES, balanced_split, schedule_problem
 from torchpar.parallel.recompute import OPTIONS, option_name
-from torchpar.plan.estimate import Plan, plan
+from torchpar.plan.estimate import Plan, device_peak, plan
 from torchpar.plan.layout import Cluster
 
 # ------------------------------------------------------------------ search and the command
@@ -111,7 +111,15 @@ def search(model, args, cluster: Cluster, global_batch: int, seq: int, param_dty
     if left_out:
         warn(f"pipeline layouts of more than {MAX_MICROBATCHES} microbatches per step (up to "
              f"{max(left_out):,} at this batch) are not searched: their schedules take too long to build")
-    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_sec))
+    return sorted(plans, key=ranking)
+
+
+def ranking(p: Plan) -> tuple:
+    """Layouts that fit first, then the fastest; among equally fast ones (communication all hidden
+    behind compute ties many) the one needing the least memory, then the one whose communication takes
+    the least time on its links."""
+    return (not p.fits, -p.tokens_per_sec, device_peak(p.memory),
+            sum(c["seconds"] for c in p.communication.values()))
 
 
 def layouts(model, args, cluster: Cluster, global_batch: int, seq: int, param_dtype: str = "bfloat16",
