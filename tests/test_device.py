@@ -718,6 +718,7 @@ def test_a_rank_with_nothing_of_its_own_reduces_on_the_device(monkeypatch):
     runs on, never the host: a host tensor has no backend in an NCCL-only group, and the collective
     raises on the first GPU job. A meta device stands for the GPU here."""
     from torchpar.config import load_config
+    from torchpar.guard import weights_finite
     from torchpar.parallel.zero import clip_grad_norm
     from torchpar.tools import auto_layout
 
@@ -736,6 +737,9 @@ def test_a_rank_with_nothing_of_its_own_reduces_on_the_device(monkeypatch):
 
     with pytest.raises(_Sent):
         clip_grad_norm(NoPieces(), 1.0, torch.device("meta"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(_Sent):  # (the finite check before a save, on a stage without adapters)
+        weights_finite([], torch.device("meta"))
 
     class Trial:  # a trainer whose steps take 0.1 s
         device = torch.device("meta")
@@ -750,7 +754,7 @@ def test_a_rank_with_nothing_of_its_own_reduces_on_the_device(monkeypatch):
     monkeypatch.setattr(auto_layout, "Trainer", Trial)
     with pytest.raises(_Sent):
         auto_layout.trial(load_config(TINY, []), 3, Path("/nonexistent/trial"))
-    assert seen == [torch.device("meta")] * 2
+    assert seen == [torch.device("meta")] * 3
 
 
 class SignSGD(torch.optim.SGD):

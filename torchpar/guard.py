@@ -97,10 +97,12 @@ def skipped_where(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None):
         del optimizer.found_inf, optimizer.grad_scale
 
 
-def weights_finite(params: list[torch.Tensor]) -> bool:
-    """Whether every value of every parameter on every rank is finite (one all-reduce)."""
+def weights_finite(params: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether every value of every parameter on every rank is finite (one all-reduce on
+    ``device``, the job's: a pipeline stage that LoRA leaves without adapters holds no parameter,
+    and a host tensor has no backend in an NCCL-only group)."""
 
-    ok = torch.ones((), device=params[0].device if params else "cpu")
+    ok = torch.ones((), device=device)
     for p in params:
         ok = ok * torch.isfinite(local(p.detach())).all()
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -462,7 +462,7 @@ class Trainer:
         if not self.checkpointer.due(self.train_state.step, final):
             return
         self._phase(f"the checkpoint save of step {self.train_state.step}", short=False)
-        if not weights_finite(self.model.state.weights()):
+        if not weights_finite(self.model.state.weights(), self.device):
             raise TrainingStopped(f"step {self.train_state.step}: the updated weights are not finite, so "
                                   "they were not saved; last good checkpoint: "
                                   f"{self.checkpointer.latest() or 'none'}")
