@@ -254,6 +254,50 @@ def test_tensor_parallelism_refuses_a_misspelt_plan_key_before_splitting_anythin
         dist.destroy_process_group()
 
 
+def test_tensor_parallelism_gives_dtensor_its_generator_without_a_world_broadcast(monkeypatch):
+    """Left to itself DTensor makes its generator tracker at its first random op (LoRA's dropout
+    on a tensor-parallel input, GPUs only) and broadcasts rank 0's state over the whole world
+    there, which pipeline stages reach one after another: a hang. The TP path makes the tracker
+    first, without the broadcast (a fake 2-rank group; a CUDA mesh stands in by its device type)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import _random as dtensor_random
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchpar.parallel import tensor
+    from torchpar.parallel.layout import Layout
+
+    made = []
+
+    class Tracker:  # (torch's needs a GPU)
+        def __init__(self, mesh, run_state_sync=True):
+            made.append((mesh.device_type, run_state_sync))
+
+    class CudaMesh:
+        device_type = "cuda"
+
+    monkeypatch.setattr(dtensor_random, "OffsetBasedRNGTracker", Tracker)
+    monkeypatch.setattr(dtensor_random, "_rng_tracker", None)
+    tensor.random_without_broadcast(CudaMesh())
+    tensor.random_without_broadcast(CudaMesh())  # (once per process)
+    assert made == [("cuda", False)] and isinstance(dtensor_random._rng_tracker, Tracker)
+
+    monkeypatch.setattr(dtensor_random, "_rng_tracker", None)
+    meshes, real = [], tensor.random_without_broadcast
+    monkeypatch.setattr(tensor, "random_without_broadcast", meshes.append)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        lay = Layout(tp=2)
+        lay.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(ADAPTER.args("debug"))
+        tensor.apply_tensor_parallel(model, ADAPTER, ADAPTER.args("debug"), lay.mesh["tp"], True, True)
+        assert meshes == [lay.mesh["tp"]]
+        real(lay.mesh["tp"])  # (on a CPU mesh: nothing to make)
+        assert dtensor_random._rng_tracker is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_field_newer_than_the_checkpoint_counts_as_its_default():
     """A checkpoint saved before a model field existed holds the model without it: resuming with
     the field at its default loads, with it set is the one-line shape refusal (not a missing key

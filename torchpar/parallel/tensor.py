@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import _random as dtensor_random
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -188,6 +189,17 @@ def _plan(module, plan: dict[str, str], sequence_parallel: bool, loss_parallel: 
     return out
 
 
+def random_without_broadcast(tp_mesh) -> None:
+    """DTensor's random ops (LoRA's dropout on a tensor-parallel input) take their generator state
+    from torch's, which every rank seeds alike. Left to itself, DTensor makes its generator tracker
+    at its first random op and broadcasts rank 0's state over the whole world there: pipeline
+    stages reach that op one after another (stage 1 only once stage 0's activations arrive), and
+    a stage without the op never does, so the job would hang. Made here, before any forward,
+    without the broadcast. DTensor has random ops on GPUs only (CPU jobs refuse the dropout)."""
+    if tp_mesh.device_type != "cpu" and dtensor_random._rng_tracker is None:
+        dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(tp_mesh, run_state_sync=False)
+
+
 def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard ``module`` (a whole model or a pipeline stage: modules a stage lacks are skipped) in
     place by its adapter ``model``'s plan for ``args``. (Stacked experts are split by
@@ -197,6 +209,7 @@ def apply_tensor_parallel(module, model, args, tp_mesh, sequence_parallel: bool,
                  for layer, block in module.layers.items()]
     if any(problems):  # (every rank the same line, before the first collective of TP)
         raise ConfigError(next(p for p in problems if p))
+    random_without_broadcast(tp_mesh)
     parallelize_module(module, tp_mesh, _plan(module, model.top_plan, sequence_parallel, loss_parallel))
     _split_parameters(module, model.top_plan, tp_mesh)
     for name, word in model.top_plan.items():
