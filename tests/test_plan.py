@@ -221,7 +221,9 @@ def measured_state_bytes(overrides: list[str], world: int, rank: int) -> dict:
             for part in model.parts:
                 has_first = any(getattr(part, name, None) is not None for name in first)
                 x = torch.zeros(1, 8, dtype=torch.long) if has_first else torch.zeros(1, 8, args.dim)
-                part(x).float().sum().backward()
+                out = part(x).float().sum()
+                if out.requires_grad:  # (a stage that trains nothing has no backward)
+                    out.backward()
             model.state.reduce_gradients()
             grads = model.state.state_bytes()["grad_bytes"]
             ensure_state(model.state.optimizer)
@@ -236,6 +238,27 @@ def _pp(n):
 
 def _tp(n):
     return ["--parallelism.tensor_parallel_degree", str(n)]
+
+
+def test_a_stage_without_adapters_under_zero2_and_hsdp_holds_what_the_planner_says():
+    """pp 2 x HSDP (2 replicas x 2 shards) x ZeRO-2, adapters on the last block alone: the first
+    stage trains nothing. Its engine reduces nothing (it averaged a gradient shard it never made
+    over the replicas: a crash at the first step), and the planner prices its empty gradient
+    storage (a max over no buckets: a crash as the trainer started). Rank 0, in a fake 8-rank world."""
+    from torchpar.config import load_config
+    from torchpar.plan import layout_from_config, state_bytes
+    from torchpar.plan.estimate import rank_memory
+
+    overrides = [Z, "2", *_pp(2), "--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "2", "--model.n_layers", "4",
+                 "--lora.rank", "4", "--lora.modules", "layers.3.*"]
+    cfg = load_config(TINY, overrides)
+    lay, model, args = layout_from_config(cfg, 8)
+    assert lay.rank_coords(0)["pp"] == 0
+    measured = measured_state_bytes(overrides, 8, 0)
+    assert measured == state_bytes(model, args, lay, lay.rank_coords(0))
+    assert measured["grad_bytes"] == measured["optim_bytes"] == 0 < measured["param_bytes"]
+    assert rank_memory(model, args, lay, cfg.training.seq_len, 0)["grad_bytes"] == 0
 
 
 BIG = {  # name: (world, overrides, ranks to build)

@@ -364,7 +364,8 @@ class FlatZero(FlatCheckpoints):
             work.wait()
         if self.stage == 2:
             held = self.grad_shard
-            if self.layout.dp_replicate > 1:
+            # (None on a pipeline stage LoRA leaves without adapters, as on all its replicas)
+            if held is not None and self.layout.dp_replicate > 1:
                 dist.all_reduce(held, group=self._group("dp_replicate"))
             pieces = [self._shard_piece(k) for k in range(len(self.buckets))]
         else:

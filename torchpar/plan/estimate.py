@@ -162,7 +162,7 @@ def _flat_buckets(model, args, lay: Layout, pp_rank: int) -> float:
 
     bounds = flat_rank_layout(model, args, lay, pp_rank)[3]
     whole = lay.reduce_dtype_bytes * bounds[-1]
-    if lay.zero_stage != 2:
+    if lay.zero_stage != 2 or len(bounds) < 2:  # (no bucket: a stage LoRA leaves without adapters)
         return whole
     block = lay.reduce_dtype_bytes * sum(r * c for _, (r, c), _ in model.block_params(args)) / lay.tp
     bucket = lay.reduce_dtype_bytes * max(b - a for a, b in zip(bounds, bounds[1:]))
