@@ -280,6 +280,11 @@ def first_host(nodelist: str) -> str:
     return m.group(1) + (m.group(2) or "")
 
 
+# torch 2.13 renamed these two (the old names warn at each process's first call); older torch, which
+# torchpar runs on too, has only the old names. The same c10d operations either way.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _GLOO = dist.distributed_c10d.ProcessGroupGloo  # (torch's own, kept before it is replaced)
 
 

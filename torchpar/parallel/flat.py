@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchpar.device import all_gather_single, reduce_scatter_single
 from torchpar.parallel import zero
 from torchpar.parallel.flat_state import FlatCheckpoints
 from torchpar.parallel.zero import local, nbytes
@@ -337,7 +338,7 @@ class FlatZero(FlatCheckpoints):
             if self.grad_shard is None:
                 self.grad_shard = self.flat.new_empty(self.bounds[-1] // self.shards, dtype=self.grad_dtype)
             out = self._shard_piece(k)
-            work = dist.reduce_scatter_tensor(out, buf, group=self._group("dp_shard"), async_op=True)
+            work = reduce_scatter_single(out, buf, group=self._group("dp_shard"), async_op=True)
             self.in_flight.append((work, self.bucket_bufs.pop(k), out))  # (the bucket: its own memory)
         elif self.layout.grad_ranks > 1:
             self.in_flight.append((dist.all_reduce(buf, group=self._group("dp"), async_op=True), None, buf))
@@ -419,7 +420,7 @@ class FlatZero(FlatCheckpoints):
             # parameters): a gather landing mid-forward (gloo writes when it finishes) must not mark
             # the parameters earlier modules saved as modified; it writes buckets none has read yet.
             out = self.flat.new_empty(0).set_(self.flat.untyped_storage(), lo, (hi - lo,))
-            work = dist.all_gather_into_tensor(out, src, group=self._group("dp_shard"), async_op=True)
+            work = all_gather_single(out, src, group=self._group("dp_shard"), async_op=True)
             self.gathers[k] = (work, src, out)
             if one_at_a_time:
                 self.wait_params([k])

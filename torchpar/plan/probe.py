@@ -211,10 +211,10 @@ def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):
         return (lambda: dist.all_reduce(x, group=group)), RING_FACTOR[kind](n) * nbytes
     if kind == "all_gather":
         out = torch.empty(n * elems, device=device)
-        return (lambda: dist.all_gather_into_tensor(out, x, group=group)), RING_FACTOR[kind](n) * n * nbytes
+        return (lambda: dev.all_gather_single(out, x, group=group)), RING_FACTOR[kind](n) * n * nbytes
     if kind == "reduce_scatter":
         big, out = torch.ones(n * elems, device=device), torch.empty(elems, device=device)
-        return (lambda: dist.reduce_scatter_tensor(out, big, group=group)), RING_FACTOR[kind](n) * n * nbytes
+        return (lambda: dev.reduce_scatter_single(out, big, group=group)), RING_FACTOR[kind](n) * n * nbytes
     if kind == "all_to_all":
         elems -= elems % n
         x, out = torch.ones(elems, device=device), torch.empty(elems, device=device)
