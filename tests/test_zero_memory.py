@@ -18,7 +18,10 @@ CASES = {
     4: {"zero1_bf16": ["--parallelism.zero_stage", "1", "--training.local_batch_size", "2", *BF16],
         "zero2": ["--parallelism.zero_stage", "2", "--training.local_batch_size", "2"],
         "zero2_hsdp": ["--parallelism.zero_stage", "2", "--training.local_batch_size", "2",
-                       "--parallelism.data_parallel_replicate_degree", "2"]},
+                       "--parallelism.data_parallel_replicate_degree", "2"],
+        # LoRA with its frozen base saved too: the base is whole on every rank, saved in shares.
+        "zero1_lora_base": ["--parallelism.zero_stage", "1", "--training.local_batch_size", "2",
+                            "--lora.rank", "4", "--lora.save_base", "true"]},
 }
 
 
@@ -52,8 +55,10 @@ def test_start_up_save_and_resume_stay_within_the_state_and_one_bucket(world):
             # A save adds at most one bucket's fp32 chunk (gathering would add 12 bytes per parameter).
             assert r["save_added_bytes"] <= r["bucket_bytes"], where
             # The async save's host copies: this rank's share of the weights and Adam's moments (the
-            # ranks holding the same pieces each copy a different part), not the whole state.
-            assert r["staged_bytes"] <= 12 * r["elements"] / r["dp"] + 12 * 64 + 1024, where
+            # ranks holding the same pieces each copy a different part), not the whole state; and
+            # of a frozen LoRA base, which every rank holds whole.
+            share = (12 * r["elements"] + r["frozen_bytes"]) / r["dp"]
+            assert r["staged_bytes"] <= share + 12 * 64 + 1024, where
             # A resume adds the optimizer state it loads into, the zero gradients that create it,
             # and one bucket.
             assert r["resume_added_bytes"] <= 12 * r["shard_elements"] + r["bucket_bytes"], where

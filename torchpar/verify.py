@@ -120,6 +120,8 @@ def zero_transients_check(cfg, folder: Path) -> dict:
                 for v in saved.optimizer.state[t].values():
                     if v.dim():  # (not the step, which every piece of a parameter shares)
                         local(v).add_(torch.rand(local(v).shape, generator=gen))
+            if cfg.lora.save_base:  # (a frozen base the checkpoint holds: one a fresh engine lacks)
+                saved.frozen.add_(torch.randn(saved.frozen.shape, generator=gen))
         saved.publish_params(one_at_a_time=True)
         stateful = {"model": ModelState(saved), "optimizer": OptimizerState(saved)}
         ckpt_cfg = dataclasses.replace(cfg.checkpoint, enable=True, async_mode="off")
@@ -139,7 +141,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
             loader.load()
         resume = tracker.peak
         loader.close()
-        same = torch.equal(saved.flat, fresh.flat)
+        same = torch.equal(saved.flat, fresh.flat) and torch.equal(saved.frozen, fresh.frozen)
         same &= all(torch.equal(a, b) for a, b in zip(saved.weights(), fresh.weights()))
         pairs = zip(optimized(saved.optimizer), optimized(fresh.optimizer))
         same &= all(torch.equal(a, b) for m, n in pairs
@@ -149,6 +151,7 @@ def zero_transients_check(cfg, folder: Path) -> dict:
         trainer.close()
     return {"startup_bytes": startup, "save_added_bytes": save, "staged_bytes": staging.nbytes(),
             "resume_added_bytes": resume, "state_bytes": state, "equal_after_resume": same,
-            "predicted": predicted, "elements": saved.total, "dp": lay.grad_ranks,
+            "predicted": predicted, "elements": saved.total, "frozen_bytes": nbytes(saved.frozen),
+            "dp": lay.grad_ranks,
             "shard_elements": saved.shard_starts[-1],
             "bucket_bytes": 4 * max(bucket_elements(lay), *(b - a for a, b in saved.buckets))}

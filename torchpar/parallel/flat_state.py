@@ -7,7 +7,8 @@ its share of the flat buffer's owned pieces: contiguous runs of the parameter's 
 which DCP takes as a few boxes each (part of a row, whole rows, part of a row). Each rank saves and
 loads exactly those, in place: nothing is gathered, and a save or a resume holds no more than the
 steady state. Ranks holding the same piece (every dp x cp rank at stage 0, the dp_replicate ranks
-above it) each save a different part of it, so the bytes a save copies to the host do not grow with them.
+above it) each save a different part of it, so the bytes a save copies to the host do not grow with them;
+so do the data-parallel ranks with a frozen LoRA base saved too (lora.save_base), which each holds whole.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class FlatCheckpoints:
         names = self._all_names()
         keys = {name for name, _ in names}
         sd = {k: v for k, v in zero.parts_state_dict(self.parts).items() if k not in keys}
+        if saving:
+            sd.update(self._frozen_shares(sd))
         pieces, shares = {}, self._shares(saving)
         for i, runs in enumerate(self.runs):
             if runs:  # (with whole parameters, another rank's)
@@ -134,6 +137,25 @@ class FlatCheckpoints:
                 pieces[i] = self._piece(i, masters, shares, saving)
         sd.update({name: pieces[i] for name, i in names if i in pieces})
         return sd
+
+    def _frozen_shares(self, sd: dict) -> dict:
+        """This rank's share of each frozen parameter in ``sd`` (a LoRA base saved with
+        lora.save_base), which every data-parallel rank holds whole: a save of all of it on each
+        would copy the whole base to the host on every rank of a node."""
+        dp = self.meshes["dp"]
+        copies, mine = dp.size(), dp.get_local_rank()
+        frozen = {canonical_name(n) for part in self.parts
+                  for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        out = {}
+        for name in sorted(frozen & sd.keys()) if copies > 1 else ():
+            v = sd[name]
+            flat, (shape, offset) = zero.local(v).reshape(-1), zero.local_box(v)
+            n = flat.numel()
+            chunks = [(tuple(x + y for x, y in zip(o, offset)),
+                       own_storage(flat[first: first + math.prod(sizes)].view(sizes)))
+                      for first, o, sizes in boxes(shape, n * mine // copies, n * (mine + 1) // copies)]
+            out[name] = FlatPiece(v.shape, flat.dtype, chunks)
+        return out
 
     def model_state_dict(self) -> dict:
         return self._model_dict(saving=True)
