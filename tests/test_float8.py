@@ -115,6 +115,62 @@ def test_each_routed_experts_product_is_a_float8_linears(recipe):
     assert ((out - fp32).norm() / fp32.norm()).item() > 1e-2
 
 
+class MatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Matrix products run (each FP8 one is an ``aten.mm`` of torchao's tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward(module, x: torch.Tensor, *more) -> tuple:
+    """Output, input gradient, products run and elements saved for backward of ``module(x, *more)``."""
+    rows, saved = x.clone().requires_grad_(), []
+    with MatmulCount() as count, torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = module(rows, *more)
+        out.square().sum().backward()
+    return out.detach(), rows.grad, count.n, sum(saved)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_frozen_fp8_layer_makes_no_weight_gradient(recipe):
+    """LoRA's frozen base in FP8: torchao's matmul makes the weight's gradient whether or not
+    anything asks for it (a third product, and the input kept for it). A frozen layer's output and
+    input gradient are torchao's bit for bit, from two products instead of three, keeping the
+    weight alone; a frozen routed expert's likewise."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from torchpar.parallel.float8 import frozen_matmuls
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    torchao_s, ours = (Float8Linear.from_float(copy.deepcopy(linear), config=config).requires_grad_(False)
+                       for _ in range(2))
+    frozen_matmuls(ours)
+    x = torch.randn(3, 5, 64)
+    (ref, ref_grad, ref_mm, ref_saved), (out, grad, mm, saved) = (forward_backward(m, x)
+                                                                  for m in (torchao_s, ours))
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+    assert (ref_mm, mm, ref_saved - saved) == (3, 2, x.numel())
+
+    _, experts = routed_experts(recipe)
+    counts = torch.tensor([10, 0, 17, 13, 3, 0, 5, 16])
+    x = torch.randn(int(counts.sum()), 128)
+    ref, ref_grad, ref_mm, _ = forward_backward(experts, x, counts)
+    out, grad, mm, _ = forward_backward(experts.requires_grad_(False), x, counts)
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+    assert (ref_mm, mm) == (3 * 3 * 8, 2 * 3 * 8)  # (three matrices of 8 experts; empty ones plain)
+
+
 def test_padding_each_experts_rows_to_16_keeps_the_product():
     """torchao's grouped FP8 GEMM takes groups starting at multiples of 16 rows and column-major
     matrices: padded_groups hands any GEMM exactly that, and gives back the unpadded product and
@@ -226,7 +282,8 @@ def test_a_gpu_without_fp8_tensor_cores_is_one_line(monkeypatch):
 def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak():
     """Llama 3 8B on 8 H100s under tensorwise FP8 (the size rule leaves the keys and values): the
     converted layers' 6 FLOPs per weight element and token run at the FP8 peak (1,979 TFLOP/s), the
-    rest at bf16's; an A100 (no FP8 peak) prices the step as without FP8."""
+    rest at bf16's; an A100 (no FP8 peak) prices the step as without FP8; LoRA's frozen base makes
+    fewer products."""
     from torchpar.plan import PRESETS, plan
 
     job = ["--model.flavor", "8B", "--training.seq_len", "4096", "--training.local_batch_size", "1",
@@ -243,6 +300,13 @@ def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak():
     assert compute(plain, h100) - compute(fp8_lay, h100) == pytest.approx(saved, rel=1e-9)
     a100 = PRESETS["A100-80GB"]
     assert compute(fp8_lay, a100) == compute(plain, a100)
+    # LoRA from block 16 on: the frozen base's products are 2 FLOPs per element and token before
+    # it (forward alone), 4 from it (no weight gradient), never 6.
+    lora = [*job, "--lora.rank", "16", "--lora.modules", "layers.16.*,layers.17.*"]
+    plain, fp8_lay = (layout_from_config(load_config(TINY, [*lora, *more]), 8, "cuda")[0]
+                      for more in ([], ["--quantize.float8", "tensorwise"]))
+    saved = (2 * 16 + 4 * 16) * converted / args.n_layers * tokens / 8 / 0.5 * (1 / 989e12 - 1 / 1979e12)
+    assert compute(plain, h100) - compute(fp8_lay, h100) == pytest.approx(saved, rel=1e-9)
 
 
 def test_a_probed_gpu_prices_fp8_at_its_measured_rate_times_the_datasheets_ratio():

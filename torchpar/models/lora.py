@@ -170,6 +170,38 @@ def adapted_in(model, args, lora_spec: tuple, layer: int) -> tuple[str, ...]:
                  if name.startswith(prefix))
 
 
+def _forward_alone(model, args, lora_spec: tuple) -> tuple[int, str | None, tuple[str, ...]]:
+    """Where training starts: the first adapted layer's block (every block of the model's own, for
+    a prediction depth's layer) and module, and the block's modules that run before that one (in
+    the order the block runs them), which run forward alone like the blocks before."""
+    block, module = first_adapted(model, args, lora_spec)
+    if block >= args.n_layers:
+        return args.n_layers, None, ()
+    if module is None:
+        return block, None, ()
+    tops = list(dict.fromkeys(name.split(".")[0] for name, _, _ in model.block_params(args, block)))
+    return block, module, tuple(tops[:tops.index(module)])
+
+
+def matmul_flops(model, args, lora_spec: tuple | None):
+    """``flops(weight name)``: training FLOPs per weight element and token of a frozen-or-trained
+    layer's products, by canonical weight name (``layers.3.attention.wq.weight``): 6 trained
+    (forward, input and weight gradients); with LoRA 4 for the frozen base (no weight gradient),
+    2 where it runs before the first adapted layer (forward alone). The planner's FP8 share."""
+    if lora_spec is None:
+        return lambda name: 6
+    block, _, frozen = _forward_alone(model, args, lora_spec)
+
+    def flops(name: str) -> int:
+        parts = name.split(".")
+        if parts[0] != "layers" or len(parts) < 3:
+            return 4
+        layer = int(parts[1])
+        return 2 if layer < block or (layer == block and parts[2] in frozen) else 4
+
+    return flops
+
+
 def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
     """Training FLOPs per token of a model of adapter ``model`` (``model.flops_per_token``), with
     LoRA (``lora_spec``, :func:`spec`): frozen weights get no weight gradient, so their matmuls
@@ -184,16 +216,13 @@ def flops_per_token(model, args, seq_len: int, lora_spec: tuple | None) -> int:
     adapted = adapted_layers(model, args, lora_spec)
     adapters = sum(lora_spec[0] * (n + k) for n, k in adapted.values())
     trained = full - 2 * model.matmul_weights(args) + 6 * adapters
-    block, module = first_adapted(model, args, lora_spec)
-    if block >= args.n_layers:  # (a prediction depth's: every block of the model's own runs forward alone)
-        block, module = args.n_layers, None
+    block, module, frozen = _forward_alone(model, args, lora_spec)
     before = model.blocks_alone(args, block)
     weights = model.blocks_matmul(before) if block else 0
     keys = model.attention_keys(before, seq_len) if block else 0
-    if module is not None:  # the block's own modules before the adapted one, in the order it runs them
+    if module is not None:
         entries = model.block_params(args, block)
         tops = list(dict.fromkeys(name.split(".")[0] for name, _, _ in entries))
-        frozen = tops[:tops.index(module)]
         weights += sum(r * c for name, (r, c), _ in entries if name.split(".")[0] in frozen and c > 1)
         matmuls = [top for top in tops if any(n.split(".")[0] == top and c > 1 for n, (_, c), _ in entries)]
         if matmuls[0] in frozen:  # (a block's first module of matmuls is its attention, in every family)

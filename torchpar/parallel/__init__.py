@@ -84,6 +84,8 @@ def parallelize(model, args, layout: Layout) -> list[nn.Module]:
         experts = apply_experts(part, model, layout)
         if layout.lora_rank:
             freeze_base(part)
+            if layout.float8 != "off":
+                float8.frozen_matmuls(part)
         apply_recompute(part, layout.activation_checkpoint, layout.activation_checkpoint_every)
         if layout.compile:
             for block in part.layers.values():

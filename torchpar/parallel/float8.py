@@ -195,6 +195,63 @@ def convert(module: nn.Module, model, q, all_gather: bool) -> None:
         sub.run = _float8_run(sub.run, stack)
 
 
+def frozen_matmuls(module: nn.Module) -> None:
+    """Converted layers whose weight trains nothing (LoRA's frozen base) run
+    :class:`_FrozenWeightMatmul`: torchao's FP8 matmul makes the weight's gradient whether or not
+    anything asks for it (a third of the layer's FLOPs, and the input kept for it)."""
+    linear = _torchao().float8_linear.Float8Linear
+    for m in module.modules():
+        if isinstance(m, linear) and not m.weight.requires_grad:
+            m.forward = types.MethodType(_frozen_forward, m)
+
+
+def _frozen_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``Float8Linear.forward`` with :class:`_FrozenWeightMatmul` (and, like it, autocast's dtype)."""
+    if torch.is_autocast_enabled():
+        x = x.to(torch.get_autocast_gpu_dtype())
+    out = _FrozenWeightMatmul.apply(x, self.weight.t(), self.linear_mm_config, self.config)
+    return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def _cast(t: torch.Tensor, cast, mm_config, config, role: str, dim: int) -> torch.Tensor:
+    """``t`` in FP8 as torchao's matmul casts it for one of its products (unless it is already FP8,
+    or the recipe leaves that operand in high precision)."""
+    f8 = _torchao()
+    scaling = f8.float8_scaling_utils
+    disabled = cast.scaling_type is f8.config.ScalingType.DISABLED
+    if disabled or f8.distributed_utils.tensor_already_casted_to_fp8(t):
+        return t
+    return scaling.hp_tensor_to_float8_dynamic(
+        t, cast.target_dtype, mm_config, gemm_input_role=f8.float8_training_tensor.GemmInputRole[role],
+        scaling_granularity=cast.scaling_granularity, axiswise_dim=scaling.get_maybe_axiswise_dim(
+            dim, cast.scaling_granularity), round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+
+
+@torch._dynamo.allow_in_graph
+class _FrozenWeightMatmul(torch.autograd.Function):
+    """x [..., in] @ w_t [in, out] in FP8 for a weight that trains nothing: the same casts and
+    products as torchao's matmul for the output and the input's gradient, no weight gradient, and
+    only the weight kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, w_t, mm_config, config):
+        ctx.save_for_backward(w_t)
+        ctx.mm_config, ctx.config = mm_config, config
+        x8 = _cast(x, config.cast_config_input, mm_config, config, "INPUT", -1)
+        w8 = _cast(w_t, config.cast_config_weight, mm_config, config, "WEIGHT", 0)
+        out = torch.mm(x8.reshape(-1, x8.shape[-1]), w8)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w_t,), c, mm_config = ctx.saved_tensors, ctx.config, ctx.mm_config
+        rows = grad.reshape(-1, grad.shape[-1])
+        g8 = _cast(rows, c.cast_config_grad_output, mm_config, c, "GRAD_OUTPUT", -1)
+        w8 = _cast(w_t, c.cast_config_weight_for_grad_input, mm_config, c, "WEIGHT", -1)
+        grad_x = torch.mm(g8, w8.t())
+        return grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), None, None, None
+
+
 def _float8_run(run, stack: type):
     @functools.wraps(run)
     def float8_run(x, counts, *weights, **kwargs):
@@ -246,8 +303,9 @@ class Float8Stack(torch.Tensor):
         if not rows.shape[0]:  # (an expert without rows: no scale to take)
             return rows @ w
         c = cls.config
-        return _torchao().float8_linear.matmul_with_hp_or_float8_args.apply(
-            rows, w, c._linear_mm_config, c._float8_linear_config)
+        matmul = (_torchao().float8_linear.matmul_with_hp_or_float8_args if w.requires_grad
+                  else _FrozenWeightMatmul)  # (a frozen expert: LoRA's base)
+        return matmul.apply(rows, w, c._linear_mm_config, c._float8_linear_config)
 
     @classmethod
     def grouped(cls, x: torch.Tensor, stack: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

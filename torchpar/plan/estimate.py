@@ -7,7 +7,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from torchpar.models.lora import first_adapted_block
+from torchpar.models.lora import first_adapted_block, matmul_flops
 from torchpar.models.lora import flops_per_token as lora_flops
 from torchpar.models.lora import spec as lora_spec
 from torchpar.parallel.bubble import schedule_actions, simulate
@@ -193,9 +193,11 @@ def plan(model, args, lay: Layout, cluster: Cluster, seq: int, efficiency: float
     tokens = lay.dp * lay.local_batch_size * lay.accum * seq
     per_token = lora_flops(model, args, seq, lora_spec(lay.lora))
     flops = (per_token + recompute_flops_per_token(model, args, lay, seq)) * tokens
-    # FP8 layers' matmuls (forward and both backward products: 6 FLOPs per weight element and token)
-    # at the FP8 peak, where the device has one
-    fp8 = 6 * sum(float8_weights(model, args, lay).values()) * tokens if cluster.peak_fp8_flops else 0
+    # FP8 layers' matmuls at the FP8 peak, where the device has one: 6 FLOPs per weight element and
+    # token (forward and both backward products), fewer for LoRA's frozen base
+    factor = matmul_flops(model, args, lora_spec(lay.lora))
+    fp8 = (sum(factor(name) * n for name, n in float8_weights(model, args, lay).items()) * tokens
+           if cluster.peak_fp8_flops else 0)
     compute = (flops - fp8) / lay.world / (cluster.peak_flops * efficiency)
     if fp8:
         compute += fp8 / lay.world / (cluster.peak_fp8_flops * efficiency)
