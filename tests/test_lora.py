@@ -196,25 +196,44 @@ def test_lora_fine_tuning_from_hf_resumes_and_exports_to_transformers_and_peft(t
         assert (logits - again(tokens)).abs().max() <= 1e-5
 
 
-def test_a_base_seeded_on_a_device_this_machine_lacks_is_refused_in_one_line(monkeypatch):
-    """Adapters whose base was initialized from the seed on a GPU (no saved base, no initial
-    weights) cannot be merged on a machine without one: CUDA's generator gives other numbers than
-    the CPU's."""
-    import torchpar.adapters
+def test_a_base_seeded_by_another_generator_is_refused_in_one_line(monkeypatch):
+    """Adapters whose base was initialized from the seed (no saved base, no initial weights) can be
+    merged or resumed only where the generator draws the same numbers: not on a CPU for a GPU's
+    base, nor on a GPU of another multiprocessor count (torch's random kernels size their launch
+    grid by it: an A100's draws are not an H100's); a CPU's base is merged anywhere (drawn on the
+    CPU), but a trainer on a GPU would draw it there."""
+    import torchpar.preflight
     from torchpar.adapters import _base_reader
     from torchpar.config import load_config
     from torchpar.errors import ConfigError
     from torchpar.models import adapter
+    from torchpar.preflight import lora_resume_problem
 
     cfg = load_config(ROOT / "train_configs" / "debug_model.toml", ["--lora.rank", "4"])
     args = adapter(cfg.model.name).args(cfg.model.flavor)
+    h100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "multiprocessors": 132, "threads": 2048}
+    a100 = {**h100, "name": "NVIDIA A100-SXM4-80GB", "multiprocessors": 108}
+    h200 = {**h100, "name": "NVIDIA H200"}
     meta = {"model_name": cfg.model.name, "model_args": args.to_dict(), "device": "cuda"}
-    monkeypatch.setattr(torchpar.adapters, "device_type", lambda: "cpu")  # (a CPU machine, on any)
-    with pytest.raises(ConfigError, match="initialized from training.seed on cuda, whose generator this "
-                                          "machine has not"):
-        _base_reader(meta, cfg, None, "ckpt/step-10")
+    monkeypatch.setattr(torchpar.preflight, "generator_identity", lambda: {"kind": "cpu"})
+    with pytest.raises(ConfigError, match="ckpt/step-10 holds LoRA adapters whose base was initialized from "
+                                          "training.seed on a cuda device, whose generator draws other"):
+        _base_reader(meta, cfg, None, "ckpt/step-10")  # (an older manifest: the device's kind alone)
     base = _base_reader({**meta, "device": "cpu"}, cfg, None, "ckpt/step-10")
     assert base("layers.0.attention.wq.weight").shape == (args.dim, args.dim)
+    monkeypatch.setattr(torchpar.preflight, "generator_identity", lambda: a100)
+    with pytest.raises(ConfigError, match=r"on NVIDIA H100 80GB HBM3 \(132 multiprocessors x 2048 "
+                                          r"threads\), whose generator draws other numbers than this "
+                                          r"machine's \(NVIDIA A100"):
+        _base_reader({**meta, "generator": h100}, cfg, None, "ckpt/step-10")
+    saved = {"lora": {"rank": 4}, "training": {"seed": cfg.training.seed}}
+    assert "use it on that kind of device" in lora_resume_problem(cfg, saved, h100)
+    monkeypatch.setattr(torchpar.preflight, "generator_identity", lambda: h200)  # (as many multiprocessors)
+    assert lora_resume_problem(cfg, saved, h100) is None
+    cpu = {"kind": "cpu"}
+    assert "initialized from training.seed on a cpu device" in lora_resume_problem(cfg, saved, cpu)
+    monkeypatch.setattr(torchpar.preflight, "generator_identity", lambda: cpu)
+    assert lora_resume_problem(cfg, saved, cpu) is None
 
 
 def test_zero3_keeps_the_frozen_base_in_the_compute_dtype():

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 from torchpar.config import JobConfig, config_from_text
-from torchpar.device import device_type
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY, adapter
 from torchpar.models.lora import A, B, adapted_layers, merged, scale, spec
 from torchpar.outputs import read_marker, replacing, write_marker, write_text
-from torchpar.preflight import initial_weights, saved_config
+from torchpar.preflight import initial_weights, saved_config, saved_generator, seeded_base_problem
 from torchpar.weights import open_source
 
 PEFT_COMMAND = "torchpar export --format peft"
@@ -51,10 +50,9 @@ def _base_reader(meta: dict, cfg: JobConfig, read, where: str):
         weights = initial_weights(cfg, family, args)
         return lambda name: weights[name].read()
     device = meta.get("device", "cpu")
-    if device not in ("cpu", device_type()):
-        raise ConfigError(f"{where} holds LoRA adapters whose base was initialized from training.seed on "
-                          f"{device}, whose generator this machine has not; read it on a {device} machine, "
-                          "or train with lora.save_base = true (or from checkpoint.initial_load_path)")
+    problem = seeded_base_problem(saved_generator(meta), on_cpu=True)
+    if problem:
+        raise ConfigError(f"{where} holds LoRA adapters whose base {problem}")
     with torch.device("meta"):
         model = family.build(args)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -90,6 +90,30 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
+def generator_identity() -> dict:
+    """What decides the numbers a seeded generator draws on this machine's device (the one this
+    process uses): its kind, and on a GPU the launch grid torch's random kernels spread a tensor
+    over — sized by the multiprocessors and their threads, so another GPU model draws other numbers
+    from the same seed."""
+    if device_type() != "cuda":
+        return {"kind": "cpu"}
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"kind": "cuda", "name": p.name, "multiprocessors": p.multi_processor_count,
+            "threads": p.max_threads_per_multi_processor}
+
+
+def same_draws(a: dict, b: dict) -> bool:
+    """Whether generators of identities ``a`` and ``b`` (:func:`generator_identity`) draw the same
+    numbers from a seed (an identity of an older checkpoint may hold its kind alone)."""
+    return all(a.get(k) == b.get(k) for k in ("kind", "multiprocessors", "threads"))
+
+
+def describe_generator(g: dict) -> str:
+    if g.get("kind") != "cuda" or "multiprocessors" not in g:
+        return f"a {g.get('kind', 'cpu')} device"
+    return f"{g['name']} ({g['multiprocessors']} multiprocessors x {g['threads']} threads)"
+
+
 def float8_matmuls() -> str | None:
     """Why this machine's device cannot run FP8 matmuls (torch._scaled_mm), or None when it can: a
     CUDA GPU needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); ROCm's and the

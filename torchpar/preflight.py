@@ -24,7 +24,7 @@ from torchpar.data import build_source, chat_data, data_identity, loss_masked, r
 from torchpar.data.chat import TEMPLATES
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
-from torchpar.device import compute_dtype, device_type
+from torchpar.device import compute_dtype, describe_generator, device_type, generator_identity, same_draws
 from torchpar.errors import ConfigError
 from torchpar.fault_tolerance import check_fault_tolerance, replica_groups
 from torchpar.hf import HFWeights, is_hf_dir
@@ -181,7 +181,7 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
                           f"with {saved!r}, whose state the new optimizer cannot take; resume with "
                           f"optimizer.name = {saved!r}, or start the new optimizer from its weights: "
                           "checkpoint.initial_load_path = that folder, in a new job.dump_folder")
-    problem = lora_resume_problem(cfg, saved_config(manifest))
+    problem = lora_resume_problem(cfg, saved_config(manifest), saved_generator(manifest))
     if problem:
         raise ConfigError(f"the checkpoint {path}: {problem}")
     from torch.distributed.checkpoint import FileSystemReader
@@ -209,9 +209,16 @@ def base_from_start(cfg: JobConfig) -> bool:
     return cfg.lora.rank > 0 and not cfg.lora.save_base
 
 
-def lora_resume_problem(cfg: JobConfig, saved: dict) -> str | None:
+def saved_generator(manifest: dict) -> dict:
+    """The identity of the generator a checkpoint's run drew its seeded init from
+    (:func:`torchpar.device.generator_identity`; an older manifest names the device's kind alone)."""
+    return manifest.get("generator") or {"kind": manifest.get("device", "cpu")}
+
+
+def lora_resume_problem(cfg: JobConfig, saved: dict, generator: dict | None = None) -> str | None:
     """Why a checkpoint trained with the [lora] of config snapshot ``saved`` cannot resume under
-    ``cfg``'s (adapters of other shapes or scale, a base rebuilt from elsewhere), or None."""
+    ``cfg``'s (adapters of other shapes or scale, a base rebuilt from elsewhere — from the seed by
+    ``generator``, the identity of the one that drew it), or None."""
     was = saved.get("lora", {})
     rank, now = int(was.get("rank", 0)), cfg.lora
     if not saved or rank == now.rank == 0:
@@ -237,7 +244,23 @@ def lora_resume_problem(cfg: JobConfig, saved: dict) -> str | None:
         if not path and seed != cfg.training.seed:
             return (f"its LoRA base was initialized from training.seed = {seed}, here {cfg.training.seed}; "
                     f"the checkpoint holds the adapters alone, so resume with training.seed = {seed}")
+        problem = None if path or generator is None else seeded_base_problem(generator, on_cpu=False)
+        if problem:
+            return f"its LoRA base {problem}"
     return None
+
+
+def seeded_base_problem(generator: dict, on_cpu: bool) -> str | None:
+    """Why this machine cannot draw again a base a run initialized from its seed by a generator of
+    identity ``generator``, or None. ``on_cpu``: the base is drawn on the CPU where it was (a merge),
+    whose draws are the same on any machine; a trainer draws on its own device."""
+    here = generator_identity()
+    if (on_cpu and generator.get("kind", "cpu") == "cpu") or same_draws(generator, here):
+        return None
+    return (f"was initialized from training.seed on {describe_generator(generator)}, whose generator "
+            f"draws other numbers than this machine's ({describe_generator(here)}), and the "
+            "checkpoint holds the adapters alone; use it on that kind of device (train with "
+            "lora.save_base = true, or from checkpoint.initial_load_path, to move between devices)")
 
 
 def resume_changes(cfg: JobConfig, path: Path, manifest: dict) -> list[str]:

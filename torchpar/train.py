@@ -211,7 +211,8 @@ class Trainer:
                        "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "zero_stage": lay.zero_stage},
             "data": self.data_identity,
             "run_id": self.logger.run_id,  # a resumed run goes on logging under it
-            "device": self.device.type,  # (whose generator a seeded init used: a LoRA base is made again)
+            "device": self.device.type,
+            "generator": dev.generator_identity(),  # (whose draws the seeded init was: a LoRA base's again)
             "config": to_toml(cfg),
         }
 
