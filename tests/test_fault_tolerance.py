@@ -227,6 +227,39 @@ class _Meeting:
         return True
 
 
+def test_an_average_copies_each_dtypes_pieces_to_the_host_once(monkeypatch):
+    """The groups average over gloo, so a GPU rank's gradient pieces go to the host and back: in
+    one copy each way per dtype, not one per piece (each waits for the device). The pieces —
+    strided views, two dtypes — get the average back in place, and the one-hot names the groups."""
+    from torchpar.fault_tolerance import ReplicaGroups
+
+    class Manager:  # (the other group sent the same pieces doubled, and the same one-hot and fingerprint)
+        def allreduce(self, flat):
+            (flat[:-4] if flat.dtype == torch.float32 else flat).mul_(1.5)
+            return SimpleNamespace(wait=lambda: None)
+
+        def errored(self):
+            return None
+
+        def num_participants(self):
+            return 2
+
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups.replica_id, groups.groups, groups.payload = Manager(), 1, 2, 0
+    groups.describe("dp 2")
+    weights = torch.arange(12.0).view(3, 4)
+    pieces = [weights[:, 1], weights[2:], torch.ones(5, dtype=torch.bfloat16)]
+    hosts = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: hosts.append(t.numel()) or real(t, *a, **k))
+    groups.average(pieces)
+    assert sorted(hosts) == [5, 3 + 4]  # (bf16: 5 elements; fp32: the column and the row)
+    assert torch.equal(weights[:, 1], 1.5 * torch.tensor([1.0, 5.0, 9.0]))
+    assert torch.equal(weights[2], 1.5 * torch.tensor([8.0, 9.0, 10.0, 11.0]))
+    assert weights[0, 0] == 0 and torch.equal(pieces[2], torch.full((5,), 1.5, dtype=torch.bfloat16))
+    assert groups.members == [1]
+
+
 def test_a_late_group_meets_over_the_others_fragment():
     """Streaming DiLoCo's fragment is the groups' count of meetings, not the group's own: a group
     that has met nobody yet, meeting others who have met 5 times, syncs the second of 2 fragments

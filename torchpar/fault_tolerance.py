@@ -148,13 +148,17 @@ class ReplicaGroups:
                 mine = torch.zeros(self.groups)
                 mine[self.replica_id] = 1.0
                 check = [mine] + ([self.fingerprint] if self.fingerprint is not None else [])
-            flat = torch.cat([t.detach().reshape(-1).cpu() for t in group] + check)
+            # One copy to the host and one back for all of a dtype's pieces (a copy per piece would
+            # wait for the device once per parameter, each way).
+            sizes = [t.numel() for t in group]
+            pieces = [torch.cat([t.detach().reshape(-1) for t in group]).cpu()] if group else []
+            flat = torch.cat(pieces + check)
             self.manager.allreduce(flat).wait()
             self.payload += flat.numel() * flat.element_size()
-            at = 0
-            for t in group:
-                t.copy_(flat[at: at + t.numel()].view_as(t))
-                at += t.numel()
+            at = sum(sizes)
+            if group:
+                back = flat[:at].to(group[0].device).split(sizes)
+                torch._foreach_copy_(group, [b.view_as(t) for b, t in zip(back, group)])
             if not check or self.manager.errored() is not None:
                 continue  # (a failed average holds anything: the step will not commit)
             present = flat[at: at + self.groups] * self.participants()
