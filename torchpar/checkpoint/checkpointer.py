@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 from torchpar import device as dev
 from torchpar.checkpoint.files import (
     FORMAT,
+    PARTIAL_MARKER,
     commit,
     complete_checkpoints,
+    drop_save_notes,
     file_crc32,
     interrupted_saves,
     pending_manifest,
@@ -71,6 +73,9 @@ class Checkpointer:
         """Interrupted saves: committed where every file was written, else removed; then this run's
         timeline starts at ``start``."""
         complete = complete_checkpoints(self.root)
+        for folder in complete.values():
+            if (folder / PARTIAL_MARKER).exists():  # (removed last: without it, nothing is left)
+                drop_save_notes(folder)
         for step, (partial, manifest) in recoverable_saves(self.root).items():
             if step not in complete:
                 print(f"torchpar: committed checkpoint {commit(partial, manifest)} (its save was interrupted "

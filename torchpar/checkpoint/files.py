@@ -45,11 +45,13 @@ def complete_checkpoints(root: Path) -> dict[int, Path]:
 
 
 def interrupted_saves(root: Path) -> list[Path]:
-    """``step-N.partial`` folders that torchpar itself started (they hold its marker file): the
-    only folders it ever deletes besides checkpoints pruned by keep_latest_k."""
+    """``step-N.partial`` folders that torchpar itself started (they hold its marker file, or the
+    manifest of a commit that did not finish): the only folders it ever deletes besides checkpoints
+    pruned by keep_latest_k — and only when a file of theirs is missing."""
     if not root.is_dir():
         return []
-    return sorted(d for d in root.glob("step-*.partial") if d.is_dir() and (d / PARTIAL_MARKER).exists())
+    return sorted(d for d in root.glob("step-*.partial")
+                  if d.is_dir() and ((d / PARTIAL_MARKER).exists() or (d / MANIFEST).exists()))
 
 
 def pending_manifest(partial: Path) -> dict | None:
@@ -57,19 +59,24 @@ def pending_manifest(partial: Path) -> dict | None:
     (written once every rank's data is) and every rank's list of its files, each there with its
     size — but whose commit (manifest, rename) never happened; None if any piece is missing."""
     try:
-        pending = json.loads((partial / PARTIAL_MARKER).read_text())
         if not (partial / ".metadata").is_file():
             return None
-        files = {}
-        for rank in range(int(pending["world"])):
-            files.update(json.loads((partial / RANK_FILES.format(rank=rank)).read_text()))
+        if (partial / MANIFEST).is_file():  # (its commit began: the manifest lists every file)
+            manifest = json.loads((partial / MANIFEST).read_text())
+            files = manifest["files"]
+        else:
+            pending = json.loads((partial / PARTIAL_MARKER).read_text())
+            files = {}
+            for rank in range(int(pending["world"])):
+                files.update(json.loads((partial / RANK_FILES.format(rank=rank)).read_text()))
+            manifest = {**pending["manifest"], "files": dict(sorted(files.items()))}
     except (OSError, ValueError, KeyError, TypeError):
         return None
     for name, (size, _) in files.items():
         f = partial / name
         if not f.is_file() or f.stat().st_size != size:
             return None
-    return {**pending["manifest"], "files": dict(sorted(files.items()))}
+    return manifest
 
 
 def write_pending(partial: Path, manifest: dict, world: int) -> None:
@@ -84,16 +91,24 @@ def write_rank_files(partial: Path, rank: int, files: dict) -> None:
 
 def commit(partial: Path, manifest: dict) -> Path:
     """The commit point of a save whose files are all written: the manifest, then one rename of
-    ``step-N.partial`` to ``step-N``. Returns the checkpoint's folder."""
+    ``step-N.partial`` to ``step-N``; the save's own notes (its marker, the ranks' file lists) are
+    removed after, from the committed folder. A process killed anywhere in it leaves a save that
+    the next start commits, or a checkpoint. Returns the checkpoint's folder."""
     final = partial.with_name(partial.name.removesuffix(".partial"))
     _write_atomically(partial / MANIFEST, manifest)
-    for f in partial.glob("torchpar.files-*.json"):
-        f.unlink()
-    (partial / PARTIAL_MARKER).unlink(missing_ok=True)
     if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
         os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
     os.replace(partial, final)
+    drop_save_notes(final)
     return final
+
+
+def drop_save_notes(folder: Path) -> None:
+    """A committed checkpoint's leftover notes of its save (a commit killed after its rename); the
+    marker goes last, so a folder without it has none left."""
+    for f in folder.glob("torchpar.files-*.json"):
+        f.unlink(missing_ok=True)
+    (folder / PARTIAL_MARKER).unlink(missing_ok=True)
 
 
 def recoverable_saves(root: Path) -> dict[int, tuple[Path, dict]]:

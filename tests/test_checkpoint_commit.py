@@ -1,0 +1,81 @@
+"""A save's commit point, without training: a process killed at any file-system change of a commit
+leaves either a save the next start commits, or a checkpoint — never a complete save deleted."""
+
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+from torchpar.checkpoint.checkpointer import Checkpointer
+from torchpar.checkpoint.files import (
+    FORMAT,
+    MANIFEST,
+    commit,
+    complete_checkpoints,
+    file_crc32,
+    pending_manifest,
+    write_pending,
+    write_rank_files,
+)
+
+
+class Killed(BaseException):
+    """The process dying at that point (nothing after it runs)."""
+
+
+def a_written_save(root: Path, ranks: int = 3) -> Path:
+    """``step-00000004.partial`` as ``ranks`` ranks leave it once every file is written."""
+    partial = root / "step-00000004.partial"
+    write_pending(partial, {"format": FORMAT, "step": 4}, ranks)
+    for rank in range(ranks):
+        names = [f"__{rank}_0.distcp", *([".metadata"] if rank == 0 else [])]
+        for i, name in enumerate(names):
+            (partial / name).write_bytes(bytes([rank]) * (10 * (rank + 1) + i))
+        write_rank_files(partial, rank, {n: [(partial / n).stat().st_size, file_crc32(partial / n)]
+                                         for n in names})
+    return partial
+
+
+def test_a_commit_killed_at_any_point_keeps_the_checkpoint(tmp_path, monkeypatch):
+    """Each of the commit's writes, renames and deletions in turn is where the process dies; the
+    next start (rank 0's tidying) then holds step 4 complete, every file there, no note of the
+    save left, no partial folder. (The commit once deleted the ranks' file lists before its
+    rename: killed among them, the save was 'incomplete' and the next start deleted it.)"""
+    ready = a_written_save(tmp_path / "ready")
+    manifest = pending_manifest(ready)
+    assert manifest is not None and len(manifest["files"]) == 4
+    changes = {"os.replace": os.replace, "Path.unlink": Path.unlink}
+    point = 0
+    while True:
+        root = tmp_path / f"kill-{point}"
+        shutil.copytree(ready.parent, root)
+        calls = []
+
+        def dying(name):
+            def change(*args, **kwargs):
+                calls.append(name)
+                if len(calls) > point:
+                    raise Killed
+                return changes[name](*args, **kwargs)
+            return change
+
+        monkeypatch.setattr(os, "replace", dying("os.replace"))
+        monkeypatch.setattr(Path, "unlink", dying("Path.unlink"))
+        try:
+            commit(root / "step-00000004.partial", manifest)
+            finished = True
+        except Killed:
+            finished = False
+        monkeypatch.setattr(os, "replace", changes["os.replace"])
+        monkeypatch.setattr(Path, "unlink", changes["Path.unlink"])
+        Checkpointer._tidy(SimpleNamespace(root=root, _set_newer_aside=lambda start: None), 0)
+        final = root / "step-00000004"
+        assert complete_checkpoints(root) == {4: final}, (point, calls)
+        assert sorted(p.name for p in root.iterdir()) == ["step-00000004"], point
+        assert sorted(p.name for p in final.iterdir()) == sorted([*manifest["files"], MANIFEST]), point
+        for name, (size, crc) in manifest["files"].items():
+            assert (final / name).stat().st_size == size and file_crc32(final / name) == crc
+        if finished:
+            break
+        point += 1
+    assert point >= 5  # (the manifest's write, the rename, three lists and the marker deleted)
