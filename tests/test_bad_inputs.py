@@ -673,6 +673,25 @@ def test_one_line(case, trained, tmp_path, capfd, monkeypatch):
     assert not changed, f"files that were in the dump folder changed: {changed}"
 
 
+def test_the_launchers_check_leaves_the_checkpoints_bytes_to_the_ranks(trained, tmp_path, monkeypatch):
+    """Each node's launcher checks the job before torchrun starts a rank, a checkpoint's files by
+    their sizes: the ranks read its CRC32s at the load, each a share (read whole by every node's
+    launcher at every start, a 70B checkpoint on 64 nodes was ~54 TB before the first step).
+    ``--check`` reads every byte."""
+    from torchpar.checkpoint import files
+    from torchpar.commands.train import check_before_launch
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    read, crc32 = [], files.file_crc32
+    monkeypatch.setattr(files, "file_crc32", lambda path: read.append(path.name) or crc32(path))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    job = ["--config", str(TINY), "--job.dump_folder", str(run), "--checkpoint.enable", "true",
+           "--training.steps", "8"]
+    assert check_before_launch(job) == 0 and read == []
+    assert main(["train", "--check", *job]) == 0 and "__0_0.distcp" in read
+
+
 def test_a_disk_fault_no_check_foresaw_is_one_line(capfd):
     """An OSError out of a command (a full disk, a file gone under it) ends as one line naming the
     file and the fault, exit 1, no traceback."""

@@ -33,8 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
 from torchpar import device as dev
-from torchpar.commands.train import main as train_command
-from torchpar.commands.train import parse_train_args
+from torchpar.commands.train import check_before_launch, parse_train_args
 from torchpar.config import load_config
 from torchpar.console import LAUNCH_CHECK_S, LAUNCHED_AT, process_age_s, progress, run_command
 from torchpar.fault_tolerance import for_replica
@@ -272,9 +271,10 @@ def main(argv: list[str]) -> int:
 
 
 def check_once(args, script_args: list[str]) -> int:
-    """``torchpar train --check`` for the whole job, in this process before torchrun starts a
-    rank (a process of its own would import torch and the trainer once more, seconds on every
-    launch): its exit code, its error already said in one line. Sets each CPU rank's threads."""
+    """The trainer's check for the whole job (``check_before_launch``: ``--check`` but for the
+    reading of every byte, which the ranks share), in this process before torchrun starts a rank
+    (a process of its own would import torch and the trainer once more, seconds on every launch):
+    its exit code, its error already said in one line. Sets each CPU rank's threads."""
     nproc = int(args.nproc_per_node)
     if dev.device_type() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Oversubscribed CPU ranks slow down badly with more than one thread each.
@@ -284,7 +284,7 @@ def check_once(args, script_args: list[str]) -> int:
     before = {k: os.environ.get(k) for k in job}
     os.environ.update(job)  # (the check reads the job's shape as a rank would)
     try:
-        return run_command(train_command, ["--check", *script_args])
+        return run_command(check_before_launch, script_args)
     finally:
         for k, v in before.items():
             if v is None:
