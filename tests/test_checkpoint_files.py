@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow  # trains in spawned processes
 TRAIN = [sys.executable, "-m", "torchpar", "train", "--config", str(TINY), "--training.seq_len", "32"]
 
 
-def train(tmp_path, folder, *more):
-    return run([*TRAIN, "--job.dump_folder", str(folder), "--checkpoint.enable", "true", *more], tmp_path)
+def train(tmp_path, folder, *more, **env):
+    return run([*TRAIN, "--job.dump_folder", str(folder), "--checkpoint.enable", "true", *more], tmp_path,
+               **env)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,30 @@ def test_resume_from_an_older_step_keeps_the_newer_checkpoints(trained, tmp_path
     branch = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"branch"' in x]
     assert branch == [{"step": 4, "event": "branch", "branch_from_step": 4, "moved_steps": [6],
                        "moved_to": str(aside)}]
+
+
+def test_a_restarted_job_that_asked_for_a_step_goes_on_from_its_own_latest(trained, tmp_path):
+    """A job started with checkpoint.load_step 4 branches there and saves steps 6 and 8; torchrun's
+    restart or a SLURM requeue runs the same command line again: it resumes from the job's own
+    step 8 (it went back to step 4 and set its own later checkpoints aside, at every restart).
+    Another job asking for a step goes back to it."""
+    run_dir = copy_run(trained, tmp_path)
+    job = ["--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--checkpoint.load_step", "4"]
+    first = train(tmp_path, run_dir, "--training.steps", "8", *job, SLURM_JOB_ID="41")
+    assert first.returncode == 0 and "starts at step 4" in first.stderr, first.stderr
+    ours = folder_digest(run_dir / "checkpoint" / "step-00000008")
+    again = train(tmp_path, run_dir, "--training.steps", "10", *job, SLURM_JOB_ID="41",
+                  SLURM_RESTART_COUNT="1")
+    assert again.returncode == 0, again.stderr
+    assert "at step 8" in again.stdout and "starts at step" not in again.stderr
+    assert len(list((run_dir / "checkpoint").glob("superseded-*"))) == 1  # (the first start's)
+    steps = sorted(d.name for d in (run_dir / "checkpoint").glob("step-*"))
+    assert steps == ["step-00000008", "step-00000010"]
+    assert folder_digest(run_dir / "checkpoint" / "step-00000008") == ours
+    job[-1] = "8"  # (step 4 is pruned by now)
+    other = train(tmp_path, run_dir, "--training.steps", "12", *job, SLURM_JOB_ID="42",
+                  SLURM_RESTART_COUNT="1")
+    assert other.returncode == 0 and "later checkpoints (steps 10)" in other.stderr, other.stderr
 
 
 def test_keep_latest_k_never_deletes_this_runs_checkpoints_for_older_ones(trained, tmp_path):

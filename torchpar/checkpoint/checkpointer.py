@@ -24,6 +24,7 @@ from torchpar.checkpoint.files import (
     drop_save_notes,
     file_crc32,
     interrupted_saves,
+    mark_timeline,
     pending_manifest,
     recoverable_saves,
     step_dir,
@@ -83,6 +84,8 @@ class Checkpointer:
         for d in interrupted_saves(self.root):
             shutil.rmtree(d, ignore_errors=True)
         self.branch = self._set_newer_aside(start)
+        if start == self.cfg.load_step:  # (a restart that went on from a later step keeps the mark)
+            mark_timeline(self.root, start)
 
     def _state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts.items()}

@@ -10,7 +10,7 @@ import time
 import zlib
 from pathlib import Path
 
-from torchpar.console import warn
+from torchpar.console import LAUNCHED_AT, warn
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
 from torchpar.models.common import TRAINING_FIELDS
@@ -20,6 +20,7 @@ MANIFEST = "torchpar.json"
 # Written into step-N.partial when a save starts: the manifest-to-be (everything but the files) and
 # the world size of the save, so that a save whose files were all written can be committed later.
 PARTIAL_MARKER = "torchpar.partial"
+TIMELINE = "torchpar.timeline.json"  # which job's timeline the folder holds, from which step
 RANK_FILES = "torchpar.files-{rank}.json"  # each rank's written files with [size, CRC32], after DCP's save
 FORMAT = 2  # 2: stateful parts (model, optimizer, lr_scheduler, train_state, dataloader, rng)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -215,12 +216,49 @@ def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -
         )
 
 
+def job_key() -> str | None:
+    """This job across its restarts: SLURM's job id (a requeue keeps it), else the launcher's start
+    (torchrun's restarts of its ranks keep it); None for a process started on its own."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm job {os.environ['SLURM_JOB_ID']}"
+    return f"launched at {os.environ[LAUNCHED_AT]}" if os.environ.get(LAUNCHED_AT) else None
+
+
+def mark_timeline(root: Path, start: int) -> None:
+    """This job's timeline in ``root`` starts at step ``start`` (checkpoint.load_step asked for it),
+    for :func:`restart_step` to read at the job's restarts."""
+    key = job_key()
+    if key is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_atomically(root / TIMELINE, {"from_step": start, "job": key})
+
+
+def restart_step(root: Path, asked: int) -> int:
+    """The step a start with checkpoint.load_step = ``asked`` (0: none) resumes from: ``asked``,
+    unless this start is a restart of the job whose timeline in ``root`` began there (a torchrun
+    restart or a SLURM requeue runs the same command line again) — then that timeline's latest
+    checkpoint: going back to ``asked`` would set the job's own later checkpoints aside at every
+    restart."""
+    try:
+        timeline = json.loads((root / TIMELINE).read_text())
+    except (OSError, ValueError):
+        return asked
+    key = job_key()
+    if key is None or timeline.get("job") != key or timeline.get("from_step") != asked:
+        return asked
+    later = [s for s in [*complete_checkpoints(root), *recoverable_saves(root)] if s >= asked]
+    return max(later, default=asked)
+
+
 def find_resume(cfg, args) -> Path | None:
     """The checkpoint to resume from, fully validated; no process group needed (preflight)."""
     ck = cfg.checkpoint
-    if not ck.enable or ck.load_step == 0:
+    if not ck.enable:
         return None
     root = checkpoint_root(cfg)
+    asked = restart_step(root, ck.load_step) if ck.load_step >= 0 else -1
+    if asked == 0:
+        return None
     written = recoverable_saves(root)
     for d in interrupted_saves(root):
         if all(d != partial for partial, _ in written.values()):
@@ -235,15 +273,15 @@ def find_resume(cfg, args) -> Path | None:
             warn(f"the save of {partial} was interrupted after every file was written; it is committed "
                  f"as {step_dir(root, step)}")
             found[step] = step_dir(root, step)
-    if ck.load_step > 0:
-        if ck.load_step not in found:
+    if asked > 0:
+        if asked not in found:
             have = ", ".join(map(str, sorted(found))) or "none"
             raise ConfigError(
                 f"checkpoint.load_step = {ck.load_step}: no complete checkpoint "
-                f"{step_dir(root, ck.load_step)} (complete steps there: {have}); set load_step to one of "
+                f"{step_dir(root, asked)} (complete steps there: {have}); set load_step to one of "
                 "them, or -1 for the latest"
             )
-        path = found[ck.load_step]
+        path = found[asked]
     elif found:
         path = found[max(found)]
     else:
