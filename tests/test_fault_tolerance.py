@@ -4,6 +4,7 @@ groups; with every group present they train as one job holding all of their data
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,25 @@ def test_the_outer_step_state_resumes_bitwise(tmp_path):
     assert resumed["group"]["losses"] == whole["group"]["losses"][3:]
     for name, x in whole["group"]["params"].items():
         assert torch.equal(resumed["group"]["params"][name], x), name
+
+
+def test_groups_resumed_from_different_steps_line_up_at_their_first_commit(tmp_path):
+    """A whole job started again with its groups' checkpoints at different steps (one group was
+    down when the other saved): each group counts its commits from its checkpoint's step, so the
+    one behind recovers the other's state at the first quorum, and both end as one. (Counting
+    from 0, both went on from their own weights and averaged gradients of different ones.)"""
+    job = [Z, "0", LB, "4", "--validation.enable", "false", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "2", "--checkpoint.async_mode", "off", "--checkpoint.keep_latest_k", "0"]
+    job += ["--checkpoint.folder", str(tmp_path)]  # (each group's in replica_<id> inside)
+    (_, error), = run_replica_groups([(1, [*job, "--training.steps", "4"])], min_replicas=1, n=2)
+    assert error is None, error
+    shutil.copytree(tmp_path / "replica_0", tmp_path / "replica_1")
+    groups = [(1, [*job, "--training.steps", "6", "--checkpoint.load_step", str(step)]) for step in (2, 4)]
+    (behind, error_a), (ahead, error_b) = run_replica_groups(groups)
+    assert error_a is None and error_b is None, (error_a, error_b)
+    assert any(r.get("event") == "recovered" for r in behind["group"]["logged"])
+    for name, x in ahead["group"]["params"].items():
+        assert torch.equal(behind["group"]["params"][name], x), name
 
 
 class _Meeting:

@@ -149,8 +149,12 @@ class Trainer:
             # when ready to train. A group that joins late recovers this state live from a healthy
             # group's same rank.
             self.replicas = ReplicaGroups(ft, self.rank, world)
-            if self.outer is not None:  # (a resumed run's meetings go on in the same turn)
-                self.replicas.resume_at(int(self.outer.meetings))
+            # A resumed group counts its commits from where its checkpoint was (semi-synchronous:
+            # meetings, in the same turn; else steps): torchft heals a group whose count is below
+            # the quorum's highest, so groups resumed from different steps line up at the first
+            # commit (all counting from 0, they averaged gradients of different weights).
+            committed = int(self.outer.meetings) if self.outer is not None else self.train_state.step
+            self.replicas.resume_at(committed)
             self._snapshot_position()
             self.replicas.serve(self._recovery_state, self._recover)
         # 3. From here on a rank that stops answering or a step that never ends is a hang.
