@@ -818,3 +818,20 @@ def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):
     ages = iter([10.0, 14.0])
     alone = console.StartupClock().line()
     assert alone.startswith("torchpar: ready 14.0 s after this process started: imports 10.0 s"), alone
+
+
+def test_a_checkpoint_keeps_the_gpus_generator_beside_the_cpus(monkeypatch):
+    """LoRA's dropout and DTensor's random ops draw from the GPU's generator: each rank saves its
+    state beside the CPU's, and a resume restores both (a GPU stands in by its two calls); a
+    checkpoint without it (a CPU run's) leaves the seeded one."""
+    from torchpar.state import RNGState
+
+    restored = []
+    monkeypatch.setattr(dev, "device_rng_state", lambda: torch.tensor([7, 8], dtype=torch.uint8))
+    monkeypatch.setattr(dev, "set_device_rng_state", restored.append)
+    sd = RNGState(3).state_dict()
+    assert sorted(sd) == ["rank3", "rank3_device"] and torch.equal(sd["rank3"], torch.get_rng_state())
+    RNGState(3).load_state_dict(sd)
+    assert len(restored) == 1 and torch.equal(restored[0], torch.tensor([7, 8], dtype=torch.uint8))
+    RNGState(3).load_state_dict({"rank3": sd["rank3"]})
+    assert len(restored) == 1

@@ -114,6 +114,17 @@ def describe_generator(g: dict) -> str:
     return f"{g['name']} ({g['multiprocessors']} multiprocessors x {g['threads']} threads)"
 
 
+def device_rng_state() -> torch.Tensor | None:
+    """This process's GPU generator state (LoRA's dropout and DTensor's random ops draw from it);
+    None on the CPU, whose generator is ``torch.get_rng_state``'s."""
+    return torch.cuda.get_rng_state() if device_type() == "cuda" else None
+
+
+def set_device_rng_state(state: torch.Tensor) -> None:
+    if device_type() == "cuda":
+        torch.cuda.set_rng_state(state)
+
+
 def float8_matmuls() -> str | None:
     """Why this machine's device cannot run FP8 matmuls (torch._scaled_mm), or None when it can: a
     CUDA GPU needs FP8 tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); ROCm's and the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchpar import device as dev
 from torchpar.parallel.zero import ZeroState
 
 
@@ -65,17 +66,21 @@ class OptimizerState:
 
 
 class RNGState:
-    """This rank's CPU RNG, under a key of its own. ``per_rank``: a rank that the saving layout
-    did not have finds no key and keeps its seeded RNG."""
+    """This rank's CPU RNG, and its GPU's, under keys of its own. ``per_rank``: a rank that the
+    saving layout did not have finds no key and keeps its seeded RNG (so does a GPU's resuming a
+    CPU run)."""
 
     per_rank = True
 
     def __init__(self, rank: int):
-        self.key = f"rank{rank}"
+        self.key, self.device_key = f"rank{rank}", f"rank{rank}_device"
 
     def state_dict(self) -> dict:
-        return {self.key: torch.get_rng_state()}
+        device = dev.device_rng_state()
+        return {self.key: torch.get_rng_state(), **({self.device_key: device} if device is not None else {})}
 
     def load_state_dict(self, sd: dict) -> None:
         if self.key in sd:
             torch.set_rng_state(sd[self.key])
+        if self.device_key in sd:
+            dev.set_device_rng_state(sd[self.device_key])
