@@ -68,7 +68,9 @@ def test_a_commit_killed_at_any_point_keeps_the_checkpoint(tmp_path, monkeypatch
             finished = False
         monkeypatch.setattr(os, "replace", changes["os.replace"])
         monkeypatch.setattr(Path, "unlink", changes["Path.unlink"])
-        Checkpointer._tidy(SimpleNamespace(root=root, _set_newer_aside=lambda start: None), 0)
+        tidy = SimpleNamespace(root=root, cfg=SimpleNamespace(load_step=-1),
+                               _set_newer_aside=lambda start: None)
+        Checkpointer._tidy(tidy, 0)
         final = root / "step-00000004"
         assert complete_checkpoints(root) == {4: final}, (point, calls)
         assert sorted(p.name for p in root.iterdir()) == ["step-00000004"], point
@@ -79,3 +81,16 @@ def test_a_commit_killed_at_any_point_keeps_the_checkpoint(tmp_path, monkeypatch
             break
         point += 1
     assert point >= 5  # (the manifest's write, the rename, three lists and the marker deleted)
+
+
+def test_a_commit_is_on_the_disk_before_it_returns(tmp_path, monkeypatch):
+    """The manifest's bytes, then the folder's rename, are synced to the disk: a node that dies
+    just after a commit leaves no empty manifest behind a name that says the save was done."""
+    partial = a_written_save(tmp_path)
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or fsync(fd))
+    final = commit(partial, pending_manifest(partial))
+    assert str(partial / (MANIFEST + ".tmp")) in synced  # (its bytes, before its rename)
+    assert synced.index(str(partial / (MANIFEST + ".tmp"))) < synced.index(str(tmp_path))
+    assert synced[-1] == str(tmp_path) and (final / MANIFEST).stat().st_size > 0

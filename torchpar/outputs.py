@@ -61,9 +61,27 @@ def replacing(path: Path):
         tmp.unlink(missing_ok=True)
 
 
-def write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str, durable: bool = False) -> None:
+    """``path`` holds ``text`` whole or not at all; ``durable``: on the disk before this returns,
+    name included (the file and then its folder synced), so that a node dying just after cannot
+    leave an empty file behind a name that says it was written."""
     with replacing(path) as tmp:
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    if durable:
+        sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """The folder's entries (a file renamed into it, or out) on the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_marker(folder: Path, command: str, files: list[str]) -> None:

@@ -14,7 +14,7 @@ from torchpar.console import LAUNCHED_AT, warn
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
 from torchpar.models.common import TRAINING_FIELDS
-from torchpar.outputs import write_text
+from torchpar.outputs import sync_folder, write_text
 
 MANIFEST = "torchpar.json"
 # Written into step-N.partial when a save starts: the manifest-to-be (everything but the files) and
@@ -100,6 +100,7 @@ def commit(partial: Path, manifest: dict) -> Path:
     if final.exists():  # a folder torchpar did not finish (no manifest): kept, beside
         os.replace(final, final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
     os.replace(partial, final)
+    sync_folder(final.parent)  # (the commit itself on the disk before the save is reported done)
     drop_save_notes(final)
     return final
 
@@ -123,7 +124,7 @@ def recoverable_saves(root: Path) -> dict[int, tuple[Path, dict]]:
 
 
 def _write_atomically(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=1) + "\n")
+    write_text(path, json.dumps(obj, indent=1) + "\n", durable=True)
 
 
 def unexpected_folders(root: Path) -> list[Path]:
