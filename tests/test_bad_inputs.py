@@ -718,3 +718,26 @@ def test_a_closed_pipe_is_one_line(tmp_path):
     assert r.stdout.startswith("layout")
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
     assert error_line(r.stderr).startswith("torchpar: error: the output pipe was closed"), r.stderr
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EIO"])
+def test_a_dump_folder_whose_file_system_has_no_locks(tmp_path, monkeypatch, capfd, code):
+    """Some network mounts take no advisory locks: the run goes on with one warning (a second run
+    on the folder is then not refused); any other failure to lock is one line naming the folder."""
+    import errno
+    import fcntl
+    import os
+
+    from torchpar.errors import ConfigError
+
+    def no_locks(file, how):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    if code == "EIO":
+        with pytest.raises(ConfigError, match=f"job.dump_folder {tmp_path}: cannot lock torchpar.lock"):
+            RunLock(tmp_path)
+        return
+    lock = RunLock(tmp_path)
+    assert "file system without locks" in capfd.readouterr().err
+    lock.release()

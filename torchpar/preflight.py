@@ -8,6 +8,7 @@ the trainer run the same checks, so a mistake is one line, never a hang or a tra
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
 import socket
@@ -328,6 +329,7 @@ class RunLock:
     def __init__(self, dump_folder: Path):
         self.path = dump_folder / LOCK_FILE
         self.file = open(self.path, "a+")
+        self.locked = True
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -336,6 +338,15 @@ class RunLock:
             self.file.close()
             raise ConfigError(f"job.dump_folder {dump_folder} is in use by another run ({owner}); wait for "
                               "it to end, or choose another job.dump_folder") from None
+        except OSError as e:  # (a file system without locks: some network mounts)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                self.file.close()
+                raise ConfigError(f"job.dump_folder {dump_folder}: cannot lock {self.path.name} "
+                                  f"({e.strerror}); choose another job.dump_folder") from None
+            self.locked = False
+            warn(f"job.dump_folder {dump_folder} is on a file system without locks ({e.strerror}): a second "
+                 "run on this folder is not refused; run one at a time there, or choose a folder on a file "
+                 "system with locks")
         self.file.seek(0)
         self.file.truncate()
         self.file.write(
@@ -345,7 +356,8 @@ class RunLock:
 
     def release(self) -> None:
         if not self.file.closed:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
+            if self.locked:
+                fcntl.flock(self.file, fcntl.LOCK_UN)
             self.file.close()
 
 
