@@ -6,6 +6,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from torchpar.checkpoint.checkpointer import Checkpointer
 from torchpar.checkpoint.files import (
     FORMAT,
@@ -94,3 +96,35 @@ def test_a_commit_is_on_the_disk_before_it_returns(tmp_path, monkeypatch):
     assert str(partial / (MANIFEST + ".tmp")) in synced  # (its bytes, before its rename)
     assert synced.index(str(partial / (MANIFEST + ".tmp"))) < synced.index(str(tmp_path))
     assert synced[-1] == str(tmp_path) and (final / MANIFEST).stat().st_size > 0
+
+
+@pytest.mark.parametrize("other", [4, 6])
+def test_ranks_that_chose_different_resume_points_stop_in_one_line(tmp_path, monkeypatch, other):
+    """Each rank picks its resume point from the folder as it sees it; a node whose view of a
+    network file system lags would load an older step beside the others' newer one. One
+    all-reduce finds it: the same line on every rank (another rank stands in by what the
+    all-reduce brings back)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchpar.checkpoint.checkpointer import Checkpointer
+    from torchpar.errors import ConfigError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        real = dist.all_reduce
+
+        def with_another_rank(t, op):
+            real(t, op=op)
+            t.copy_(torch.maximum(t, torch.tensor([other, -other])))
+
+        monkeypatch.setattr(dist, "all_reduce", with_another_rank)
+        cfg = SimpleNamespace(enable=True, async_mode="off", load_step=-1)
+        if other == 4:
+            Checkpointer(cfg, tmp_path, {}, {}, tmp_path / "step-00000004", {"step": 4}).close()
+            return
+        with pytest.raises(ConfigError, match="the ranks chose different checkpoints to resume from in "
+                                              f"{tmp_path} \\(step 4 to step 6\\)"):
+            Checkpointer(cfg, tmp_path, {}, {}, tmp_path / "step-00000004", {"step": 4})
+    finally:
+        dist.destroy_process_group()

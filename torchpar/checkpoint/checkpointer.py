@@ -65,10 +65,25 @@ class Checkpointer:
         self.loaded = ""  # how much a resume read, how fast
         self.branch: dict | None = None  # where a resume from an older step moved the newer checkpoints
         if cfg.enable:
-            dist.barrier()  # every rank has chosen its resume point before rank 0 changes the folder
+            self._agree_on_resume()  # (every rank has chosen before rank 0 changes the folder)
             if self.rank == 0:
                 self._tidy(int(resume_manifest["step"]) if resume_manifest else 0)
             dist.barrier()  # nobody writes or reads before the folder is tidy and the timeline is set
+
+    def _agree_on_resume(self) -> None:
+        """Every rank chose its resume point from the folder as it saw it: one line on every rank if
+        they differ (a node whose view of a network file system lags loads an older step, and the
+        job would mix two steps' shards), in one all-reduce."""
+        step = int(self.resume_manifest["step"]) if self.resume_manifest else -1
+        seen = torch.tensor([step, -step], device=dev.current_device())
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        newest, oldest = int(seen[0]), -int(seen[1])
+        if newest != oldest:
+            chose = " to ".join(f"step {s}" if s >= 0 else "none" for s in (oldest, newest))
+            raise ConfigError(f"the ranks chose different checkpoints to resume from in {self.root} "
+                              f"({chose}): the folder looks different from different nodes (a network file "
+                              "system's stale cache?); start again once every node sees it alike, or set "
+                              "checkpoint.load_step")
 
     def _tidy(self, start: int) -> None:
         """Interrupted saves: committed where every file was written, else removed; then this run's
