@@ -306,6 +306,10 @@ def test_a_sliding_window_sees_each_query_and_the_keys_before_it(path, sinks, em
         torch.testing.assert_close(got, want)
         grads = torch.autograd.grad(got.square().sum(), [q, k, v])
         torch.testing.assert_close(grads, torch.autograd.grad(want.square().sum(), [q, k, v]))
+    if path == "spans" and sinks:  # (each token's document, made once for the batch: not per layer)
+        made = mask._ids
+        common.attention(q, k, v, mask, head_sinks, 3)
+        assert made is not None and mask._ids is made
     if path == "varlen (emulated)" and not sinks:
         assert len(emulated) == 2  # (the window went to the kernel)
     if path == "no documents" and not sinks:  # on a GPU: each row one sequence of the varlen kernel

@@ -101,10 +101,20 @@ class DocumentSpans:
     """Where each row's documents lie: ``cuts[r]`` = (0, start of its second document, ..., s).
     Read only inside an eager function, so torch.compile neither guards on nor re-traces it."""
 
-    __slots__ = ("cuts",)
+    __slots__ = ("cuts", "_ids")
 
     def __init__(self, cuts: tuple[tuple[int, ...], ...]):
         self.cuts = cuts
+        self._ids: torch.Tensor | None = None
+
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        """[b, s]: each token's document, on ``device`` — made once per batch, not by every
+        attention layer that reads it (a Python loop over the tokens, and a copy to the GPU)."""
+        if self._ids is None or self._ids.device != torch.device(device):
+            rows = [[i for i, (a, e) in enumerate(zip(cuts, cuts[1:])) for _ in range(e - a)]
+                    for cuts in self.cuts]
+            self._ids = torch.tensor(rows).to(device, non_blocking=True)  # (staged at once: small)
+        return self._ids
 
 
 class PackedDocuments(DocumentSpans):
@@ -219,7 +229,7 @@ def document_layout(documents: torch.Tensor | SequenceShard, dtype: torch.dtype,
         return positions, PackedDocuments(spans.cuts, cu_seqlens.to(device, non_blocking=True), longest)
     if int(starts_here.sum()) <= PER_DOCUMENT_MAX * b:
         return positions, _spans(starts_here)
-    documents = documents.to(device)
+    documents = documents.to(device, non_blocking=True)
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     keep = (documents.unsqueeze(2) == documents.unsqueeze(1)) & causal  # [b, s, s]
     bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
@@ -333,8 +343,7 @@ def _visible(mask: Mask, s: int, device: torch.device, window: int = 0) -> torch
     if mask is None:
         return seen.view(1, 1, s, s)
     if isinstance(mask, DocumentSpans):
-        docs = torch.tensor([[i for i, (a, e) in enumerate(zip(cuts, cuts[1:])) for _ in range(e - a)]
-                             for cuts in mask.cuts], device=device)  # [b, s]: each token's document
+        docs = mask.ids_on(device)  # [b, s]
         return ((docs.unsqueeze(2) == docs.unsqueeze(1)) & seen).unsqueeze(1)
     return (mask == 0) & seen  # (the additive bias: 0 where a key is seen, -inf elsewhere)
 
