@@ -94,9 +94,9 @@ class Stragglers:
         """This logged step's (rank, its own work's seconds, the median's) of each rank named now."""
         mine = torch.tensor([times.get("data", 0.0) + times.get("optimizer", 0.0)], dtype=torch.float64,
                             device=self.device)
-        ranks = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(ranks, mine)
-        own = [float(r) for r in ranks]
+        ranks = mine.new_empty(self.world)
+        dev.all_gather_single(ranks, mine)
+        own = ranks.tolist()  # (one read of the device for every rank's time)
         median = sorted(own)[(len(own) - 1) // 2]  # (the lower one of an even count: of 2 ranks, the faster)
         named = []
         for rank, t in enumerate(own):
