@@ -692,6 +692,20 @@ def test_the_launchers_check_leaves_the_checkpoints_bytes_to_the_ranks(trained, 
     assert main(["train", "--check", *job]) == 0 and "__0_0.distcp" in read
 
 
+def test_a_restart_of_a_finished_job_has_nothing_to_do(trained, tmp_path, monkeypatch, capfd):
+    """A job whose last step was saved and then a rank failed on its way out is started again by
+    torchrun (or SLURM): that restart ends at once with exit code 0 and one line. Started by hand,
+    the same command is the usual 'nothing left to train' (exit code 2)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    job = ["train", "--config", str(TINY), "--job.dump_folder", str(run), "--checkpoint.enable", "true",
+           "--training.steps", "6"]
+    assert main(job) == 2 and "nothing left to train" in capfd.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert main(job) == 0
+    assert "the job had finished before this restart" in capfd.readouterr().out
+
+
 def test_a_disk_fault_no_check_foresaw_is_one_line(capfd):
     """An OSError out of a command (a full disk, a file gone under it) ends as one line naming the
     file and the fault, exit 1, no traceback."""

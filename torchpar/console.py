@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from torchpar.errors import ConfigError, RankError
+from torchpar.errors import AlreadyTrained, ConfigError, RankError
 
 
 def is_rank0() -> bool:
@@ -167,6 +167,9 @@ def _run(main, argv: list[str]) -> int:
     except ConfigError as e:
         error(str(e), every_rank=isinstance(e, RankError))
         return 2
+    except AlreadyTrained as e:
+        print(f"torchpar: {e}", flush=True)
+        return 0
     except BrokenPipeError:
         # The reader went away (`torchpar plan | head`): later writes to stdout must not fail again
         # at interpreter exit.

@@ -18,6 +18,11 @@ class RankError(ConfigError):
     came): every rank says it, not rank 0 alone, which may not exist."""
 
 
+class AlreadyTrained(Exception):
+    """A restart of a job that had finished (its last step saved, then a rank failed on the way
+    out): nothing left to do, exit code 0; the message is the one line to show."""
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (divergence); the message is the one line to show."""
 

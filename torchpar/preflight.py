@@ -26,7 +26,7 @@ from torchpar.data.chat import TEMPLATES
 from torchpar.data.streams import Mixture
 from torchpar.data.tokenized import TokenizedCorpus, verify_prepared
 from torchpar.device import compute_dtype, describe_generator, device_type, generator_identity, same_draws
-from torchpar.errors import ConfigError
+from torchpar.errors import AlreadyTrained, ConfigError
 from torchpar.fault_tolerance import check_fault_tolerance, replica_groups
 from torchpar.hf import HFWeights, is_hf_dir
 from torchpar.models import ModelAdapter, adapter, model_args
@@ -172,6 +172,9 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
     """A resume that would not do what was asked: no step left to train, or DCP metadata that
     cannot be read (what every rank reads first; its CRC32 may not be checked)."""
     step = int(manifest["step"])
+    if cfg.training.steps == step and restarted():
+        raise AlreadyTrained(f"the checkpoint {path} is at step {step}, training.steps: the job had finished "
+                             "before this restart, and there is nothing left to do")
     if cfg.training.steps <= step:
         raise ConfigError(f"training.steps = {cfg.training.steps}, but the checkpoint {path} is at step "
                           f"{step}, so there is nothing left to train; raise training.steps above {step} to "
@@ -193,6 +196,13 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
         raise ConfigError(f"checkpoint {path} is damaged: its DCP metadata .metadata cannot be read "
                           f"({type(e).__name__}: {e}); delete this folder to fall back to the previous "
                           "checkpoint, or set checkpoint.load_step") from None
+
+
+def restarted() -> bool:
+    """This start is a restart of the job: torchrun's (its ranks started again) or SLURM's (a
+    requeue)."""
+    counts = (os.environ.get(k, "") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(c.isdigit() and int(c) > 0 for c in counts)
 
 
 def saved_config(manifest: dict) -> dict:
