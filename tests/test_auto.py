@@ -2,6 +2,7 @@
 predicted-against-measured step time."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -305,7 +306,11 @@ def _auto_worker(rank, world, out, overrides):
 
     said = []
     cfg = load_config(TINY, [*overrides, "--job.dump_folder", f"{out}/run"])
+    os.environ["SLURM_JOB_ID"] = "7"  # (a job, so that its restart is one)
     chosen, figures = auto_layout(cfg, world, say=said.append)
+    os.environ["SLURM_RESTART_COUNT"] = "1"  # (the job requeued: the same command again)
+    again, _ = auto_layout(cfg, world, say=said.append)
+    del os.environ["SLURM_RESTART_COUNT"], os.environ["SLURM_JOB_ID"]
     trainer = Trainer(chosen, on_logged_step=StepCheck(figures))
     from torchpar.parallel import layout as layouts
 
@@ -323,7 +328,7 @@ def _auto_worker(rank, world, out, overrides):
             "trials": sorted(p.name for p in Path(out, "run", "auto_trials").iterdir()),
             "layout": trainer.layout.to_dict(), "meshes": meshes,
             "mesh_key": list(trainer.layout.mesh_key("cpu")), "timeouts": timeouts,
-            "timeout_s": cfg.comm.timeout_s}))
+            "timeout_s": cfg.comm.timeout_s, "again": again == chosen}))
 
 
 @pytest.mark.slow
@@ -331,7 +336,7 @@ def test_auto_with_trials_trains_equal_to_one_process():
     """layout = auto with 2 trials on 2 ranks: two candidates trained for 2 steps each, the fastest
     measured kept (the report says which, and whether the planner agreed), then the run trains the
     same losses as one process; every logged step after the first has the predicted and the
-    measured step time."""
+    measured step time. A restart of the job (SLURM's requeue) takes the same layout, no trial run."""
     import shutil
 
     overrides = [*GLOBAL, "--parallelism.layout", "auto", "--parallelism.auto_trials", "2",
@@ -343,6 +348,9 @@ def test_auto_with_trials_trains_equal_to_one_process():
     finally:
         shutil.rmtree(out, ignore_errors=True)
     assert got["trials"] == ["trial_1", "trial_2"]
+    # The job's restart trains what its first start chose, without the search and the trials.
+    assert got["again"] and sum("trial 1/2" in s for s in got["said"]) == 1
+    assert any("this restart of the job trains the layout its first start chose" in s for s in got["said"])
     assert got["meshes"] == [got["mesh_key"]]  # every group of a trial's other mesh destroyed
     assert got["timeouts"] == [got["timeout_s"]]  # the mesh's groups take comm.timeout_s, not c10d's
     said = "\n".join(got["said"])

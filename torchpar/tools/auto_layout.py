@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import shutil
 import statistics
 import time
@@ -25,17 +26,19 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.config import JobConfig
+from torchpar.checkpoint.files import job_key
+from torchpar.config import JobConfig, to_toml
 from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
 from torchpar.models import adapter, model_args
+from torchpar.outputs import write_text
 from torchpar.parallel.layout import release_meshes
 from torchpar.plan.compare import step_terms
 from torchpar.plan.estimate import Plan, device_peak, memory_of, plan
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import cluster_of, probe
 from torchpar.plan.search import describe_layout, layouts, search
-from torchpar.preflight import preflight
+from torchpar.preflight import preflight, restarted
 from torchpar.train import Trainer
 
 SHOWN = 5  # candidates printed
@@ -346,11 +349,21 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
     trials = cfg.parallelism.auto_trials
     ranked = [None]
     if rank == 0:  # one ranking for all (memory figures can differ between hosts by a few bytes)
-        cluster = cluster_of(figures, room.memory)
-        started = time.perf_counter()
-        found = plan_candidates(cfg, world, cluster, max(SHOWN, trials), offload)
-        ranked = [(found, cluster, time.perf_counter() - started)]
+        before = chosen_before(cfg, world)
+        if before is not None:
+            ranked = [before]
+        else:
+            cluster = cluster_of(figures, room.memory)
+            started = time.perf_counter()
+            found = plan_candidates(cfg, world, cluster, max(SHOWN, trials), offload)
+            ranked = [(found, cluster, time.perf_counter() - started)]
     dist.broadcast_object_list(ranked, src=0)  # (the other ranks wait here, within comm.timeout_s)
+    if isinstance(ranked[0], dict):  # (a restart: what the job's first start chose)
+        chosen_cfg = config_of(cfg, ranked[0], world)
+        if rank == 0:
+            say(f"torchpar: layout = 'auto': this restart of the job trains the layout its first start "
+                f"chose: {describe_layout(ranked[0])}")
+        return chosen_cfg, figures
     (cands, unfit), cluster, searched_s = ranked[0]
     if rank == 0:
         say(f"torchpar: layout = 'auto': {machine(figures, cluster)}; every layout ranked in "
@@ -375,4 +388,31 @@ def auto_layout(cfg: JobConfig, world: int, say=print) -> tuple[JobConfig, dict]
         if replaced_fields(cfg, chosen.cfg):
             say("torchpar: layout = 'auto' set " + ", ".join(replaced_fields(cfg, chosen.cfg)))
         say("torchpar: auto chose " + chosen.name + "; to pin it: " + " ".join(overrides_of(chosen.cfg)))
+        remember_choice(cfg, world, chosen.plan.layout)
     return chosen.cfg, figures
+
+
+AUTO_CHOICE = "auto_layout.json"  # in the dump folder: what layout = 'auto' chose, for the job's restarts
+
+
+def remember_choice(cfg: JobConfig, world: int, layout: dict) -> None:
+    """Note the chosen layout for :func:`chosen_before` (with the job, the world and the config)."""
+    folder = Path(cfg.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text(folder / AUTO_CHOICE, json.dumps({"job": job_key(), "world": world, "config": to_toml(cfg),
+                                                 "layout": layout}, indent=1) + "\n")
+
+
+def chosen_before(cfg: JobConfig, world: int) -> dict | None:
+    """The layout auto chose at this job's first start, where this start is a restart of the job
+    (torchrun's, a SLURM requeue: the same command again) on as many ranks: the restart trains the
+    layout its checkpoints were saved in, without the search (a minute at 512 GPUs) and the trials
+    again, which might choose another."""
+    if not restarted() or job_key() is None:
+        return None
+    try:
+        saved = json.loads((Path(cfg.job.dump_folder) / AUTO_CHOICE).read_text())
+    except (OSError, ValueError):
+        return None
+    same = (saved.get("job"), saved.get("world"), saved.get("config")) == (job_key(), world, to_toml(cfg))
+    return saved.get("layout") if same else None
