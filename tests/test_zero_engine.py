@@ -45,8 +45,15 @@ def _record(rank, world, out, overrides):
         events.append(["wait", None if buckets is None else list(buckets)])
         wait(self, buckets)
 
+    reduced = flat.FlatZero._reduced
+
+    def recording_reduced(self, flight):
+        reduced(self, flight)
+        if self.replicating:  # (HSDP stage 2: the piece's all-reduce over the replicas launched)
+            events.append(["replicate", len(self.replicating)])
+
     flat.FlatZero._launch, flat.FlatZero.reduce_gradients = recording_launch, recording_reduce
-    flat.FlatZero.wait_params = recording_wait
+    flat.FlatZero.wait_params, flat.FlatZero._reduced = recording_wait, recording_reduced
     cfg = load_config(TINY, [*overrides, "--job.dump_folder", f"{out}/run", "--training.steps", "2"])
     trainer = Trainer(cfg)
     for part in trainer.model.parts:
@@ -106,6 +113,20 @@ def test_buckets_are_reduced_during_backward(stage):
             # most of them: the head's and blocks 7..1's (the embedding's wait for it, after block 0)
             assert sum(e[0] == "launch" for e in step[:block0_done]) > r["buckets"] // 2
     assert ranks[0]["events"] == ranks[1]["events"]
+
+
+def test_hsdp_stage2_averages_each_piece_over_the_replicas_during_backward():
+    """ZeRO-2 under HSDP (2 replicas x 2 shards): each owned piece's all-reduce over the replicas
+    is launched once its reduce-scatter is done, most of them before backward's last block ends
+    (it was one all-reduce of the whole shard after backward)."""
+    ranks = record(4, [Z, "2", LB, "2", "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.bucket_mb", "0.5"])
+    for r in ranks:
+        every = list(range(1, r["buckets"] + 1))
+        assert [e[1] for e in r["events"] if e[0] == "replicate"] == every * 2 and r["buckets"] >= 4
+        for step in _steps(r["events"]):
+            block0_done = step.index(["block done", 0])
+            assert sum(e[0] == "replicate" for e in step[:block0_done]) >= r["buckets"] // 2
 
 
 def test_pipeline_reduces_in_the_last_microbatchs_backward():

@@ -15,7 +15,8 @@ parameter shaped like itself.
   piece (stage 2, which frees the bucket once reduced: the whole gradient never exists) — in one
   fixed order on every rank, last bucket first;
 - ``reduce_gradients``: what backward did not reduce (split-backward schedules, unused parameters)
-  is reduced now and everything waited for; stage 2 all-reduces its shard over dp_replicate (HSDP);
+  is reduced now and everything waited for; under HSDP stage 2 all-reduces each owned piece over
+  dp_replicate once its reduce-scatter is done, while backward still runs;
 - ``step``: the optimizer updates the owned fp32 pieces, whose compute-dtype copies are gathered
   back bucket by bucket, asynchronously; a module waits for its own buckets just before its next
   forward, so the gathers of later blocks run while earlier blocks compute.
@@ -281,6 +282,7 @@ class FlatZero(FlatCheckpoints):
         self.next = len(self.buckets) - 1  # buckets are reduced last first: backward's order
         self.bucket_bufs: dict[int, torch.Tensor] = {}
         self.in_flight: list[tuple] = []  # (work, the bucket if it has its own memory, views...)
+        self.replicating: list = []  # HSDP stage 2: the owned pieces' all-reduces over dp_replicate
 
     def set_sync(self, enabled: bool) -> None:
         self.sync = enabled
@@ -344,7 +346,15 @@ class FlatZero(FlatCheckpoints):
             self.in_flight.append((dist.all_reduce(buf, group=self._group("dp"), async_op=True), None, buf))
         self._note_grad_bytes()
         while self.stage == 2 and len(self.in_flight) > IN_FLIGHT:
-            self.in_flight.pop(0)[0].wait()  # its bucket is freed here
+            self._reduced(self.in_flight.pop(0))  # its bucket is freed here
+
+    def _reduced(self, flight: tuple) -> None:
+        """Wait for a bucket's reduction; under HSDP (stage 2) its owned piece then goes on to the
+        all-reduce over the replicas, while backward still runs."""
+        work, _, out = flight
+        work.wait()
+        if self.stage == 2 and self.layout.dp_replicate > 1:
+            self.replicating.append(dist.all_reduce(out, group=self._group("dp_replicate"), async_op=True))
 
     def _shard_piece(self, k: int) -> torch.Tensor:
         start = self.shard_starts[k]
@@ -361,13 +371,11 @@ class FlatZero(FlatCheckpoints):
         for i in reversed(range(len(self.params))):  # (buckets go last first)
             if not self.taken[i]:
                 self._take(i)
-        for work, *_ in self.in_flight:
+        for flight in self.in_flight:
+            self._reduced(flight)
+        for work in self.replicating:
             work.wait()
         if self.stage == 2:
-            held = self.grad_shard
-            # (None on a pipeline stage LoRA leaves without adapters, as on all its replicas)
-            if held is not None and self.layout.dp_replicate > 1:
-                dist.all_reduce(held, group=self._group("dp_replicate"))
             pieces = [self._shard_piece(k) for k in range(len(self.buckets))]
         else:
             held = self.grad_flat

@@ -569,8 +569,9 @@ def communication(model, args, lay: Layout, cluster: Cluster, seq: int, pp_rank:
 def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float:
     """ZeRO 0-2's communication that the step waits for. Buckets are reduced during the last
     micro-step's backward (about 2/3 of its compute), except the last bucket, which starts as
-    backward ends; HSDP's all-reduce of the shard follows them; the parameter gathers overlap the
-    next step's first forward (1/3 of a micro-step)."""
+    backward ends; under HSDP each owned piece's all-reduce over the replicas follows its
+    reduce-scatter, over the rest of backward likewise; the parameter gathers overlap the next
+    step's first forward (1/3 of a micro-step)."""
     def sec(dim):
         return comm.get(dim, {}).get("seconds", 0.0)
 
@@ -582,8 +583,10 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
     else:
         gather, reduce, after = shard, sec(lay.reduce_dim), 0.0
     buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
-    exposed_reduce = max(reduce / buckets, reduce - compute * 2 / 3 / n_micro)
-    return exposed_reduce + after + max(0.0, gather - compute / 3 / n_micro)
+    def exposed(seconds):  # (a chain of per-bucket collectives over the last backward)
+        return max(seconds / buckets, seconds - compute * 2 / 3 / n_micro)
+
+    return exposed(reduce) + exposed(after) + max(0.0, gather - compute / 3 / n_micro)
 
 
 def exposed_seconds(model, args, lay: Layout, comm: dict, compute: float, overlap: bool = True) -> float:
