@@ -246,7 +246,7 @@ def test_a_stage_without_adapters_under_zero2_and_hsdp_holds_what_the_planner_sa
     over the replicas: a crash at the first step), and the planner prices its empty gradient
     storage (a max over no buckets: a crash as the trainer started). Rank 0, in a fake 8-rank world."""
     from torchpar.config import load_config
-    from torchpar.plan import layout_from_config, state_bytes
+    from torchpar.plan import PRESETS, layout_from_config, plan, state_bytes
     from torchpar.plan.estimate import rank_memory
 
     overrides = [Z, "2", *_pp(2), "--parallelism.data_parallel_replicate_degree", "2",
@@ -259,6 +259,8 @@ def test_a_stage_without_adapters_under_zero2_and_hsdp_holds_what_the_planner_sa
     assert measured == state_bytes(model, args, lay, lay.rank_coords(0))
     assert measured["grad_bytes"] == measured["optim_bytes"] == 0 < measured["param_bytes"]
     assert rank_memory(model, args, lay, cfg.training.seq_len, 0)["grad_bytes"] == 0
+    # (priced as the trainer's first step prices it, with a GPU's overlap: no bucket to divide by)
+    assert plan(model, args, lay, PRESETS["H100-80GB"], cfg.training.seq_len).step_s > 0
 
 
 BIG = {  # name: (world, overrides, ranks to build)

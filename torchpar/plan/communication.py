@@ -582,7 +582,8 @@ def _flat_exposed(model, args, lay: Layout, comm: dict, compute: float) -> float
         reduce, after = shard - gather, sec("dp_replicate")
     else:
         gather, reduce, after = shard, sec(lay.reduce_dim), 0.0
-    buckets = len(flat_rank_layout(model, args, lay, 0)[3]) - 1
+    buckets = max(1, len(flat_rank_layout(model, args, lay, 0)[3]) - 1)  # (none: a stage LoRA leaves empty)
+
     def exposed(seconds):  # (a chain of per-bucket collectives over the last backward)
         return max(seconds / buckets, seconds - compute * 2 / 3 / n_micro)
 
