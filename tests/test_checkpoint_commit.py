@@ -128,3 +128,23 @@ def test_ranks_that_chose_different_resume_points_stop_in_one_line(tmp_path, mon
             Checkpointer(cfg, tmp_path, {}, {}, tmp_path / "step-00000004", {"step": 4})
     finally:
         dist.destroy_process_group()
+
+
+def test_only_a_restart_of_the_job_that_began_a_timeline_goes_on_from_its_latest(tmp_path, monkeypatch):
+    """A start asking for checkpoint.load_step = 4 in a folder whose timeline its job began there:
+    a restart of that job (torchrun's count above 0; the run id every node shares) goes on from the
+    timeline's latest, step 8; a first start of any job, or a restart of another, takes step 4."""
+    from torchpar.checkpoint.files import mark_timeline, restart_step
+
+    for step in (4, 6, 8):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        (tmp_path / f"step-{step:08d}" / MANIFEST).write_text("{}")
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    mark_timeline(tmp_path, 4)
+    assert restart_step(tmp_path, 4) == 4  # (the same job started again by hand: as asked)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restart_step(tmp_path, 4) == 8 and restart_step(tmp_path, 6) == 6
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert restart_step(tmp_path, 4) == 4

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from torchpar.checkpoint import checkpoint_root, find_resume, read_manifest, saved_folder, verify_files
+from torchpar.checkpoint.files import restarted
 from torchpar.composition import Features
 from torchpar.config import JobConfig
 from torchpar.console import progress, warn
@@ -196,13 +197,6 @@ def check_resume(cfg: JobConfig, path: Path, manifest: dict) -> None:
         raise ConfigError(f"checkpoint {path} is damaged: its DCP metadata .metadata cannot be read "
                           f"({type(e).__name__}: {e}); delete this folder to fall back to the previous "
                           "checkpoint, or set checkpoint.load_step") from None
-
-
-def restarted() -> bool:
-    """This start is a restart of the job: torchrun's (its ranks started again) or SLURM's (a
-    requeue)."""
-    counts = (os.environ.get(k, "") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-    return any(c.isdigit() and int(c) > 0 for c in counts)
 
 
 def saved_config(manifest: dict) -> dict:

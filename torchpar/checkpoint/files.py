@@ -10,7 +10,7 @@ import time
 import zlib
 from pathlib import Path
 
-from torchpar.console import LAUNCHED_AT, warn
+from torchpar.console import warn
 from torchpar.errors import ConfigError
 from torchpar.models import DEFAULT_FAMILY
 from torchpar.models.common import TRAINING_FIELDS
@@ -218,11 +218,18 @@ def check_model_matches(where: str, saved: dict, name: str, flavor: str, args) -
 
 
 def job_key() -> str | None:
-    """This job across its restarts: SLURM's job id (a requeue keeps it), else the launcher's start
-    (torchrun's restarts of its ranks keep it); None for a process started on its own."""
+    """This job across its restarts, the same on every node: SLURM's job id (a requeue keeps it),
+    else torchrun's run id (the rendezvous's); None for a process started on its own."""
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm job {os.environ['SLURM_JOB_ID']}"
-    return f"launched at {os.environ[LAUNCHED_AT]}" if os.environ.get(LAUNCHED_AT) else None
+    return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']}" if os.environ.get("TORCHELASTIC_RUN_ID") else None
+
+
+def restarted() -> bool:
+    """This start is a restart of the job: torchrun's (its ranks started again) or SLURM's (a
+    requeue). (A job id alone does not tell: runs in one allocation share SLURM's.)"""
+    counts = (os.environ.get(k, "") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(c.isdigit() and int(c) > 0 for c in counts)
 
 
 def mark_timeline(root: Path, start: int) -> None:
@@ -240,6 +247,8 @@ def restart_step(root: Path, asked: int) -> int:
     restart or a SLURM requeue runs the same command line again) — then that timeline's latest
     checkpoint: going back to ``asked`` would set the job's own later checkpoints aside at every
     restart."""
+    if not restarted():
+        return asked
     try:
         timeline = json.loads((root / TIMELINE).read_text())
     except (OSError, ValueError):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torchpar import device as dev
-from torchpar.checkpoint.files import job_key
+from torchpar.checkpoint.files import job_key, restarted
 from torchpar.config import JobConfig, to_toml
 from torchpar.device import compute_dtype
 from torchpar.errors import ConfigError
@@ -38,7 +38,7 @@ from torchpar.plan.estimate import Plan, device_peak, memory_of, plan
 from torchpar.plan.layout import Cluster, layout_from_config
 from torchpar.plan.probe import cluster_of, probe
 from torchpar.plan.search import describe_layout, layouts, search
-from torchpar.preflight import preflight, restarted
+from torchpar.preflight import preflight
 from torchpar.train import Trainer
 
 SHOWN = 5  # candidates printed
