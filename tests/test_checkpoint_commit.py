@@ -148,3 +148,21 @@ def test_only_a_restart_of_the_job_that_began_a_timeline_goes_on_from_its_latest
     assert restart_step(tmp_path, 4) == 8 and restart_step(tmp_path, 6) == 6
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
     assert restart_step(tmp_path, 4) == 4
+
+
+def test_a_folder_the_file_system_will_not_sync_still_commits(tmp_path, monkeypatch):
+    """Some network and FUSE mounts refuse to sync a folder (EINVAL): the commit goes on."""
+    import errno
+
+    partial = a_written_save(tmp_path)
+    fsync = os.fsync
+
+    def no_folders(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folders)
+    assert complete_checkpoints(tmp_path) == {}
+    commit(partial, pending_manifest(partial))
+    assert list(complete_checkpoints(tmp_path)) == [4]

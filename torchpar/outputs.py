@@ -11,6 +11,7 @@ before: a prepared corpus's ``prepare.json``, an export folder's :data:`MARKER`,
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -76,10 +77,14 @@ def write_text(path: Path, text: str, durable: bool = False) -> None:
 
 
 def sync_folder(folder: Path) -> None:
-    """The folder's entries (a file renamed into it, or out) on the disk."""
+    """The folder's entries (a file renamed into it, or out) on the disk, where the file system
+    syncs folders (some network and FUSE mounts refuse: their renames are durable or never)."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
