@@ -823,7 +823,8 @@ def test_the_start_up_line_adds_its_parts_up_to_the_whole(monkeypatch):
 def test_a_checkpoint_keeps_the_gpus_generator_beside_the_cpus(monkeypatch):
     """LoRA's dropout and DTensor's random ops draw from the GPU's generator: each rank saves its
     state beside the CPU's, and a resume restores both (a GPU stands in by its two calls); a
-    checkpoint without it (a CPU run's) leaves the seeded one."""
+    checkpoint without it (a CPU run's), or of another layout (whose tensor-parallel peers would
+    get different states), leaves the seeded one."""
     from torchpar.state import RNGState
 
     restored = []
@@ -834,4 +835,5 @@ def test_a_checkpoint_keeps_the_gpus_generator_beside_the_cpus(monkeypatch):
     RNGState(3).load_state_dict(sd)
     assert len(restored) == 1 and torch.equal(restored[0], torch.tensor([7, 8], dtype=torch.uint8))
     RNGState(3).load_state_dict({"rank3": sd["rank3"]})
+    RNGState(3, device=False).load_state_dict(sd)  # (a checkpoint of another layout)
     assert len(restored) == 1

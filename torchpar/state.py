@@ -68,12 +68,14 @@ class OptimizerState:
 class RNGState:
     """This rank's CPU RNG, and its GPU's, under keys of its own. ``per_rank``: a rank that the
     saving layout did not have finds no key and keeps its seeded RNG (so does a GPU's resuming a
-    CPU run)."""
+    CPU run). ``device``: restore the GPU's (a checkpoint of this layout: a rank's draws depend on
+    its place — under another layout, tensor-parallel peers would get different states, and
+    DTensor's random ops need them alike; the seeded one is alike everywhere)."""
 
     per_rank = True
 
-    def __init__(self, rank: int):
-        self.key, self.device_key = f"rank{rank}", f"rank{rank}_device"
+    def __init__(self, rank: int, device: bool = True):
+        self.key, self.device_key, self.device = f"rank{rank}", f"rank{rank}_device", device
 
     def state_dict(self) -> dict:
         device = dev.device_rng_state()
@@ -82,5 +84,5 @@ class RNGState:
     def load_state_dict(self, sd: dict) -> None:
         if self.key in sd:
             torch.set_rng_state(sd[self.key])
-        if self.device_key in sd:
+        if self.device and self.device_key in sd:
             dev.set_device_rng_state(sd[self.device_key])

@@ -167,8 +167,12 @@ class Trainer:
         """The checkpointer, and the resume preflight found (or the new timeline it starts)."""
         cfg = self.cfg
         with progress("setting up the checkpoint folder (every rank meets there first)", self.rank == 0):
-            self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(),
-                                             self.manifest(), resume, resume_manifest)
+            manifest = self.manifest()
+            # (a GPU generator's state belongs to its rank's place in the layout: another layout's
+            # ranks would hand tensor-parallel peers different states)
+            same = resume_manifest is None or resume_manifest.get("layout") == manifest["layout"]
+            self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_root(cfg), self.stateful_parts(same),
+                                             manifest, resume, resume_manifest)
         if self.checkpointer.branch is not None:  # metrics.jsonl says where this timeline starts
             self.logger.log({"step": self.checkpointer.branch["branch_from_step"], "event": "branch",
                              **self.checkpointer.branch})
@@ -178,13 +182,14 @@ class Trainer:
             print(f"torchpar: resumed from {resumed} at step {self.train_state.step} "
                   f"({self.train_state.tokens_seen:,} tokens seen; {self.checkpointer.loaded})", flush=True)
 
-    def stateful_parts(self) -> dict:
-        """Everything a checkpoint saves and restores: one entry per part."""
+    def stateful_parts(self, same_layout: bool = True) -> dict:
+        """Everything a checkpoint saves and restores: one entry per part (``same_layout``: the
+        checkpoint to resume from was saved in this layout)."""
         lora = self.cfg.lora
         base = frozen_names(self.model.parts) if lora.rank and not lora.save_base else frozenset()
         parts = {"model": ModelState(self.model.state, base), "optimizer": OptimizerState(self.model.state),
                  "lr_scheduler": self.lr_scheduler, "train_state": self.train_state,
-                 "dataloader": self.dataloader, "rng": RNGState(self.rank)}
+                 "dataloader": self.dataloader, "rng": RNGState(self.rank, device=same_layout)}
         if self.routing is not None:
             parts["routing"] = self.routing
         if self.outer is not None:
