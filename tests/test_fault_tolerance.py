@@ -225,6 +225,23 @@ def test_groups_resumed_from_different_steps_line_up_at_their_first_commit(tmp_p
         assert torch.equal(behind["group"]["params"][name], x), name
 
 
+def test_a_synchronous_group_resumes_its_count_of_commits_not_its_steps():
+    """A group's steps include those the quorum did not commit; the count of commits (torchft's)
+    is kept in the checkpoint and a resume counts from it; a checkpoint without it (older, or
+    trained without replica groups) from the step."""
+    from torchpar.fault_tolerance import CommitCount
+
+    count = CommitCount()
+    assert count.resume_at(10) == 10
+    count.count.fill_(9)  # (10 steps, one of them not committed)
+    again = CommitCount()
+    again.load_state_dict(count.state_dict())
+    assert again.resume_at(10) == 9
+    older = CommitCount()
+    older.load_state_dict({})
+    assert older.resume_at(10) == 10
+
+
 class _Meeting:
     """ReplicaGroups at a meeting, as a group that joins late sees it: the others have committed
     ``count`` meetings, and the average comes back as ``moved`` (a joining group's own is zeroed)."""

@@ -185,6 +185,10 @@ class ReplicaGroups:
         answer on every rank of this group)."""
         return self.manager.should_commit()
 
+    def committed(self) -> int:
+        """The steps the groups have committed so far (after this one's commit)."""
+        return self.manager.current_step()
+
     def participants(self) -> int:
         return self.manager.num_participants()
 
@@ -205,6 +209,30 @@ def fragment_slices(sizes: list[int], fragments: int) -> list[list[tuple[int, in
             at += n
         out.append(run)
     return out
+
+
+class CommitCount:
+    """The steps the replica groups have committed (torchft's count), kept in a checkpoint of a
+    synchronous group: a group's own step also counts the steps the quorum did not commit, so two
+    groups resumed at one count could hold different weights (and one counting above the other
+    would heal it from older ones). A checkpoint without it (older, or trained without replica
+    groups) leaves the count to the step."""
+
+    per_rank = True  # (a checkpoint part whose keys may be absent: then nothing is loaded)
+
+    def __init__(self):
+        self.count = torch.tensor(-1, dtype=torch.int64)
+
+    def resume_at(self, step: int) -> int:
+        """The count to resume at, for a run at ``step``."""
+        return int(self.count) if int(self.count) >= 0 else step
+
+    def state_dict(self) -> dict:
+        return {"commits": self.count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if "commits" in sd:
+            self.count.copy_(sd["commits"])
 
 
 class OuterStep:

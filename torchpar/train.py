@@ -20,7 +20,7 @@ from torchpar.console import StartupClock, progress, tee_output, warn
 from torchpar.data import build_dataloader, document_ids
 from torchpar.errors import Preempted, TrainingStopped
 from torchpar.evaluate import evaluate
-from torchpar.fault_tolerance import OuterStep, ReplicaGroups, data_shard, for_replica
+from torchpar.fault_tolerance import CommitCount, OuterStep, ReplicaGroups, data_shard, for_replica
 from torchpar.guard import SKIPS_IN_A_ROW, DivergenceGuard, skipped_where, weights_finite
 from torchpar.loss import Z_LOSS, auxiliary_terms, record_term, target_count, tokens_ahead, training_loss
 from torchpar.metrics import MetricsLogger, Throughput, describe_run, log_step
@@ -140,6 +140,7 @@ class Trainer:
         # Semi-synchronous groups (LocalSGD, DiLoCo): the weights of the last sync, saved with the rest.
         self.outer = (OuterStep(ft, [local(w) for w in self.model.state.weights()], self.rank)
                       if ft.enable and ft.semi_sync != "off" else None)
+        self.commits = CommitCount() if ft.enable and ft.semi_sync == "off" else None
         with clock.phase("checkpoint"):
             self._restore(pre.resume, pre.resume_manifest)
         self.batches = None  # the data's iterator, made when training starts
@@ -153,7 +154,8 @@ class Trainer:
             # meetings, in the same turn; else steps): torchft heals a group whose count is below
             # the quorum's highest, so groups resumed from different steps line up at the first
             # commit (all counting from 0, they averaged gradients of different weights).
-            committed = int(self.outer.meetings) if self.outer is not None else self.train_state.step
+            committed = (int(self.outer.meetings) if self.outer is not None
+                         else self.commits.resume_at(self.train_state.step))
             self.replicas.resume_at(committed)
             self._snapshot_position()
             self.replicas.serve(self._recovery_state, self._recover)
@@ -194,6 +196,8 @@ class Trainer:
             parts["routing"] = self.routing
         if self.outer is not None:
             parts["outer"] = self.outer
+        if self.commits is not None:
+            parts["commits"] = self.commits
         return parts
 
     def forward_kwargs(self, rows: torch.Tensor, training: bool = False) -> dict:
@@ -275,7 +279,9 @@ class Trainer:
                 own = summed.clone()
                 self.replicas.average([summed])
                 committed = self.replicas.commit()
-                if not committed:  # (a failed average leaves whatever it held: the guard reads this group's)
+                if committed:
+                    self.commits.count.fill_(self.replicas.committed())
+                else:  # (a failed average leaves whatever it held: the guard reads this group's)
                     summed = own
             n = 2 + len(self.loss_terms)
             loss, stopping, term_sums = summed[0], summed[1], summed[2:n]
