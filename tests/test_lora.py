@@ -228,6 +228,7 @@ def test_a_base_seeded_by_another_generator_is_refused_in_one_line(monkeypatch):
         _base_reader({**meta, "generator": h100}, cfg, None, "ckpt/step-10")
     saved = {"lora": {"rank": 4}, "training": {"seed": cfg.training.seed}}
     assert "use it on that kind of device" in lora_resume_problem(cfg, saved, h100)
+    assert lora_resume_problem(cfg, saved, {"kind": "cuda"}) is None  # (an older manifest: warned)
     monkeypatch.setattr(torchpar.preflight, "generator_identity", lambda: h200)  # (as many multiprocessors)
     assert lora_resume_problem(cfg, saved, h100) is None
     cpu = {"kind": "cpu"}

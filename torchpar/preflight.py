@@ -262,6 +262,11 @@ def seeded_base_problem(generator: dict, on_cpu: bool) -> str | None:
     here = generator_identity()
     if (on_cpu and generator.get("kind", "cpu") == "cpu") or same_draws(generator, here):
         return None
+    if here["kind"] == "cuda" == generator.get("kind") and "multiprocessors" not in generator:
+        warn("a checkpoint written before torchpar recorded its GPU's generator holds LoRA adapters whose "
+             "base is drawn again from training.seed here: on a GPU of another multiprocessor count than "
+             "the one that trained it, that base differs from the one the adapters were trained on")
+        return None
     return (f"was initialized from training.seed on {describe_generator(generator)}, whose generator "
             f"draws other numbers than this machine's ({describe_generator(here)}), and the "
             "checkpoint holds the adapters alone; use it on that kind of device (train with "
