@@ -606,9 +606,11 @@ def test_search_follows_the_tutorials_reasoning():
 
 
 def test_the_search_keeps_sharding_inside_a_node_when_nodes_talk_slowly():
-    """Llama-3 1B on 4 nodes of 8 GPUs joined by Ethernet: ZeRO-3 over a node's 8 ranks, replicated
-    over the 4 nodes (HSDP), is the fastest layout that fits — its gathers stay on the node's fast
-    link and only the reduced shard crosses nodes; sharding over all 32 is slower."""
+    """Llama-3 1B on 4 nodes of 8 GPUs joined by Ethernet: sharding over a node's 8 ranks,
+    replicated over the 4 nodes (HSDP), is the fastest layout that fits — its gathers stay on the
+    node's fast link and only the reduced shard crosses nodes; sharding over all 32 is slower.
+    (ZeRO-2, whose all-reduce over the replicas overlaps backward piece by piece, is ahead of
+    ZeRO-3, which gathers every block twice a step.)"""
     from dataclasses import replace
 
     from torchpar.models import MODELS
@@ -617,7 +619,7 @@ def test_the_search_keeps_sharding_inside_a_node_when_nodes_talk_slowly():
     model, cluster = MODELS["llama3"], replace(PRESETS["PCIe-Ethernet"], nodes=4)
     plans = [p for p in search(model, model.args("1B"), cluster, 128, 4096) if p.fits]
     best = plans[0].layout
-    assert (best["dp_replicate"], best["dp_shard"], best["zero_stage"]) == (4, 8, 3)
+    assert (best["dp_replicate"], best["dp_shard"], best["zero_stage"]) == (4, 8, 2)
     flat = next(p for p in plans if p.layout == {**best, "dp_replicate": 1, "dp_shard": 32})
     assert flat.step_s > plans[0].step_s
 
