@@ -218,7 +218,7 @@ class CommitCount:
     would heal it from older ones). A checkpoint without it (older, or trained without replica
     groups) leaves the count to the step."""
 
-    per_rank = True  # (a checkpoint part whose keys may be absent: then nothing is loaded)
+    keys_optional = True  # (a checkpoint without it: nothing loaded)
 
     def __init__(self):
         self.count = torch.tensor(-1, dtype=torch.int64)
@@ -247,7 +247,7 @@ class OuterStep:
     host; a fragment is an equal run of them (:func:`fragment_slices`). A sync that does not commit
     puts the fragment back to ``start``."""
 
-    per_rank = True  # (a checkpoint part: each rank's own pieces, under keys of its own)
+    keys_optional = True  # (each rank's own pieces, under keys of its own: another layout's lack some)
 
     def __init__(self, ft, weights: list[torch.Tensor], rank: int):
         self.kind, self.alpha = ft.semi_sync, ft.fragment_alpha

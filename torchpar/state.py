@@ -66,13 +66,13 @@ class OptimizerState:
 
 
 class RNGState:
-    """This rank's CPU RNG, and its GPU's, under keys of its own. ``per_rank``: a rank that the
-    saving layout did not have finds no key and keeps its seeded RNG (so does a GPU's resuming a
+    """This rank's CPU RNG, and its GPU's, under keys of its own. ``keys_optional``: a rank that
+    the saving layout did not have finds no key and keeps its seeded RNG (so does a GPU's resuming a
     CPU run). ``device``: restore the GPU's (a checkpoint of this layout: a rank's draws depend on
     its place — under another layout, tensor-parallel peers would get different states, and
     DTensor's random ops need them alike; the seeded one is alike everywhere)."""
 
-    per_rank = True
+    keys_optional = True
 
     def __init__(self, rank: int, device: bool = True):
         self.key, self.device_key, self.device = f"rank{rank}", f"rank{rank}_device", device

@@ -18,7 +18,7 @@ trainer's parts, all keyed by names of the unsplit model so any layout can load 
   the parameter — written in the same format by FSDP2 (ZeRO-3) and the flat ZeRO 0-2 engine;
 - ``lr_scheduler``, ``train_state`` (step, tokens seen), ``dataloader`` (the global data position);
 - ``rng``: each rank's RNG state under its own key (restored when the rank exists in the new
-  layout: parts marked ``per_rank`` may lack this rank's keys).
+  layout: parts marked ``keys_optional`` may lack some of their keys in a checkpoint).
 
 A part is added with one line in the trainer's ``stateful_parts``.
 """

@@ -276,7 +276,7 @@ class Checkpointer:
         state = {name: getattr(part, "load_template", part.state_dict)() for name, part in parts.items()}
         metadata = self.dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for name, part in parts.items():
-            if getattr(part, "per_rank", False):  # keys of ranks the saving layout did not have
+            if getattr(part, "keys_optional", False):  # (another layout's ranks, an older checkpoint)
                 state[name] = {k: v for k, v in state[name].items() if f"{name}.{k}" in metadata}
         _check_tensors(path, state, metadata)
         started = time.perf_counter()
