@@ -56,6 +56,19 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, 0, t.shape)
 
 
+def _chunks(values: torch.Tensor, first_value: int, shape: tuple, offset: tuple, a: int, b: int,
+            saving: bool) -> list[tuple[tuple, torch.Tensor]]:
+    """Flat elements [a, b) of this rank's piece (``shape``, at global ``offset``) of a tensor, as
+    DCP chunks (global offsets, a view of ``values``, which hold the piece's flat elements from
+    ``first_value`` on) — for a save, each over a storage of its own (:func:`own_storage`)."""
+    chunks = []
+    for first, o, sizes in boxes(shape, a, b):
+        at = first - first_value
+        view = values[at: at + math.prod(sizes)].view(sizes)
+        chunks.append((tuple(x + y for x, y in zip(o, offset)), own_storage(view) if saving else view))
+    return chunks
+
+
 class FlatPiece:
     """One parameter's values on this rank, as DCP chunks over views of the engine's tensors (DCP
     saves from them and loads into them through the ``__create_*__`` protocol DTensor uses)."""
@@ -106,13 +119,9 @@ class FlatCheckpoints:
         shape, offset = zero.local_box(p)
         chunks = []
         for (k, a, b, _), v in zip(self.runs[i], values):
-            v = zero.local(v).reshape(-1)
             lo, hi = shares[k]
-            for first, o, sizes in boxes(shape, max(a, lo) - start, min(b, hi) - start):
-                at = start + first - a
-                view = v[at: at + math.prod(sizes)].view(sizes)
-                at_global = tuple(x + y for x, y in zip(o, offset))
-                chunks.append((at_global, own_storage(view) if saving else view))
+            chunks += _chunks(zero.local(v).reshape(-1), a - start, shape, offset,
+                              max(a, lo) - start, min(b, hi) - start, saving)
         return FlatPiece(p.shape, values[0].dtype, chunks)
 
     def _all_names(self) -> list[tuple[str, int]]:
@@ -151,10 +160,8 @@ class FlatCheckpoints:
             v = sd[name]
             flat, (shape, offset) = zero.local(v).reshape(-1), zero.local_box(v)
             n = flat.numel()
-            chunks = [(tuple(x + y for x, y in zip(o, offset)),
-                       own_storage(flat[first: first + math.prod(sizes)].view(sizes)))
-                      for first, o, sizes in boxes(shape, n * mine // copies, n * (mine + 1) // copies)]
-            out[name] = FlatPiece(v.shape, flat.dtype, chunks)
+            share = _chunks(flat, 0, shape, offset, n * mine // copies, n * (mine + 1) // copies, saving=True)
+            out[name] = FlatPiece(v.shape, flat.dtype, share)
         return out
 
     def model_state_dict(self) -> dict:
